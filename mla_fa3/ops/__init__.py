@@ -1,0 +1,309 @@
+"""The kernel layer of mla_fa3: one dispatch point for every attention kernel.
+
+Each public op validates its inputs (``validate.py``: dtypes, ranks, shapes, devices, argument
+combinations — never tensor values, so no GPU sync), then runs either
+
+* ``Impl.FA3``       — FlashAttention-3 / FlashMLA / merge_state_v2 from sgl-kernel (``fa3.py``,
+                       the only module that imports ``sgl_kernel``), or
+* ``Impl.REFERENCE`` — the pure-torch reference (``reference.py``): fp32 accumulation, any device.
+
+``Impl.AUTO`` (the default) picks FA3 when the tensors live on a CUDA device of capability (9, 0) and
+``sgl_kernel`` imports, else REFERENCE. The per-call ``impl=`` argument overrides the global choice
+(``set_impl`` / ``use_impl``); ``last_impl()`` says which implementation the most recent call ran.
+
+Symbols: T new query tokens of a batch (token-major, request by request), bs requests, H query heads,
+H_kv KV heads (H % H_kv == 0, query head h reads KV head h // (H / H_kv)), d the q/k head dim, d_v the
+v head dim, L_b = cache_seqlens[b] keys of request b, n_b its new query tokens.
+Attention of request b, query i (position p = L_b - n_b + i, i.e. causal is bottom-right aligned):
+    s_j = scale · (q_i·k_j + qv_i·v_j)          (qv term only when qv is given: absorbed MLA)
+    s_j = softcap · tanh(s_j / softcap)         (softcap > 0)
+    key j visible iff (not causal or j <= p) and (left < 0 or j >= p - left) and (right < 0 or j <= p + right)
+    out_i = Σ_j softmax(s)_j · v_j,   lse_i = ln Σ_j exp(s_j)   (natural log; -inf and out 0 if no key)
+Returns are fixed: ``out``, or ``(out, lse)`` with ``return_lse=True``; lse is float32, natural log
+(``LSE_BASE``), shaped ``out.shape[:-1]``.
+
+CUDA graphs: validation and dispatch are host-only, and the FA3 paths of flash_attn_with_kvcache,
+flash_attn_varlen_func, merge_state and flash_mla_with_kvcache never sync, so they can be captured.
+get_mla_decode_metadata cannot (plan outside, ``FlashMLASchedule.copy_`` into the captured plan).
+The reference reads lengths on the host and is never capturable. ``set_impl`` / ``last_impl`` are
+process-wide state (not per thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Optional, Tuple, Union
+
+import torch
+
+from . import fa3, reference, validate
+from .types import (
+    LN2,
+    LSE_BASE,
+    FlashMLASchedule,
+    Impl,
+    KernelUnavailableError,
+    lse_base2_to_natural,
+    lse_natural_to_base2,
+)
+
+__all__ = [
+    "Impl",
+    "KernelUnavailableError",
+    "FlashMLASchedule",
+    "LSE_BASE",
+    "LN2",
+    "lse_base2_to_natural",
+    "lse_natural_to_base2",
+    "set_impl",
+    "get_impl",
+    "use_impl",
+    "last_impl",
+    "fa3_available",
+    "flash_attn_with_kvcache",
+    "flash_attn_varlen_func",
+    "merge_state",
+    "get_mla_decode_metadata",
+    "flash_mla_with_kvcache",
+]
+
+Tensor = torch.Tensor
+ImplLike = Union[Impl, str]
+
+_global_impl: Impl = Impl.AUTO
+_last_impl: Optional[Impl] = None
+
+
+def _coerce_impl(impl: ImplLike, name: str = "impl") -> Impl:
+    if isinstance(impl, Impl):
+        return impl
+    if isinstance(impl, str):
+        try:
+            return Impl(impl.lower())
+        except ValueError:
+            pass
+        raise ValueError(f"{name} must be one of {[i.value for i in Impl]}, got {impl!r}")
+    raise TypeError(f"{name} must be an Impl or str, got {type(impl).__name__}")
+
+
+def set_impl(impl: ImplLike) -> None:
+    """Set the process-wide implementation used when an op gets ``impl=None``."""
+    global _global_impl
+    _global_impl = _coerce_impl(impl)
+
+
+def get_impl() -> Impl:
+    """The process-wide implementation choice (may be AUTO)."""
+    return _global_impl
+
+
+@contextlib.contextmanager
+def use_impl(impl: ImplLike) -> Iterator[Impl]:
+    """Context manager: run the enclosed ops with ``impl`` unless a call passes its own ``impl=``."""
+    global _global_impl
+    new = _coerce_impl(impl)
+    old = _global_impl
+    _global_impl = new
+    try:
+        yield new
+    finally:
+        _global_impl = old
+
+
+def last_impl() -> Optional[Impl]:
+    """FA3 or REFERENCE: what the most recent op call actually ran (None before the first call)."""
+    return _last_impl
+
+
+@functools.lru_cache(maxsize=None)
+def _device_is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _fa3_usable_on(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_is_sm90(index) and fa3.import_error() is None
+
+
+def fa3_available() -> bool:
+    """True when a CUDA device of capability (9, 0) is present and ``sgl_kernel`` imports."""
+    if not torch.cuda.is_available():
+        return False
+    return _device_is_sm90(torch.cuda.current_device()) and fa3.import_error() is None
+
+
+def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
+    chosen = _global_impl if impl is None else _coerce_impl(impl)
+    if chosen is Impl.AUTO:
+        return Impl.FA3 if _fa3_usable_on(device) else Impl.REFERENCE
+    if chosen is Impl.FA3 and not _fa3_usable_on(device):
+        raise KernelUnavailableError(fa3.unavailable_message(device))
+    return chosen
+
+
+def _ran(impl: Impl) -> None:
+    global _last_impl
+    _last_impl = impl
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    qv: Optional[Tensor] = None,
+    page_table: Tensor,
+    cache_seqlens: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    impl: Optional[ImplLike] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention of new queries over a paged KV cache (FA3 ``flash_attn_with_kvcache``).
+
+    q: ``[T, H, d]`` with ``cu_seqlens_q [bs+1] int32`` and ``max_seqlen_q`` (host int), or ``[bs, sq, H, d]``.
+    k_cache ``[num_pages, page_size, H_kv, d]``, v_cache ``[num_pages, page_size, H_kv, d_v]`` (may be
+    views of one latent buffer); page_table ``[bs, max_pages] int32`` page ids (entries past
+    ``ceil(L_b / page_size)`` are never read); cache_seqlens ``[bs] int32`` = L_b (prefix + new).
+    qv: like q with head dim d_v (absorbed MLA: score adds qv·v). softmax_scale defaults to
+    ``(d + d_v if qv else d) ** -0.5``. window_size (left, right), -1 = unbounded. softcap > 0 caps
+    scores after scaling. k/v/q_descale ``[bs, H_kv] float32`` dequantize an e4m3 cache / q.
+    num_splits is a kernel hint (0 = heuristic), ignored by the reference.
+    Returns out (q's shape with d_v; q's dtype, bf16 for fp8 inputs), or (out, lse) — lse float32,
+    natural log, ``out.shape[:-1]``.
+    """
+    chosen = _resolve(impl, validate.device_of(q, "q"))
+    args = validate.check_kvcache(
+        q, k_cache, v_cache, qv=qv, page_table=page_table, cache_seqlens=cache_seqlens,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, k_descale=k_descale,
+        v_descale=v_descale, q_descale=q_descale, num_splits=num_splits, impl=chosen,
+    )
+    if chosen is Impl.FA3:
+        out, lse = fa3.flash_attn_with_kvcache(args, return_lse=return_lse)
+    else:
+        out, lse = reference.flash_attn_with_kvcache(args)
+    _ran(chosen)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    impl: Optional[ImplLike] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Variable-length attention over contiguous K/V (FA3 ``flash_attn_varlen_func``).
+
+    q ``[T_q, H, d]``, k ``[T_k, H_kv, d]``, v ``[T_k, H_kv, d_v]``; request b owns q rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and k/v rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32,
+    ``[bs+1]``); causal is bottom-right aligned. softmax_scale defaults to ``d ** -0.5``.
+    Returns out ``[T_q, H, d_v]``, or (out, lse ``[T_q, H]`` float32 natural log).
+    """
+    chosen = _resolve(impl, validate.device_of(q, "q"))
+    args = validate.check_varlen(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, impl=chosen,
+    )
+    if chosen is Impl.FA3:
+        out, lse = fa3.flash_attn_varlen_func(args, return_lse=return_lse)
+    else:
+        out, lse = reference.flash_attn_varlen_func(args)
+    _ran(chosen)
+    return (out, lse) if return_lse else out
+
+
+def merge_state(
+    o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor, impl: Optional[ImplLike] = None
+) -> Tuple[Tensor, Tensor]:
+    """Merge two partial attention states over disjoint key sets (natural-log LSEs).
+
+    o_a, o_b ``[T, H, d]``; lse_a, lse_b ``[T, H]`` float32 natural log. Returns (o, lse) with
+    ``lse = logaddexp(lse_a, lse_b)`` and ``o = o_a·e^(lse_a-lse) + o_b·e^(lse_b-lse)``; a row with both
+    LSEs -inf gives o 0, lse -inf. o has o_a's dtype, lse is float32.
+    """
+    chosen = _resolve(impl, validate.device_of(o_a, "o_a"))
+    validate.check_merge(o_a, lse_a, o_b, lse_b, impl=chosen)
+    backend = fa3 if chosen is Impl.FA3 else reference
+    out = backend.merge_state(o_a, lse_a, o_b, lse_b)
+    _ran(chosen)
+    return out
+
+
+def get_mla_decode_metadata(
+    cache_seqlens: Tensor, num_q_heads_per_kv: int, *, is_fp8: bool = False, impl: Optional[ImplLike] = None
+) -> FlashMLASchedule:
+    """Plan FlashMLA's tile schedule for one decode step (once per step, reused by every layer).
+
+    cache_seqlens ``[bs] int32``; num_q_heads_per_kv = H · sq / H_kv (H · sq for MLA's single latent
+    head). Not legal inside a CUDA graph: plan outside, then ``FlashMLASchedule.copy_`` into the
+    schedule captured with the graph. The reference returns an empty marker schedule.
+    """
+    chosen = _resolve(impl, validate.device_of(cache_seqlens, "cache_seqlens"))
+    validate.check_mla_metadata(cache_seqlens, num_q_heads_per_kv, is_fp8=is_fp8)
+    if chosen is Impl.FA3:
+        schedule = fa3.get_mla_decode_metadata(cache_seqlens, num_q_heads_per_kv, is_fp8=is_fp8)
+    else:
+        schedule = FlashMLASchedule(impl=Impl.REFERENCE, is_fp8=is_fp8)
+    _ran(chosen)
+    return schedule
+
+
+def flash_mla_with_kvcache(
+    q: Tensor,
+    kv_cache: Tensor,
+    page_table: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    head_dim_v: int,
+    schedule: FlashMLASchedule,
+    softmax_scale: float,
+    causal: bool = True,
+    descale_q: Optional[Tensor] = None,
+    descale_k: Optional[Tensor] = None,
+    return_lse: bool = False,
+    impl: Optional[ImplLike] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """FlashMLA dense decode over the 576-wide latent cache (one KV head, page 64 for FA3).
+
+    q ``[bs, sq, H, D]`` (D = r + d_rope = 576: q_lat | q_rope), kv_cache ``[num_pages, page_size, 1, D]``
+    (c_kv | k_rope), page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``.
+    score = scale · q·kv (all D), value = kv[..., :head_dim_v]; causal bottom-right.
+    FP8: e4m3 q and cache with descale_q / descale_k of shape (1,) float32 (schedule planned with
+    is_fp8=True); output bf16. Returns out ``[bs, sq, H, head_dim_v]``, or (out, lse ``[bs, sq, H]``).
+    """
+    chosen = _resolve(impl, validate.device_of(q, "q"))
+    args = validate.check_flash_mla(
+        q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
+        softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
+        impl=chosen,
+    )
+    if chosen is Impl.FA3:
+        out, lse = fa3.flash_mla_with_kvcache(args, return_lse=return_lse)
+    else:
+        out, lse = reference.flash_mla_with_kvcache(args)
+    _ran(chosen)
+    return (out, lse) if return_lse else out
+

@@ -1,0 +1,74 @@
+"""Shared types of the kernel layer: implementation enum, errors, the FlashMLA schedule, LSE base.
+
+LSE convention (every op of ``mla_fa3.ops``): the log-sum-exp of the scaled (and soft-capped) scores
+of a query row, ``lse = ln(sum_j exp(s_j))`` — **natural log** (``LSE_BASE == "e"``), float32, laid out
+as the output's shape without its last dim (``[T, H]`` for varlen q, ``[bs, sq, H]`` for batched q).
+A row that sees no key has ``lse = -inf`` and output 0. Kernels that produce a base-2 LSE
+(``log2(sum_j 2^(s_j·log2 e))``) must be converted with :func:`lse_base2_to_natural` before merging.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LSE_BASE = "e"  # every LSE returned or accepted by mla_fa3.ops is a natural logarithm
+LN2 = math.log(2.0)
+
+
+def lse_base2_to_natural(lse2: torch.Tensor) -> torch.Tensor:
+    """Convert a base-2 LSE (log2 of the sum of exponentials) to the natural-log convention: ``lse2 · ln 2``."""
+    return lse2 * LN2
+
+
+def lse_natural_to_base2(lse: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`lse_base2_to_natural`: ``lse / ln 2``."""
+    return lse / LN2
+
+
+class Impl(enum.Enum):
+    """Which implementation runs an op. AUTO picks FA3 on a CUDA sm90 device with sgl_kernel, else REFERENCE."""
+
+    AUTO = "auto"
+    FA3 = "fa3"
+    REFERENCE = "reference"
+
+
+class KernelUnavailableError(RuntimeError):
+    """impl=FA3 was requested but FA3 cannot run here (no sgl_kernel, no CUDA sm90 device, CPU tensors)."""
+
+
+@dataclass
+class FlashMLASchedule:
+    """FlashMLA tile-scheduler plan of one decode step, built by ``get_mla_decode_metadata``.
+
+    Plan once per step, reuse in every layer. For CUDA graphs keep the captured schedule and call
+    :meth:`copy_` with a freshly planned one before each replay (same shapes: same batch size).
+    """
+
+    impl: Impl  # FA3 or REFERENCE: which implementation planned it (REFERENCE = empty marker)
+    tile_scheduler_metadata: Optional[torch.Tensor] = None  # [num_sm_parts, 8] int32, cuda (FA3 only)
+    num_splits: Optional[torch.Tensor] = None  # [bs + 1] int32, cuda (FA3 only)
+    is_fp8: bool = False  # planned for an fp8 (e4m3) latent cache
+
+    def copy_(self, other: "FlashMLASchedule") -> "FlashMLASchedule":
+        """Write ``other``'s plan into this schedule's tensors in place (graph-safe replay update)."""
+        if not isinstance(other, FlashMLASchedule):
+            raise TypeError(f"other must be a FlashMLASchedule, got {type(other).__name__}")
+        if other.impl != self.impl or other.is_fp8 != self.is_fp8:
+            raise ValueError(
+                f"other was planned for impl={other.impl.value}, is_fp8={other.is_fp8}; "
+                f"this schedule is impl={self.impl.value}, is_fp8={self.is_fp8}"
+            )
+        for name in ("tile_scheduler_metadata", "num_splits"):
+            dst, src = getattr(self, name), getattr(other, name)
+            if dst is None or src is None:
+                continue
+            if dst.shape != src.shape:
+                raise ValueError(f"other.{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+        return self

@@ -1,0 +1,289 @@
+"""Boundary checks of the kernel layer: run before any kernel, read only shapes, dtypes and devices.
+
+Nothing here reads tensor values (no ``.item()``, no comparisons of CUDA data), so the checks cost
+no device->host sync and are legal while a CUDA graph is being captured. Every error is a
+``ValueError`` / ``TypeError`` whose message starts with the offending argument's name, e.g.
+``ValueError("page_table must be int32, got torch.int64")``.
+
+Each ``check_*`` validates one op for the implementation that will run it (FA3-only limits — dtypes,
+head-dim families, fp8 with qv, FlashMLA's page 64 / 576 / 512 — apply only to ``Impl.FA3``) and
+returns the frozen call record of ``calls.py``: the normalized arguments (resolved softmax scale,
+batch size, varlen flag, output dtype) that ``fa3.py`` and ``reference.py`` consume. The primitive
+checks live in ``_checks.py`` (used as ``chk.<name>``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as chk
+from ._checks import (  # noqa: F401  (device_of is part of this module's interface)
+    FA3_HALF_DTYPES,
+    FA3_HINT,
+    FA3_KVCACHE_DTYPES,
+    FLASHMLA_HEAD_DIM,
+    FLASHMLA_HEAD_DIM_V,
+    FLASHMLA_PAGE_SIZE,
+    FP8_DTYPES,
+    MERGE_FA3_DTYPES,
+    device_of,
+)
+from .calls import FlashMLACall, KVCacheCall, VarlenCall
+from .types import FlashMLASchedule, Impl
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def check_kvcache(
+    q, k_cache, v_cache, *, qv, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
+    causal, window_size, softcap, k_descale, v_descale, q_descale, num_splits, impl: Impl,
+) -> KVCacheCall:
+    """Validate ``flash_attn_with_kvcache`` arguments for implementation ``impl`` (FA3 or REFERENCE)."""
+    for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        chk.tensor(x, name)
+        chk.floating(x, name)
+    device = q.device
+    if q.dim() not in (3, 4):
+        raise ValueError(
+            f"q must be 3-D [total_q, H, d] (with cu_seqlens_q) or 4-D [bs, sq, H, d], got shape {tuple(q.shape)}"
+        )
+    chk.rank(k_cache, "k_cache", 4, "[num_pages, page_size, H_kv, d]")
+    chk.rank(v_cache, "v_cache", 4, "[num_pages, page_size, H_kv, d_v]")
+    chk.same_device(k_cache, "k_cache", device, "q")
+    chk.same_device(v_cache, "v_cache", device, "q")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache dtype must match k_cache dtype {k_cache.dtype}, got {v_cache.dtype}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype must match k_cache dtype {k_cache.dtype}, got {q.dtype}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(
+            f"v_cache must share k_cache's [num_pages, page_size, H_kv] = {tuple(k_cache.shape[:3])}, "
+            f"got {tuple(v_cache.shape[:3])}"
+        )
+    H, d = q.shape[-2], q.shape[-1]
+    h_kv, dv = k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache head dim must equal q's head dim {d}, got {k_cache.shape[3]}")
+    if h_kv == 0 or H % h_kv:
+        raise ValueError(f"q heads must be a multiple of k_cache heads H_kv={h_kv}, got H={H}")
+    bs, _ = chk.seqlens_and_table(page_table, cache_seqlens, device)
+    varlen = q.dim() == 3
+    if varlen:
+        if cu_seqlens_q is None:
+            raise ValueError(
+                "cu_seqlens_q is required when q is 3-D [total_q, H, d]; pass q as [bs, sq, H, d] otherwise"
+            )
+        chk.index_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[bs + 1]", device)
+        if cu_seqlens_q.shape[0] != bs + 1:
+            raise ValueError(f"cu_seqlens_q must have bs + 1 = {bs + 1} entries, got {cu_seqlens_q.shape[0]}")
+        if max_seqlen_q is None:
+            raise ValueError(
+                "max_seqlen_q is required with cu_seqlens_q (a host int: the longest request's new tokens)"
+            )
+        max_seqlen_q = chk.host_int(max_seqlen_q, "max_seqlen_q")
+    else:
+        if cu_seqlens_q is not None:
+            raise ValueError("cu_seqlens_q must be None when q is 4-D [bs, sq, H, d] (batched queries)")
+        if q.shape[0] != bs:
+            raise ValueError(f"q batch dim must equal len(cache_seqlens) = {bs}, got {q.shape[0]}")
+        if max_seqlen_q is not None:
+            max_seqlen_q = chk.host_int(max_seqlen_q, "max_seqlen_q")
+    if qv is not None:
+        chk.tensor(qv, "qv")
+        want = tuple(q.shape[:-1]) + (dv,)
+        if tuple(qv.shape) != want:
+            raise ValueError(f"qv must have shape {want} (q's shape with v_cache's head dim), got {tuple(qv.shape)}")
+        if qv.dtype != q.dtype:
+            raise ValueError(f"qv dtype must match q dtype {q.dtype}, got {qv.dtype}")
+        chk.same_device(qv, "qv", device, "q")
+    scale = chk.scalar(softmax_scale, "softmax_scale", allow_none=True)
+    if scale is None:
+        scale = float(d + (dv if qv is not None else 0)) ** -0.5
+    causal = chk.flag(causal, "causal")
+    window = chk.window(window_size)
+    cap = chk.softcap(softcap)
+    num_splits = chk.host_int(num_splits, "num_splits")
+    fp8 = k_cache.dtype in FP8_DTYPES
+    k_descale = chk.descale(k_descale, "k_descale", (bs, h_kv), device)
+    v_descale = chk.descale(v_descale, "v_descale", (bs, h_kv), device)
+    q_descale = chk.descale(q_descale, "q_descale", (bs, h_kv), device)
+    chk.descales_fit(
+        k_cache.dtype,
+        required=((k_descale, "k_descale"), (v_descale, "v_descale")),
+        optional=((q_descale, "q_descale"),),
+    )
+    if impl is Impl.FA3:
+        if q.dtype not in FA3_KVCACHE_DTYPES:
+            raise ValueError(
+                f"q dtype {q.dtype} is not supported by FA3 (needs float16, bfloat16 or float8_e4m3fn){FA3_HINT}"
+            )
+        if fp8 and qv is not None:
+            raise ValueError(
+                f"qv is not supported by FA3 with a {k_cache.dtype} cache (HeaddimV > 256 requires fp16/bf16); "
+                "use FlashMLA (flash_mla_with_kvcache) for an fp8 latent cache, or impl='reference'"
+            )
+        chk.fa3_head_dims(d, dv, q.dtype, qv is not None)
+        for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (qv, "qv"), (page_table, "page_table")):
+            if x is not None:
+                chk.last_dim_contiguous(x, name)
+    return KVCacheCall(
+        q=q, k_cache=k_cache, v_cache=v_cache, qv=qv, page_table=page_table, cache_seqlens=cache_seqlens,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=causal,
+        window_size=window, softcap=cap, k_descale=k_descale, v_descale=v_descale, q_descale=q_descale,
+        num_splits=num_splits, batch_size=bs, varlen=varlen, out_dtype=chk.out_dtype(q.dtype),
+    )
+
+
+def check_varlen(
+    q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+    softcap, impl: Impl,
+) -> VarlenCall:
+    """Validate ``flash_attn_varlen_func`` arguments for implementation ``impl``."""
+    for x, name, layout in ((q, "q", "[T_q, H, d]"), (k, "k", "[T_k, H_kv, d]"), (v, "v", "[T_k, H_kv, d_v]")):
+        chk.tensor(x, name)
+        chk.floating(x, name)
+        chk.rank(x, name, 3, layout)
+    device = q.device
+    chk.same_device(k, "k", device, "q")
+    chk.same_device(v, "v", device, "q")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype must match q dtype {q.dtype}, got {k.dtype}")
+    if v.dtype != q.dtype:
+        raise ValueError(f"v dtype must match q dtype {q.dtype}, got {v.dtype}")
+    H, d = q.shape[1], q.shape[2]
+    if k.shape[2] != d:
+        raise ValueError(f"k head dim must equal q's head dim {d}, got {k.shape[2]}")
+    if tuple(v.shape[:2]) != tuple(k.shape[:2]):
+        raise ValueError(f"v must share k's [T_k, H_kv] = {tuple(k.shape[:2])}, got {tuple(v.shape[:2])}")
+    h_kv = k.shape[1]
+    if h_kv == 0 or H % h_kv:
+        raise ValueError(f"q heads must be a multiple of k heads H_kv={h_kv}, got H={H}")
+    for x, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        chk.index_tensor(x, name, 1, "[bs + 1]", device)
+        if x.shape[0] < 1:
+            raise ValueError(f"{name} must have bs + 1 >= 1 entries, got 0")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k must have as many entries as cu_seqlens_q ({cu_seqlens_q.shape[0]}), "
+            f"got {cu_seqlens_k.shape[0]}"
+        )
+    max_seqlen_q = chk.host_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = chk.host_int(max_seqlen_k, "max_seqlen_k")
+    scale = chk.scalar(softmax_scale, "softmax_scale", allow_none=True)
+    if scale is None:
+        scale = float(d) ** -0.5
+    causal = chk.flag(causal, "causal")
+    window = chk.window(window_size)
+    cap = chk.softcap(softcap)
+    if impl is Impl.FA3:
+        if q.dtype not in FA3_HALF_DTYPES:
+            raise ValueError(f"q dtype {q.dtype} is not supported by FA3 varlen (needs float16 or bfloat16){FA3_HINT}")
+        chk.fa3_head_dims(d, v.shape[2], q.dtype, False)
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            chk.last_dim_contiguous(x, name)
+    return VarlenCall(
+        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=cap,
+        batch_size=cu_seqlens_q.shape[0] - 1, out_dtype=chk.out_dtype(q.dtype),
+    )
+
+
+def check_merge(o_a, lse_a, o_b, lse_b, *, impl: Impl) -> None:
+    """Validate ``merge_state`` arguments: o_* ``[T, H, d]`` same shape/dtype, lse_* ``[T, H]`` float32."""
+    for x, name in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b")):
+        chk.tensor(x, name)
+    device = o_a.device
+    chk.rank(o_a, "o_a", 3, "[T, H, d]")
+    chk.floating(o_a, "o_a")
+    if tuple(o_b.shape) != tuple(o_a.shape):
+        raise ValueError(f"o_b must have o_a's shape {tuple(o_a.shape)}, got {tuple(o_b.shape)}")
+    if o_b.dtype != o_a.dtype:
+        raise ValueError(f"o_b dtype must match o_a dtype {o_a.dtype}, got {o_b.dtype}")
+    want = tuple(o_a.shape[:2])
+    for x, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have shape [T, H] = {want}, got {tuple(x.shape)}")
+        if x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (natural-log LSE), got {x.dtype}")
+    for x, name in ((lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b")):
+        chk.same_device(x, name, device, "o_a")
+    if impl is Impl.FA3:
+        if o_a.dtype not in MERGE_FA3_DTYPES:
+            raise ValueError(
+                f"o_a dtype {o_a.dtype} is not supported by merge_state_v2 (float32/float16/bfloat16){FA3_HINT}"
+            )
+        pack = 16 // o_a.element_size()
+        if o_a.shape[2] % pack:
+            raise ValueError(
+                f"o_a head dim must be a multiple of {pack} for merge_state_v2, got {o_a.shape[2]}{FA3_HINT}"
+            )
+
+
+def check_mla_metadata(cache_seqlens, num_q_heads_per_kv, *, is_fp8) -> None:
+    """Validate ``get_mla_decode_metadata`` arguments."""
+    chk.index_tensor(cache_seqlens, "cache_seqlens", 1, "[bs]", device_of(cache_seqlens, "cache_seqlens"))
+    chk.host_int(num_q_heads_per_kv, "num_q_heads_per_kv", minimum=1)
+    chk.flag(is_fp8, "is_fp8")
+
+
+def check_flash_mla(
+    q, kv_cache, page_table, cache_seqlens, *, head_dim_v, schedule, softmax_scale, causal, descale_q, descale_k,
+    impl: Impl,
+) -> FlashMLACall:
+    """Validate ``flash_mla_with_kvcache`` arguments for implementation ``impl``."""
+    for x, name in ((q, "q"), (kv_cache, "kv_cache")):
+        chk.tensor(x, name)
+        chk.floating(x, name)
+    device = q.device
+    chk.rank(q, "q", 4, "[bs, sq, H, D]")
+    chk.rank(kv_cache, "kv_cache", 4, "[num_pages, page_size, 1, D]")
+    chk.same_device(kv_cache, "kv_cache", device, "q")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype must match q dtype {q.dtype}, got {kv_cache.dtype}")
+    D = q.shape[3]
+    if kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache must have one (latent) KV head, got {kv_cache.shape[2]}")
+    if kv_cache.shape[3] != D:
+        raise ValueError(f"kv_cache head dim must equal q's head dim {D}, got {kv_cache.shape[3]}")
+    head_dim_v = chk.host_int(head_dim_v, "head_dim_v", minimum=1)
+    if head_dim_v > D:
+        raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
+    bs, _ = chk.seqlens_and_table(page_table, cache_seqlens, device)
+    if q.shape[0] != bs:
+        raise ValueError(f"q batch dim must equal len(cache_seqlens) = {bs}, got {q.shape[0]}")
+    if not isinstance(schedule, FlashMLASchedule):
+        raise TypeError(
+            f"schedule must be a FlashMLASchedule (from get_mla_decode_metadata), got {type(schedule).__name__}"
+        )
+    scale = chk.scalar(softmax_scale, "softmax_scale")
+    causal = chk.flag(causal, "causal")
+    fp8 = q.dtype in FP8_DTYPES
+    descale_q = chk.descale(descale_q, "descale_q", (1,), device)
+    descale_k = chk.descale(descale_k, "descale_k", (1,), device)
+    chk.descales_fit(q.dtype, required=((descale_q, "descale_q"), (descale_k, "descale_k")), optional=())
+    if schedule.is_fp8 != fp8:
+        raise ValueError(f"schedule was planned with is_fp8={schedule.is_fp8} but q is {q.dtype}")
+    if impl is Impl.FA3:
+        if schedule.impl is not Impl.FA3 or schedule.tile_scheduler_metadata is None:
+            raise ValueError("schedule was planned by the reference; plan it with impl='fa3' for FlashMLA")
+        if q.dtype not in FA3_HALF_DTYPES + (torch.float8_e4m3fn,):
+            raise ValueError(f"q dtype {q.dtype} is not supported by FlashMLA (bf16, fp16 or float8_e4m3fn){FA3_HINT}")
+        if kv_cache.shape[1] != FLASHMLA_PAGE_SIZE:
+            raise ValueError(
+                f"kv_cache page size must be {FLASHMLA_PAGE_SIZE} for FlashMLA, got {kv_cache.shape[1]}{FA3_HINT}"
+            )
+        if D != FLASHMLA_HEAD_DIM or head_dim_v != FLASHMLA_HEAD_DIM_V:
+            raise ValueError(
+                f"head_dim_v / q head dim must be {FLASHMLA_HEAD_DIM_V} / {FLASHMLA_HEAD_DIM} for FlashMLA, "
+                f"got {head_dim_v} / {D}{FA3_HINT}"
+            )
+        for x, name in ((q, "q"), (kv_cache, "kv_cache"), (page_table, "page_table")):
+            chk.last_dim_contiguous(x, name)
+    return FlashMLACall(
+        q=q, kv_cache=kv_cache, page_table=page_table, cache_seqlens=cache_seqlens, head_dim_v=head_dim_v,
+        schedule=schedule, softmax_scale=scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
+        is_fp8=fp8, out_dtype=chk.out_dtype(q.dtype),
+    )
