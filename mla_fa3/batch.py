@@ -1,0 +1,357 @@
+"""What an engine hands the attention backend each step: the forward mode and the batch.
+
+Symbols (per request ``b`` of a batch of ``bs`` requests):
+
+- ``prefix_b``  tokens of the request already in the KV cache before this step;
+- ``new_b``     tokens this step writes (extend length; 1 for decode; ``k`` for TARGET_VERIFY);
+- ``seq_b``     = ``prefix_b + new_b``: KV tokens the request attends to after this step's tokens are
+  written. This holds for EVERY mode (unlike SGLang, our TARGET_VERIFY ``seq_lens`` include the
+  ``k`` draft tokens);
+- ``T``         = ``sum_b new_b``: rows of the token-major tensors (queries, ``out_cache_loc``,
+  ``positions``), ordered request by request.
+
+Every length lives twice: on the device (for kernels) and as a ``*_cpu`` int32 copy (for host-side
+maxima, shapes and checks), so that no hot path ever syncs device->host. The constructors
+(:meth:`ForwardBatch.extend`, :meth:`ForwardBatch.decode`, :meth:`ForwardBatch.verify`,
+:meth:`ForwardBatch.draft_decode`, :meth:`ForwardBatch.idle`) take Python lists or CPU tensors for the
+lengths, build the CPU copies once and copy each to the device once (host->device only).
+
+Cross-attention: ``encoder_lens`` counts a request's encoder tokens; they live in the first
+``ceil(encoder_len / page_size) * page_size`` columns of its ``req_to_token`` row and are not part of
+``seq_lens`` (which counts decoder tokens only). See :mod:`mla_fa3.kv_cache`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["ForwardMode", "ForwardBatch", "to_device"]
+
+IntsLike = Union[Sequence[int], Tensor]
+
+
+class ForwardMode(enum.Enum):
+    """Kind of step. SGLang's names; the predicates group them the way the metadata builder does."""
+
+    EXTEND = "extend"  # prefill of new tokens, with or without a cached prefix
+    DECODE = "decode"  # one new token per request
+    MIXED = "mixed"  # extend rows and decode rows (extend_len 1) in one batch
+    IDLE = "idle"  # empty batch (a data-parallel rank with nothing to do)
+    TARGET_VERIFY = "target_verify"  # k draft tokens per request, verified by the target model
+    DRAFT_DECODE = "draft_decode"  # step i of a multi-step draft: one token per request
+    DRAFT_EXTEND = "draft_extend"  # draft model extends with the accepted tokens (varying lengths)
+
+    def is_decode_like(self) -> bool:
+        """One query per request: DECODE, DRAFT_DECODE."""
+        return self in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE)
+
+    def is_extend_like(self) -> bool:
+        """Varying number of queries per request over a cached prefix: EXTEND, MIXED, DRAFT_EXTEND."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND)
+
+    def is_graph_capturable(self) -> bool:
+        """Fixed queries per request, so a CUDA graph can replay it: DECODE, TARGET_VERIFY, DRAFT_DECODE."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE)
+
+    def is_idle(self) -> bool:
+        return self is ForwardMode.IDLE
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
+
+    def is_draft_decode(self) -> bool:
+        return self is ForwardMode.DRAFT_DECODE
+
+
+def to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """Copy to ``device`` without blocking the host (never a device->host sync).
+
+    ``non_blocking=True`` also for pageable CPU sources: the CUDA driver stages a pageable buffer
+    before ``cudaMemcpyAsync`` returns, so the source may be freed or reused at once; a blocking copy
+    would instead synchronize the stream (and trip ``torch.cuda.set_sync_debug_mode("error")``).
+    """
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def _cpu_int32(values: IntsLike, name: str) -> Tensor:
+    """A 1-D int32 CPU tensor from a list / tuple / CPU integer tensor; rejects CUDA (that would sync)."""
+    if isinstance(values, Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be a Python list or a CPU tensor (reading a device tensor "
+                             f"would sync), got a tensor on {values.device}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {values.dtype}")
+        t = values.to(torch.int32)
+    else:
+        try:
+            t = torch.tensor(list(values), dtype=torch.int32)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from exc
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
+    return t
+
+
+def _index_tensor(values: IntsLike, name: str, device: torch.device) -> Tensor:
+    """A 1-D int64 tensor on ``device`` (a device tensor is kept as is: no value is read)."""
+    if isinstance(values, Tensor):
+        if values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        return to_device(values, device, torch.int64)
+    try:
+        t = torch.tensor(list(values), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from exc
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
+    return to_device(t, device)
+
+
+def _default_positions(seq_lens_cpu: Tensor, new_lens_cpu: Tensor, device: torch.device) -> Tensor:
+    """Absolute position of every new token: request b's tokens are seq_b - new_b .. seq_b - 1."""
+    starts = (seq_lens_cpu - new_lens_cpu).to(torch.int64)
+    new = new_lens_cpu.to(torch.int64)
+    total = int(new.sum())
+    first_row = torch.cumsum(new, 0) - new  # row of each request's first new token
+    offset = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first_row, new)
+    return to_device(torch.repeat_interleave(starts, new) + offset, device)
+
+
+@dataclass
+class ForwardBatch:
+    """One step's batch. Tensors marked *device* live on the compute device; ``*_cpu`` are host copies.
+
+    Fields are never mutated by the backend. Build it through the classmethods, which derive every
+    CPU copy and device tensor from the given lengths; the dataclass constructor validates dtypes
+    and shapes only (no device value is read).
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int  # bs, host int (0 for IDLE)
+    req_pool_indices: Tensor  # [bs] int64, device — rows of ReqToTokenPool.req_to_token
+    seq_lens: Tensor  # [bs] int32, device — KV tokens after this step (prefix + new), every mode
+    seq_lens_cpu: Tensor  # [bs] int32, cpu — copy of seq_lens
+    out_cache_loc: Tensor  # [T] int64, device — pool slot of each new token (T = total new tokens)
+    extend_prefix_lens: Tensor | None = None  # [bs] int32, device (extend-like) — tokens already cached
+    extend_prefix_lens_cpu: Tensor | None = None  # [bs] int32, cpu
+    extend_seq_lens: Tensor | None = None  # [bs] int32, device (extend-like) — new tokens per request
+    extend_seq_lens_cpu: Tensor | None = None  # [bs] int32, cpu
+    encoder_lens: Tensor | None = None  # [bs] int32, device — cross-attention encoder tokens
+    encoder_lens_cpu: Tensor | None = None  # [bs] int32, cpu
+    encoder_out_cache_loc: Tensor | None = None  # [sum enc new] int64, device — where encoder K/V go
+    num_draft_tokens: int = 0  # TARGET_VERIFY: k draft tokens per request (T = bs * k)
+    draft_step: int = 0  # DRAFT_DECODE: step i of a multi-step draft
+    positions: Tensor | None = None  # [T] int64, device — absolute position of each new token
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Validate dtypes, shapes, placement and the CPU copies (host values only: never syncs).
+
+        Raises ``TypeError``/``ValueError`` naming the field. Run at construction; the metadata builder
+        runs it again because fields can be reassigned.
+        """
+        if not isinstance(self.forward_mode, ForwardMode):
+            raise TypeError(f"forward_mode must be a ForwardMode, got {type(self.forward_mode).__name__}")
+        bs = self.batch_size
+        if not isinstance(bs, int) or bs < 0:
+            raise ValueError(f"batch_size must be a non-negative int, got {bs!r}")
+        _check(self.req_pool_indices, "req_pool_indices", (torch.int64,), bs)
+        _check(self.seq_lens, "seq_lens", (torch.int32,), bs)
+        _check(self.seq_lens_cpu, "seq_lens_cpu", (torch.int32,), bs, cpu=True)
+        _check(self.out_cache_loc, "out_cache_loc", (torch.int64,), None)
+        num_tokens = self.out_cache_loc.shape[0]
+        mode = self.forward_mode
+        if mode.is_idle() and (bs != 0 or num_tokens != 0):
+            raise ValueError(f"batch_size must be 0 for IDLE, got {bs} (and {num_tokens} tokens)")
+        if mode.is_extend_like():
+            for name in ("extend_prefix_lens", "extend_seq_lens"):
+                _check(getattr(self, name), name, (torch.int32,), bs)
+                _check(getattr(self, name + "_cpu"), name + "_cpu", (torch.int32,), bs, cpu=True)
+            if int(self.extend_seq_lens_cpu.sum()) != num_tokens:
+                raise ValueError(f"extend_seq_lens must sum to len(out_cache_loc) = {num_tokens}, "
+                                 f"got {int(self.extend_seq_lens_cpu.sum())}")
+            if bool((self.seq_lens_cpu < self.extend_prefix_lens_cpu).any()):
+                raise ValueError(f"seq_lens must be >= extend_prefix_lens, got {self.seq_lens_cpu.tolist()} "
+                                 f"and {self.extend_prefix_lens_cpu.tolist()}")
+            if not torch.equal(self.extend_prefix_lens_cpu + self.extend_seq_lens_cpu, self.seq_lens_cpu):
+                raise ValueError("seq_lens must equal extend_prefix_lens + extend_seq_lens, got "
+                                 f"{self.seq_lens_cpu.tolist()} vs {self.extend_prefix_lens_cpu.tolist()} "
+                                 f"+ {self.extend_seq_lens_cpu.tolist()}")
+        elif mode is ForwardMode.TARGET_VERIFY:
+            k = self.num_draft_tokens
+            if not isinstance(k, int) or k < 1:
+                raise ValueError(f"num_draft_tokens must be an int >= 1 for TARGET_VERIFY, got {k!r}")
+            if num_tokens != bs * k:
+                raise ValueError(f"out_cache_loc must hold batch_size * num_draft_tokens = {bs * k} "
+                                 f"slots, got {num_tokens}")
+        elif mode.is_decode_like() and num_tokens != bs:
+            raise ValueError(f"out_cache_loc must hold one slot per request ({bs}) in {mode.name}, "
+                             f"got {num_tokens}")
+        if bs and int(self.seq_lens_cpu.min()) < self.new_tokens_per_request_min():
+            raise ValueError(f"seq_lens must be >= the new tokens of each request, got "
+                             f"{self.seq_lens_cpu.tolist()}")
+        if self.encoder_lens is not None or self.encoder_lens_cpu is not None:
+            _check(self.encoder_lens, "encoder_lens", (torch.int32,), bs)
+            _check(self.encoder_lens_cpu, "encoder_lens_cpu", (torch.int32,), bs, cpu=True)
+        if self.encoder_out_cache_loc is not None:
+            _check(self.encoder_out_cache_loc, "encoder_out_cache_loc", (torch.int64,), None)
+        if self.positions is not None:
+            _check(self.positions, "positions", (torch.int64,), num_tokens)
+        if not isinstance(self.draft_step, int) or self.draft_step < 0:
+            raise ValueError(f"draft_step must be a non-negative int, got {self.draft_step!r}")
+
+    # ------------------------------------------------------------------ derived host values
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+    @property
+    def num_tokens(self) -> int:
+        """T: new tokens in this step (rows of q / out_cache_loc)."""
+        return self.out_cache_loc.shape[0]
+
+    def new_tokens_per_request_min(self) -> int:
+        """Smallest number of new tokens of a request (host int; 0 for an empty batch)."""
+        if self.batch_size == 0:
+            return 0
+        if self.forward_mode.is_extend_like():
+            return int(self.extend_seq_lens_cpu.min())
+        if self.forward_mode is ForwardMode.TARGET_VERIFY:
+            return self.num_draft_tokens
+        return 1
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def extend(cls, req_pool_indices: IntsLike, prefix_lens: IntsLike, extend_lens: IntsLike,
+               out_cache_loc: IntsLike, device: torch.device | str, mode: ForwardMode = ForwardMode.EXTEND,
+               positions: IntsLike | None = None, encoder_lens: IntsLike | None = None,
+               encoder_out_cache_loc: IntsLike | None = None) -> "ForwardBatch":
+        """EXTEND / MIXED / DRAFT_EXTEND batch. ``seq_lens = prefix_lens + extend_lens``.
+
+        A MIXED batch's decode rows are extend rows with ``extend_len`` 1.
+        """
+        if not isinstance(mode, ForwardMode) or not mode.is_extend_like():
+            raise ValueError(f"mode must be EXTEND, MIXED or DRAFT_EXTEND, got {mode!r}")
+        device = torch.device(device)
+        prefix_cpu = _cpu_int32(prefix_lens, "prefix_lens")
+        ext_cpu = _cpu_int32(extend_lens, "extend_lens")
+        if prefix_cpu.shape != ext_cpu.shape:
+            raise ValueError(f"prefix_lens and extend_lens must have the same length, got "
+                             f"{prefix_cpu.shape[0]} and {ext_cpu.shape[0]}")
+        seq_cpu = prefix_cpu + ext_cpu
+        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        return cls._make(mode, req_pool_indices, seq_cpu, loc, device, ext_cpu, positions, encoder_lens,
+                         encoder_out_cache_loc, prefix_cpu=prefix_cpu)
+
+    @classmethod
+    def decode(cls, req_pool_indices: IntsLike, seq_lens: IntsLike, out_cache_loc: IntsLike,
+               device: torch.device | str, positions: IntsLike | None = None,
+               encoder_lens: IntsLike | None = None) -> "ForwardBatch":
+        """DECODE batch: one new token per request; ``seq_lens`` include it."""
+        device = torch.device(device)
+        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
+        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        return cls._make(ForwardMode.DECODE, req_pool_indices, seq_cpu, loc, device,
+                         torch.ones_like(seq_cpu), positions, encoder_lens, None)
+
+    @classmethod
+    def verify(cls, req_pool_indices: IntsLike, seq_lens: IntsLike, out_cache_loc: IntsLike,
+               device: torch.device | str, num_draft_tokens: int,
+               positions: IntsLike | None = None, encoder_lens: IntsLike | None = None) -> "ForwardBatch":
+        """TARGET_VERIFY batch: ``k = num_draft_tokens`` queries per request; ``seq_lens`` include them."""
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        device = torch.device(device)
+        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
+        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        return cls._make(ForwardMode.TARGET_VERIFY, req_pool_indices, seq_cpu, loc, device,
+                         torch.full_like(seq_cpu, num_draft_tokens), positions, encoder_lens, None,
+                         num_draft_tokens=num_draft_tokens)
+
+    @classmethod
+    def draft_decode(cls, req_pool_indices: IntsLike, seq_lens: IntsLike, out_cache_loc: IntsLike,
+                     device: torch.device | str, step: int, positions: IntsLike | None = None,
+                     encoder_lens: IntsLike | None = None) -> "ForwardBatch":
+        """DRAFT_DECODE step ``step``: one query per request; ``seq_lens`` include this step's token."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        device = torch.device(device)
+        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
+        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        return cls._make(ForwardMode.DRAFT_DECODE, req_pool_indices, seq_cpu, loc, device,
+                         torch.ones_like(seq_cpu), positions, encoder_lens, None, draft_step=step)
+
+    @classmethod
+    def idle(cls, device: torch.device | str) -> "ForwardBatch":
+        """IDLE batch: nothing to compute (a data-parallel rank without requests)."""
+        device = torch.device(device)
+        empty32 = torch.empty(0, dtype=torch.int32)
+        return cls(forward_mode=ForwardMode.IDLE, batch_size=0,
+                   req_pool_indices=torch.empty(0, dtype=torch.int64, device=device),
+                   seq_lens=torch.empty(0, dtype=torch.int32, device=device), seq_lens_cpu=empty32,
+                   out_cache_loc=torch.empty(0, dtype=torch.int64, device=device),
+                   positions=torch.empty(0, dtype=torch.int64, device=device))
+
+    @classmethod
+    def _make(cls, mode: ForwardMode, req_pool_indices: IntsLike, seq_cpu: Tensor, loc: Tensor,
+              device: torch.device, new_cpu: Tensor, positions: IntsLike | None,
+              encoder_lens: IntsLike | None, encoder_out_cache_loc: IntsLike | None, *,
+              prefix_cpu: Tensor | None = None, num_draft_tokens: int = 0,
+              draft_step: int = 0) -> "ForwardBatch":
+        bs = seq_cpu.shape[0]
+        rows = _index_tensor(req_pool_indices, "req_pool_indices", device)
+        if rows.shape[0] != bs:
+            raise ValueError(f"req_pool_indices must have one row per request ({bs}), got {rows.shape[0]}")
+        if bs and int((seq_cpu - new_cpu).min()) < 0:
+            raise ValueError(f"seq_lens must include this step's new tokens ({new_cpu.tolist()}), got "
+                             f"{seq_cpu.tolist()}")
+        total_new = int(new_cpu.sum())
+        if loc.shape[0] != total_new:
+            raise ValueError(f"out_cache_loc must hold one slot per new token ({total_new}), got "
+                             f"{loc.shape[0]}")
+        if positions is None:
+            pos = _default_positions(seq_cpu, new_cpu, device)
+        else:
+            pos = _index_tensor(positions, "positions", device)
+        enc_dev = enc_cpu = enc_loc = None
+        if encoder_lens is not None:
+            enc_cpu = _cpu_int32(encoder_lens, "encoder_lens")
+            if enc_cpu.shape[0] != bs:
+                raise ValueError(f"encoder_lens must have one entry per request ({bs}), got {enc_cpu.shape[0]}")
+            enc_dev = to_device(enc_cpu, device)
+        if encoder_out_cache_loc is not None:
+            enc_loc = _index_tensor(encoder_out_cache_loc, "encoder_out_cache_loc", device)
+        extend_like = mode.is_extend_like()
+        return cls(forward_mode=mode, batch_size=bs, req_pool_indices=rows,
+                   seq_lens=to_device(seq_cpu, device), seq_lens_cpu=seq_cpu, out_cache_loc=loc,
+                   extend_prefix_lens=to_device(prefix_cpu, device) if extend_like else None,
+                   extend_prefix_lens_cpu=prefix_cpu if extend_like else None,
+                   extend_seq_lens=to_device(new_cpu, device) if extend_like else None,
+                   extend_seq_lens_cpu=new_cpu if extend_like else None,
+                   encoder_lens=enc_dev, encoder_lens_cpu=enc_cpu, encoder_out_cache_loc=enc_loc,
+                   num_draft_tokens=num_draft_tokens, draft_step=draft_step, positions=pos)
+
+
+def _check(t: object, name: str, dtypes: tuple, length: int | None, *, cpu: bool = False) -> None:
+    """Dtype / rank / length / placement check that reads no tensor value (no sync)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have length {length}, got {t.shape[0]}")
+    if cpu and t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")

@@ -1,0 +1,144 @@
+"""CUDA-graph capture buffers on the CPU: replay equals the eager build on the live rows, leaves
+harmless tails, clears what a bigger batch left behind, and refuses what does not fit.
+
+The eager build itself is checked against Python lists (test_metadata.py); here each replay is also
+checked against those lists directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metadata_world import check_against_lists, check_replay, expected_local, make_batch, make_world
+
+from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
+
+M = ForwardMode
+SEQ = [40, 150, 7, 90, 21]  # five requests; the small batch uses requests 2 and 4 (short)
+ENC = [5, 70, 1, 33, 17]
+SMALL = [2, 4]
+# name -> (mode, queries per request)
+MODES = {"decode": (M.DECODE, 1), "verify_k3": (M.TARGET_VERIFY, 3), "draft_decode": (M.DRAFT_DECODE, 1)}
+CHUNK = {1: 8, 16: 16, 64: 64}
+
+
+def setup(page_size: int, variant: str, pad: int = 1, max_bs: int = 6):
+    enc = ENC if variant == "encoder" else None
+    w = make_world(SEQ, page_size, enc, seed=page_size)
+    chunk = CHUNK[page_size] if variant == "local" else None
+    builder = MetadataBuilder(w.pool, page_size, "cpu", attention_chunk_size=chunk, num_slots=w.num_slots)
+    builder.init_capture_buffers(max_bs, w.pool.max_context, max_num_draft_tokens=4,
+                                 with_encoder=enc is not None, pad_seqlen=pad)
+    return w, builder, chunk
+
+
+def snapshot(builder: MetadataBuilder) -> dict:
+    buf = builder.capture_buffers
+    return {k: v.clone() for k, v in vars(buf).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("variant", ["plain", "encoder", "local"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("mode_name", list(MODES))
+def test_replay_small_after_big_equals_eager(mode_name: str, page_size: int, variant: str) -> None:
+    mode, q = MODES[mode_name]
+    w, builder, chunk = setup(page_size, variant)
+    enc = variant == "encoder"
+    big = make_batch(w, mode, [q] * len(SEQ), with_encoder=enc)
+    small = make_batch(w, mode, [q] * len(SMALL), idx=SMALL, with_encoder=enc)
+    cap5 = builder.capture(5, mode, num_draft_tokens=q)
+    cap3 = builder.capture(3, mode, num_draft_tokens=q)
+    builder.replay(big, cap5)
+    check_replay(cap5, builder.build(big), builder, 5, q, 1)
+    for cap in (cap5, cap3):  # after the big batch, the small one on either captured size
+        builder.replay(small, cap)
+        eager = builder.build(small)
+        check_replay(cap, eager, builder, len(SMALL), q, 1)
+        live = AttentionMetadata(mode=mode, batch_size=2, page_size=page_size, cache_seqlens=cap.cache_seqlens[:2],
+                                 cu_seqlens_q=cap.cu_seqlens_q[:3], cu_seqlens_k=cap.cu_seqlens_k[:3],
+                                 max_seqlen_q=q, max_seqlen_k=max(SEQ[i] for i in SMALL),
+                                 page_table=cap.page_table[:2, : eager.page_table.shape[1]])
+        check_against_lists(live, w, mode, [q, q], SMALL, chunk=None, with_encoder=False)
+        if chunk is not None:
+            exp = expected_local(w, SMALL, [q, q], chunk)
+            rows = len(exp["cache_seqlens"])
+            assert cap.local.cache_seqlens[:rows].tolist() == exp["cache_seqlens"]
+            assert cap.local.page_table[:rows].tolist() == exp["page_table"]
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+def test_capture_starts_from_harmless_padding(pad: int) -> None:
+    w, builder, _ = setup(16, "local", pad=pad)
+    builder.replay(make_batch(w, M.DECODE, [1] * 5), builder.capture(5, M.DECODE))
+    cap = builder.capture(4, M.TARGET_VERIFY, num_draft_tokens=2)  # re-capture resets to padding
+    assert cap.cache_seqlens.tolist() == [pad] * 4 and cap.page_table.eq(0).all()
+    assert cap.cu_seqlens_k.tolist() == [pad * i for i in range(5)]
+    assert cap.cu_seqlens_q.tolist() == [0, 2, 4, 6, 8]
+    assert cap.local.cu_seqlens_q[-1].item() == 8 and cap.local.page_table.eq(0).all()
+    assert builder.capture_buffers.page_table.eq(0).all()
+
+
+def test_replay_refuses_what_does_not_fit_and_changes_nothing() -> None:
+    w, builder, _ = setup(16, "plain", max_bs=6)
+    dec = make_batch(w, M.DECODE, [1] * 5)
+    ver = make_batch(w, M.TARGET_VERIFY, [2] * 5)
+    cap3 = builder.capture(3, M.DECODE)
+    cap5 = builder.capture(5, M.DECODE)
+    cap_v = builder.capture(5, M.TARGET_VERIFY, num_draft_tokens=3)
+    builder.replay(dec, cap5)
+    before = snapshot(builder)
+    with pytest.raises(ValueError, match="exceeds the captured batch size 3"):
+        builder.replay(dec, cap3)
+    with pytest.raises(ValueError, match="forward_mode must be DECODE"):
+        builder.replay(ver, cap5)
+    with pytest.raises(ValueError, match="num_draft_tokens must be 3"):
+        builder.replay(ver, cap_v)
+    enc_batch = make_batch(w, M.DECODE, [1] * 5)
+    enc_batch.encoder_lens, enc_batch.encoder_lens_cpu = (torch.ones(5, dtype=torch.int32),) * 2
+    with pytest.raises(ValueError, match="encoder_lens must be None"):
+        builder.replay(enc_batch, cap5)
+    with pytest.raises(ValueError, match="capture"):
+        builder.replay(dec, builder.build(dec))
+    after = snapshot(builder)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_replay_refuses_a_context_beyond_the_buffers() -> None:
+    w = make_world(SEQ, 16, seed=3)
+    builder = MetadataBuilder(w.pool, 16, "cpu")
+    builder.init_capture_buffers(4, 64)
+    cap = builder.capture(4, M.DECODE)
+    ok = make_batch(w, M.DECODE, [1, 1], idx=[2, 4])
+    builder.replay(ok, cap)
+    before = snapshot(builder)
+    with pytest.raises(ValueError, match="captured max_context 64"):
+        builder.replay(make_batch(w, M.DECODE, [1, 1], idx=[0, 3]), cap)  # 90 > 64
+    after = snapshot(builder)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_capture_named_errors() -> None:
+    w = make_world([3], 4)
+    builder = MetadataBuilder(w.pool, 4, "cpu")
+    with pytest.raises(ValueError, match="init_capture_buffers"):
+        builder.capture(1, M.DECODE)
+    with pytest.raises(ValueError, match="max_context"):
+        builder.init_capture_buffers(2, w.pool.max_context + 1)
+    builder.init_capture_buffers(2, w.pool.max_context, max_num_draft_tokens=2)
+    with pytest.raises(ValueError, match="mode"):
+        builder.capture(1, M.EXTEND)
+    with pytest.raises(ValueError, match="bs"):
+        builder.capture(3, M.DECODE)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        builder.capture(2, M.TARGET_VERIFY, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="pad_seqlen"):
+        builder.init_capture_buffers(2, 8, pad_seqlen=2)
+    # IDLE through replay is refused too (not capturable); an empty decode replay resets everything
+    cap = builder.capture(2, M.DECODE)
+    builder.replay(ForwardBatch.decode([w.rows[0]], [3], [w.dec_slots[0][2]], "cpu"), cap)
+    empty = ForwardBatch(M.DECODE, 0, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32),
+                         torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64))
+    builder.replay(empty, cap)
+    assert cap.cache_seqlens.tolist() == [1, 1] and builder.capture_buffers.page_table.eq(0).all()
