@@ -1,0 +1,264 @@
+"""The absorbed MLA path: attention straight over the latent cache (decode, verify, draft, short extends).
+
+Symbols (all from the model config, never literals): ``T`` new tokens, ``H`` query heads,
+``r`` = kv_lora_rank, ``d_nope`` / ``d_rope`` the two parts of a q/k head, ``d_v`` the value head.
+
+Cache, one row per token (one KV head shared by every query head):
+    latent(t) = [ c_kv(t) (r) | k_rope(t) (d_rope) ]                  — the "576-wide" row for V3
+kv_b_proj, weight ``W [H·(d_nope + d_v), r]``, viewed per head as ``[H, d_nope + d_v, r]``, splits into
+    W_UK = W[:, :d_nope, :]   [H, d_nope, r]      k_nope(t, h) = W_UK[h] · c_kv(t)
+    W_UV = W[:, d_nope:, :]   [H, d_v, r]         v(t, h)      = W_UV[h] · c_kv(t)
+The non-absorbed (MHA) attention of a query ``q(h) = [q_nope(h) | q_rope(h)]`` scores
+    s(t, h) = scale · (q_nope(h)·k_nope(t, h) + q_rope(h)·k_rope(t))
+and since ``q_nope·(W_UK c_kv) = (q_nope W_UK)·c_kv`` the up-projection can be absorbed into the query:
+    q_lat(h) = q_nope(h) · W_UK[h]                       [H, r]        (``absorb_query``)
+    s(t, h)  = scale · (q_lat(h)·c_kv(t) + q_rope(h)·k_rope(t))
+    o_lat(h) = Σ_t softmax_t(s(·, h)) · c_kv(t)          [H, r]
+    o(h)     = W_UV[h] · o_lat(h) = o_lat(h) · W_UVᵀ[h]  [H, d_v]       (``project_output``)
+Every step is exact algebra, so the absorbed output equals the MHA one up to rounding. The kernel sees
+one KV head of width r + d_rope: FA3 gets ``q = q_rope``, ``k_cache = k_rope`` view, ``v_cache = c_kv``
+view, ``qv = q_lat`` (``score = (q·k + qv·v) · scale``); FlashMLA gets ``q = [q_lat | q_rope]`` over the
+whole row with ``v = row[..., :r]``. The cache views are slices of the pool's paged buffer: no copies.
+
+Weights are stored in the layouts the per-head batched matmuls (``torch.bmm`` over heads) want:
+``w_uk [H, d_nope, r]`` and ``w_uv [H, r, d_v]`` (= W_UVᵀ per head), both contiguous.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mla_fa3 import ops
+
+if TYPE_CHECKING:  # layer.py imports this module at runtime; type-only import here avoids a cycle
+    from mla_fa3.layer import AttentionLayer, MLADims
+
+__all__ = [
+    "DecodeKernel",
+    "MLAWeights",
+    "split_query",
+    "absorb_query",
+    "project_output",
+    "decompress_kv",
+    "forward_absorbed",
+    "check_query",
+]
+
+
+class DecodeKernel(enum.Enum):
+    """Kernel of the absorbed path for decode-like steps (equal q length per request)."""
+
+    FA3 = "fa3"  # sgl-kernel FlashAttention-3 with qv: any page size, any mode (the default)
+    FLASHMLA = "flashmla"  # FlashMLA dense decode over the whole latent row: page 64, equal q lengths
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """W_UK / W_UV of one MLA layer, derived ONCE from kv_b_proj (at load), in bmm-ready layouts."""
+
+    w_uk: torch.Tensor  # [H, d_nope, r], contiguous, model dtype, device of the model
+    w_uv: torch.Tensor  # [H, r, d_v], contiguous (W_UVᵀ per head), same dtype/device as w_uk
+
+    def __post_init__(self) -> None:
+        for name in ("w_uk", "w_uv"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(f"{name} must be 3-D [H, ., .], got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        uk, uv = self.w_uk, self.w_uv
+        if uk.shape[0] != uv.shape[0] or uk.shape[2] != uv.shape[1]:
+            raise ValueError(
+                f"w_uv must be [H, r, d_v] matching w_uk [H, d_nope, r] = {tuple(uk.shape)}, got {tuple(uv.shape)}"
+            )
+        if uk.dtype != uv.dtype or uk.device != uv.device:
+            raise ValueError(f"w_uv must have w_uk's dtype/device ({uk.dtype}, {uk.device}), got ({uv.dtype}, {uv.device})")
+
+    @property
+    def num_heads(self) -> int:
+        return self.w_uk.shape[0]
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.w_uk.shape[1]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.w_uk.shape[2]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.w_uv.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w_uk.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_uk.device
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, dims: "MLADims", *, num_heads: int | None = None,
+                       dtype: torch.dtype | None = None) -> "MLAWeights":
+        """Split a ``kv_b_proj`` weight ``[H·(d_nope + d_v), r]`` (nn.Linear layout) into W_UK / W_UV.
+
+        ``num_heads`` (optional) is checked against the weight's row count; ``dtype`` casts the result
+        (e.g. a bf16 model whose loader dequantized FP8 weights to fp32).
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if not weight.is_floating_point() or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"weight must be a dequantized float tensor (fp32/bf16/fp16), got {weight.dtype}")
+        rows_per_head, r = dims.kv_b_proj_shape
+        if weight.dim() != 2 or weight.shape[1] != r or weight.shape[0] % rows_per_head:
+            raise ValueError(
+                f"weight must be [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] = [H * {rows_per_head}, {r}], "
+                f"got {tuple(weight.shape)}"
+            )
+        heads = weight.shape[0] // rows_per_head
+        if num_heads is not None and heads != num_heads:
+            raise ValueError(f"weight has {heads} heads of {rows_per_head} rows, num_heads says {num_heads}")
+        w = weight.detach().view(heads, rows_per_head, r)
+        if dtype is not None:
+            w = w.to(dtype)
+        d_nope = dims.qk_nope_head_dim
+        w_uk = w[:, :d_nope, :].contiguous()  # [H, d_nope, r]
+        w_uv = w[:, d_nope:, :].transpose(1, 2).contiguous()  # [H, r, d_v]
+        return cls(w_uk=w_uk, w_uv=w_uv)
+
+    def check_matches(self, num_heads: int, dims: "MLADims") -> None:
+        """Raise ValueError unless these weights fit a layer of ``num_heads`` heads with ``dims``."""
+        want_uk = (num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank)
+        want_uv = (num_heads, dims.kv_lora_rank, dims.v_head_dim)
+        if tuple(self.w_uk.shape) != want_uk or tuple(self.w_uv.shape) != want_uv:
+            raise ValueError(
+                f"mla_weights must have w_uk {want_uk} and w_uv {want_uv} for this layer, got "
+                f"{tuple(self.w_uk.shape)} and {tuple(self.w_uv.shape)}"
+            )
+
+    def to(self, *args, **kwargs) -> "MLAWeights":
+        """A copy moved/cast like ``Tensor.to`` (layouts kept contiguous)."""
+        return MLAWeights(w_uk=self.w_uk.to(*args, **kwargs).contiguous(),
+                          w_uv=self.w_uv.to(*args, **kwargs).contiguous())
+
+
+def split_query(q: torch.Tensor, dims: "MLADims") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, d_nope + d_rope] -> (q_nope [T, H, d_nope], q_rope [T, H, d_rope]) as views."""
+    return q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
+
+
+def absorb_query(q_nope: torch.Tensor, w: MLAWeights, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q_lat[t, h] = q_nope[t, h] · W_UK[h]: q_nope [T, H, d_nope] -> q_lat [T, H, r] (one bmm over heads).
+
+    ``out`` (optional, [T, H, r] possibly a strided view) receives the result in place.
+    """
+    if out is None:
+        out = torch.empty(q_nope.shape[0], w.num_heads, w.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+    torch.bmm(q_nope.transpose(0, 1), w.w_uk, out=out.transpose(0, 1))
+    return out
+
+
+def project_output(o_lat: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+    """o[t, h] = o_lat[t, h] · W_UVᵀ[h]: o_lat [T, H, r] -> o [T, H, d_v] contiguous (one bmm over heads)."""
+    out = torch.empty(o_lat.shape[0], w.num_heads, w.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
+    torch.bmm(o_lat.transpose(0, 1), w.w_uv, out=out.transpose(0, 1))
+    return out
+
+
+def decompress_kv(c_kv: torch.Tensor, w: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MHA path's up-projection: c_kv [L, r] -> (k_nope [L, H, d_nope], v [L, H, d_v]), contiguous.
+
+    k_nope[t, h] = W_UK[h] · c_kv[t] and v[t, h] = W_UV[h] · c_kv[t] — two plain GEMMs over the rows.
+    """
+    L, H = c_kv.shape[0], w.num_heads
+    k_nope = torch.matmul(c_kv, w.w_uk.view(H * w.qk_nope_head_dim, w.kv_lora_rank).t())
+    v = torch.empty(L, H, w.v_head_dim, dtype=c_kv.dtype, device=c_kv.device)
+    torch.matmul(c_kv.unsqueeze(0), w.w_uv, out=v.transpose(0, 1))  # [H, L, d_v] written as [L, H, d_v]
+    return k_nope.view(L, H, w.qk_nope_head_dim), v
+
+
+def check_query(q: torch.Tensor, layer: "AttentionLayer") -> None:
+    """Shape/dtype checks of an MLA query against its layer (no tensor values are read: no sync)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if layer.mla is None or layer.mla_weights is None:
+        raise ValueError(f"layer {layer.layer_id}: an MLA layer needs mla dims and mla_weights (MLAWeights.from_kv_b_proj)")
+    want = (layer.num_heads, layer.mla.qk_head_dim)
+    if q.dim() != 3 or tuple(q.shape[1:]) != want:
+        raise ValueError(f"q must be [T, {want[0]}, {want[1]}] (T, H, d_nope + d_rope) for layer "
+                         f"{layer.layer_id}, got {tuple(q.shape)}")
+    if q.dtype != layer.mla_weights.dtype:
+        raise TypeError(f"q dtype {q.dtype} must match layer {layer.layer_id}'s mla_weights dtype {layer.mla_weights.dtype}")
+    if q.device != layer.mla_weights.device:
+        raise ValueError(f"q is on {q.device} but layer {layer.layer_id}'s mla_weights are on {layer.mla_weights.device}")
+
+
+def _kernel_tables(layer: "AttentionLayer", metadata):
+    """(cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table): the layer's view of the step metadata."""
+    if layer.use_local_attention:
+        local = getattr(metadata, "local", None)
+        if local is None:
+            raise ValueError(f"layer {layer.layer_id} uses local attention but metadata.local is None "
+                             "(build the backend with attention_chunk_size)")
+        return local.cu_seqlens_q, local.max_seqlen_q, local.cache_seqlens, local.page_table
+    return metadata.cu_seqlens_q, metadata.max_seqlen_q, metadata.cache_seqlens, metadata.page_table
+
+
+def forward_absorbed(q: torch.Tensor, layer: "AttentionLayer", metadata, kv_paged: torch.Tensor, *,
+                     kernel: DecodeKernel = DecodeKernel.FA3, impl=None, validate: bool = True) -> torch.Tensor:
+    """Absorbed MLA attention of one layer for one step: q [T, H, d_nope + d_rope] -> o [T, H, d_v].
+
+    ``kv_paged``: the layer's latent pool as pages, ``[num_pages, page_size, 1, r + d_rope]``
+    (``MLATokenPool.paged(layer_id)``); the new tokens' rows must already be written.
+    ``metadata``: the step's ``AttentionMetadata`` (cu_seqlens_q / max_seqlen_q / cache_seqlens /
+    page_table; ``flashmla_schedule`` for FLASHMLA). ``kernel=FLASHMLA`` requires equal q lengths per
+    request (T = batch_size · max_seqlen_q) and page size 64 — the backend decides when it applies.
+    """
+    if validate:
+        check_query(q, layer)
+    dims, w = layer.mla, layer.mla_weights
+    r = dims.kv_lora_rank
+    q_nope, q_rope = split_query(q, dims)
+    if kernel is DecodeKernel.FLASHMLA:
+        return project_output(_flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, impl), w)
+    q_lat = absorb_query(q_nope, w)
+    cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
+    o_lat = ops.flash_attn_with_kvcache(
+        q_rope, kv_paged[..., r:], kv_paged[..., :r], qv=q_lat,
+        page_table=page_table, cache_seqlens=cache_seqlens,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        softmax_scale=layer.scaling, causal=True, window_size=layer.window_size,
+        softcap=layer.logit_cap, impl=impl,
+    )
+    return project_output(o_lat, w)
+
+
+def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, impl) -> torch.Tensor:
+    """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r]."""
+    if metadata.flashmla_schedule is None:
+        raise ValueError("metadata.flashmla_schedule is None: plan it once per step (MLABackend does) "
+                         "before running the FLASHMLA decode kernel")
+    if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
+        raise ValueError(f"layer {layer.layer_id}: FLASHMLA has no softcap / window / local attention; use FA3")
+    T, H = q_nope.shape[0], layer.num_heads
+    r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
+    bs, sq = metadata.batch_size, metadata.max_seqlen_q
+    if T != bs * sq:
+        raise ValueError(f"q has {T} tokens but FLASHMLA needs batch_size * max_seqlen_q = {bs} * {sq} "
+                         "(equal query length per request)")
+    q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
+    absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
+    q_cat[..., r:].copy_(q_rope)
+    o = ops.flash_mla_with_kvcache(
+        q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table, metadata.cache_seqlens,
+        head_dim_v=r, schedule=metadata.flashmla_schedule, softmax_scale=layer.scaling, causal=True,
+        impl=impl,
+    )
+    return o.view(T, H, r)

@@ -1,0 +1,132 @@
+"""MLABackend / MultiStepDraftBackend input checking: named errors raised before any kernel runs.
+
+Each bad call must raise ``ValueError`` / ``TypeError`` whose message names the argument, leave the
+latent pool untouched and run no kernel (the kernel entry points are patched to fail the test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specs import make_batch, make_layout, make_mla_case
+
+from mla_fa3 import ops
+from mla_fa3.absorb import DecodeKernel
+from mla_fa3.backend import MLABackend
+from mla_fa3.batch import ForwardMode
+from mla_fa3.draft_backend import MultiStepDraftBackend
+from mla_fa3.kv_cache import MLATokenPool
+
+DEC = ForwardMode.DECODE
+
+
+def backend_for(case, **kw) -> MLABackend:
+    return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
+                      page_size=case.spec.page_size, device=case.layout.device, impl="reference", **kw)
+
+
+@pytest.fixture()
+def ready():
+    case = make_mla_case("small_decode", "odd_small", seed=1)
+    backend = backend_for(case)
+    backend.init_forward_metadata(case.batch)
+    return case, backend
+
+
+def _bad_calls(case):
+    d, H, T = case.cfg.dims, case.cfg.num_heads, 3
+    q, lat, L, b = case.q, case.new_latent, case.layer, case.batch
+    return {
+        "q heads": ((torch.randn(T, H + 1, d.qk_head_dim), lat, None, L, b), ValueError, "q must be"),
+        "q width": ((torch.randn(T, H, d.qk_head_dim - 1), lat, None, L, b), ValueError, "q must be"),
+        "q rows": ((q[:2], lat[:2], None, L, b), ValueError, "q must have batch.num_tokens"),
+        "q dtype": ((q.double(), lat, None, L, b), TypeError, "q dtype"),
+        "latent width": ((q, lat[:, :-1], None, L, b), ValueError, "k must be the latent"),
+        "latent dtype": ((q, lat.half(), None, L, b), TypeError, "k dtype"),
+        "c_kv width": ((q, lat[:, :5], lat[:, 5:], L, b), ValueError, "k must be the c_kv"),
+        "k_rope width": ((q, lat[:, : d.kv_lora_rank], lat[:, : d.kv_lora_rank], L, b), ValueError, "v must be the k_rope"),
+        "layer type": ((q, lat, None, "layer", b), TypeError, "layer must be"),
+        "batch type": ((q, lat, None, L, None), TypeError, "batch must be"),
+    }
+
+
+@pytest.mark.parametrize("what", ["q heads", "q width", "q rows", "q dtype", "latent width", "latent dtype",
+                                  "c_kv width", "k_rope width", "layer type", "batch type"])
+def test_forward_named_errors(ready, monkeypatch, what):
+    case, backend = ready
+    args, exc, msg = _bad_calls(case)[what]
+    monkeypatch.setattr(ops, "flash_attn_with_kvcache", lambda *a, **k: pytest.fail("kernel ran"))
+    before = case.pool.kv_buffer[case.layer.layer_id].clone()
+    with pytest.raises(exc, match=msg):
+        backend.forward(*args)
+    assert torch.equal(case.pool.kv_buffer[case.layer.layer_id].nan_to_num(7.0), before.nan_to_num(7.0))
+
+
+def test_forward_before_planning_and_mode_mismatch(ready):
+    case, _ = ready
+    fresh = backend_for(case)
+    with pytest.raises(ValueError, match="init_forward_metadata"):
+        fresh.forward(case.q, case.new_latent, None, case.layer, case.batch)
+    ext = make_batch(case.layout, ForwardMode.EXTEND, [5, 17, 33], [1, 1, 1])
+    fresh.init_forward_metadata(ext)
+    with pytest.raises(ValueError, match="planned step is EXTEND"):
+        fresh.forward(case.q, case.new_latent, None, case.layer, case.batch)
+
+
+def test_layer_without_weights_and_pool_mismatch(ready):
+    case, backend = ready
+    from mla_fa3.layer import AttentionLayer
+    bare = AttentionLayer.mla_layer(1, case.cfg.num_heads, case.cfg.dims, 0.2)
+    with pytest.raises(ValueError, match="mla_weights"):
+        backend.forward(case.q, case.new_latent, None, bare, case.batch)
+    far = AttentionLayer.mla_layer(7, case.cfg.num_heads, case.cfg.dims, 0.2, mla_weights=case.layer.mla_weights)
+    with pytest.raises(ValueError, match="layer_id"):
+        backend.forward(case.q, case.new_latent, None, far, case.batch)
+
+
+def test_constructor_named_errors():
+    layout = make_layout([5], 16)
+    pool = MLATokenPool(1, layout.num_pages, 16, 8, 4, torch.float32, "cpu")
+    kw = dict(req_to_token_pool=layout.req_to_token_pool, kv_pool=pool, page_size=16, device="cpu")
+    with pytest.raises(ValueError, match="page_size 64"):
+        MLABackend(**kw, decode_kernel="flashmla", num_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        MLABackend(**kw, decode_kernel="auto")
+    with pytest.raises(ValueError, match="decode_kernel"):
+        MLABackend(**kw, decode_kernel="flash")
+    with pytest.raises(ValueError, match="prefill_path"):
+        MLABackend(**kw, prefill_path="fast")
+    with pytest.raises(TypeError, match="kv_pool"):
+        MLABackend(**{**kw, "kv_pool": object()})
+    with pytest.raises(ValueError, match="page_size"):
+        MLABackend(**{**kw, "page_size": 1})
+    with pytest.raises(ValueError, match="num_steps"):
+        MultiStepDraftBackend(0, **kw)
+    backend = MLABackend(**kw)
+    assert backend.decode_kernel is DecodeKernel.FA3 and backend.explain() is None
+    backend.init_cuda_graph_state(2, 32)
+    with pytest.raises(ValueError, match="mode must be"):
+        backend.init_forward_metadata_capture_cuda_graph(2, ForwardMode.EXTEND)
+    with pytest.raises(ValueError, match="bs must be"):
+        backend.init_forward_metadata_capture_cuda_graph(0, DEC)
+
+
+def test_pool_tuple_and_mha_layer_needs_an_mha_pool():
+    from mla_fa3.kv_cache import MHATokenPool
+    from mla_fa3.layer import AttentionLayer, LayerKind
+    case = make_mla_case("small_decode", "tiny")
+    backend = backend_for(case)
+    backend.init_forward_metadata(case.batch)
+    mha = AttentionLayer(layer_id=0, kind=LayerKind.MHA, num_heads=4, num_kv_heads=2, head_dim=8,
+                         v_head_dim=8, scaling=0.3)
+    q = torch.randn(3, 4, 8)
+    with pytest.raises(ValueError, match="MHATokenPool"):
+        backend.forward(q, torch.randn(3, 2, 8), torch.randn(3, 2, 8), mha, case.batch)
+    mha_pool = MHATokenPool(1, case.layout.num_pages, 16, 2, 8, 8, torch.float32, "cpu")
+    both = MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=(mha_pool, case.pool),
+                      page_size=16, device="cpu")
+    assert both.mla_pool is case.pool and both.mha_pool is mha_pool
+    with pytest.raises(TypeError, match="kv_pool"):
+        MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=(case.pool, case.pool),
+                   page_size=16, device="cpu")
