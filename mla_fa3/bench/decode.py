@@ -1,0 +1,370 @@
+"""Decode benchmark: the MLA backend step vs the FA3 and FlashMLA kernels vs the roofline, per layer.
+
+``python -m mla_fa3.bench.decode`` (or ``mla-fa3 bench decode``, or ``python benchmarks/decode.py``).
+Sweeps heads H x batch bs x context L x page size p, with equal lengths (every request L) and skewed
+lengths (geometric from L down to L/16: ``L_b = L · 16^(-b/(bs-1))``), DeepSeek-V3 latent dims
+(r = 512, d_rope = 64, d_nope = d_v = 128), bf16, one query token per request. Per shape and layer:
+
+(a) ``backend``: ``MLABackend.forward`` of one layer (latent store + q absorption through W_UK +
+    kernel + W_UV projection) replayed from a CUDA graph by ``GraphRunner``, plus the step's
+    metadata replay update (``GraphRunner.prepare``: padding, page table, FlashMLA plan) divided by
+    the 61 layers of DeepSeek-V3 that share it. The backend picks its kernel (``decode_kernel=auto``,
+    ``mla_fa3.kernel_choice``); the column ``backend_kernel`` says which.
+(b) ``fa3``: ``ops.flash_attn_with_kvcache`` alone (q_rope / k_rope, qv = q_lat / c_kv), graph replay.
+(c) ``flashmla``: ``ops.flash_mla_with_kvcache`` alone over the 576-wide rows (page 64 only), with
+    the tile schedule planned outside the graph.
+(d) ``roofline``: ``max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)`` (``bench.roofline``).
+
+L2: a shape whose cache is smaller than 3x the 50 MiB L2 cycles through ``R`` copies (pool layers,
+R <= 64) inside one graph, and times are per copy. Pages are scattered (a random permutation), as in
+a long-running server. One latent pool per (page, bs, L) is shared by every H and both length
+patterns; shapes whose pool exceeds ``--mem-cap-gb`` are skipped.
+
+Outputs: a progress line per shape on stderr, the markdown table on stdout, and with ``--out DIR``
+``decode.csv`` (``kernel_choice --from-csv`` reads it), ``decode.md`` and ``decode_roofline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from mla_fa3 import ops
+from mla_fa3.absorb import MLAWeights
+from mla_fa3.backend import MLABackend
+from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.bench import roofline
+from mla_fa3.bench.timing import L2_BYTES_H200, Progress, h200_ceilings, time_cuda, time_graph
+from mla_fa3.graph_runner import GraphRunner, InputSpec
+from mla_fa3.kv_cache import MLATokenPool, ReqToTokenPool
+from mla_fa3.layer import AttentionLayer, MLADims
+
+DIMS = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # DeepSeek-V3
+LAYERS_PER_STEP = 61  # DeepSeek-V3: one metadata replay update serves 61 layers
+MAX_ROTATE = 64  # at most this many cache copies cycled per replay to defeat the L2
+
+FULL = dict(heads=(16, 32, 64, 128), batch=(1, 4, 16, 64, 128), context=(1024, 4096, 16384, 65536, 131072),
+            page=(1, 64), lengths=("equal", "skewed"))
+QUICK = dict(heads=(16, 128), batch=(1, 64), context=(4096, 65536), page=(64,), lengths=("equal",))
+
+
+@dataclass
+class Config:
+    heads: Sequence[int]
+    batch: Sequence[int]
+    context: Sequence[int]
+    page: Sequence[int]
+    lengths: Sequence[str]
+    device: str = "cuda"
+    impl: str = "auto"  # ops implementation: auto / fa3 / reference
+    mem_cap_gb: float = 40.0
+    budget_ms: float = 120.0  # target timed milliseconds per measurement
+    max_iters: int = 100
+    skip: set = field(default_factory=set)  # of "backend", "fa3", "flashmla"
+    quiet: bool = False
+    seed: int = 0
+
+
+def lengths_of(kind: str, bs: int, ctx: int) -> list[int]:
+    """Per-request KV lengths: ``equal`` (all ctx) or ``skewed`` (geometric from ctx down to ctx/16)."""
+    if kind == "equal" or bs == 1:
+        return [ctx] * bs
+    if kind == "skewed":
+        return [max(1, round(ctx * 16.0 ** (-b / (bs - 1)))) for b in range(bs)]
+    raise ValueError(f"lengths must be 'equal' or 'skewed', got {kind!r}")
+
+
+def rotations(cache_bytes: int) -> int:
+    """Copies of a cache of ``cache_bytes`` so that one replay streams > 3x the L2 (1 for big caches)."""
+    return max(1, min(MAX_ROTATE, math.ceil(3 * L2_BYTES_H200 / max(cache_bytes, 1))))
+
+
+class Cell:
+    """One latent pool for (page, bs, ctx): R layers of scattered pages, shared by every H and length kind.
+
+    The request->token table is written directly (a benchmark owns its layout): request b's token j
+    lives on page ``perm[b, j // p]`` at offset ``j % p``; page 0 stays the padding page.
+    """
+
+    def __init__(self, page: int, bs: int, ctx: int, device: torch.device, gen: torch.Generator):
+        self.page, self.bs, self.ctx, self.device = page, bs, ctx, device
+        pages_per_req = -(-ctx // page)
+        num_pages = 1 + bs * pages_per_req
+        # L2 rotation on a GPU only (a CPU smoke run has no L2 to defeat and no time to spare)
+        self.rotate = rotations(bs * ctx * DIMS.latent_dim * 2) if device.type == "cuda" else 1
+        self.req_pool = ReqToTokenPool(bs, ctx, device)
+        self.pool = MLATokenPool(self.rotate, num_pages, page, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim,
+                                 torch.bfloat16, device)
+        for buf in self.pool.kv_buffer:
+            buf.normal_(generator=gen if device.type == "cpu" else None)
+        perm = (torch.randperm(num_pages - 1, device=device) + 1).view(bs, pages_per_req)
+        tok = torch.arange(ctx, device=device)
+        self.req_pool.req_to_token.copy_((perm[:, tok // page] * page + tok % page).to(torch.int32))
+        self.page_table = (self.req_pool.req_to_token[:, ::page] // page).to(torch.int32).contiguous()
+
+    @staticmethod
+    def bytes_needed(page: int, bs: int, ctx: int) -> int:
+        slots = (1 + bs * -(-ctx // page)) * page
+        return rotations(bs * ctx * DIMS.latent_dim * 2) * slots * DIMS.latent_dim * 2 + bs * ctx * 4
+
+    def batch(self, lens: list[int]) -> ForwardBatch:
+        """DECODE batch: request b's new token is its token L_b - 1 (already in the table)."""
+        seq = torch.tensor(lens, dtype=torch.int32)
+        rows = torch.arange(self.bs, device=self.device)
+        loc = self.req_pool.req_to_token[rows, seq.to(self.device).long() - 1].long()
+        return ForwardBatch.decode(rows, seq, loc, self.device)
+
+
+def _iters(cfg: Config, est_ms: float) -> tuple[int, int]:
+    iters = max(1, int(min(cfg.max_iters, max(5, cfg.budget_ms / max(est_ms, 1e-3)))))
+    return max(1, iters // 5), iters
+
+
+class BackendBench:
+    """(a): one MLABackend + GraphRunner per (cell, H), captured once, timed for each length pattern."""
+
+    def __init__(self, cfg: Config, cell: Cell, heads: int, gen: torch.Generator):
+        self.cfg, self.cell, self.heads = cfg, cell, heads
+        dev = cell.device
+        self.backend = MLABackend(req_to_token_pool=cell.req_pool, kv_pool=cell.pool, page_size=cell.page, device=dev,
+                                  decode_kernel="auto", num_heads=heads, impl=cfg.impl)
+        scale = DIMS.qk_head_dim ** -0.5
+        rows = heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
+        self.layers = []
+        for i in range(cell.rotate):  # one layer per cache copy
+            w = (torch.randn(rows, DIMS.kv_lora_rank, generator=gen) / math.sqrt(DIMS.kv_lora_rank))
+            weights = MLAWeights.from_kv_b_proj(w.to(dev, torch.bfloat16), DIMS)
+            self.layers.append(AttentionLayer.mla_layer(i, heads, DIMS, scale, mla_weights=weights))
+        specs = {"q": InputSpec((heads, DIMS.qk_head_dim), torch.bfloat16),
+                 "latent": InputSpec((DIMS.latent_dim,), torch.bfloat16)}
+        self.runner = GraphRunner(self.backend, self._step, batch_sizes=[cell.bs], mode=ForwardMode.DECODE,
+                                  max_context=cell.ctx, input_specs=specs, device=dev)
+
+    def _step(self, batch: ForwardBatch, inputs: dict) -> torch.Tensor:
+        out = None
+        for layer in self.layers:
+            out = self.backend.forward(inputs["q"], inputs["latent"], None, layer, batch)
+        return out
+
+    def measure(self, lens: list[int], est_ms: float) -> tuple[float, float, str]:
+        """(per-layer ms: replay / R + update / 61, update ms per step, kernel the backend chose)."""
+        cell, dev = self.cell, self.cell.device
+        batch = cell.batch(lens)
+        inputs = {"q": torch.randn(cell.bs, self.heads, DIMS.qk_head_dim, device=dev).to(torch.bfloat16),
+                  "latent": torch.randn(cell.bs, DIMS.latent_dim, device=dev).to(torch.bfloat16)}
+        warm, iters = _iters(self.cfg, 0.05)
+        update_ms = time_cuda(lambda: self.runner.prepare(batch, inputs), warmup=warm, iters=iters)
+        key = self.runner.prepare(batch, inputs)
+        warm, iters = _iters(self.cfg, est_ms * cell.rotate)
+        replay_ms = time_cuda(lambda: self.runner.replay(key), warmup=warm, iters=iters) / cell.rotate
+        record = self.backend.explain()
+        return replay_ms + update_ms / LAYERS_PER_STEP, update_ms, (record.kernel if record else None) or "?"
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _queries(bs: int, heads: int, dev, width: int) -> torch.Tensor:
+    return (torch.randn(bs, 1, heads, width, device=dev) * 0.5).to(torch.bfloat16)
+
+
+def measure_fa3(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
+    dev, r = cell.device, DIMS.kv_lora_rank
+    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
+    q_lat, q_rope = q[..., :r].contiguous(), q[..., r:].contiguous()
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    scale = DIMS.qk_head_dim ** -0.5
+
+    def fn():
+        for layer in range(cell.rotate):
+            ops.flash_attn_with_kvcache(q_rope, cell.pool.k_rope_paged(layer), cell.pool.c_kv_paged(layer), qv=q_lat,
+                                        page_table=cell.page_table, cache_seqlens=seqlens, softmax_scale=scale,
+                                        causal=True, impl=cfg.impl)
+
+    warm, iters = _iters(cfg, est_ms * cell.rotate)
+    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+
+
+def measure_flashmla(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
+    dev = cell.device
+    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    schedule = ops.get_mla_decode_metadata(seqlens, heads, impl=cfg.impl)  # planned once, outside the graph
+    scale = DIMS.qk_head_dim ** -0.5
+
+    def fn():
+        for layer in range(cell.rotate):
+            ops.flash_mla_with_kvcache(q, cell.pool.paged(layer), cell.page_table, seqlens,
+                                       head_dim_v=DIMS.kv_lora_rank, schedule=schedule, softmax_scale=scale,
+                                       causal=True, impl=cfg.impl)
+
+    warm, iters = _iters(cfg, est_ms * cell.rotate)
+    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+
+
+def plan(cfg: Config) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(cells to run, cells skipped for the memory cap) as (page, bs, ctx), big pools first per page."""
+    run, skipped = [], []
+    for page in cfg.page:
+        for bs in cfg.batch:
+            for ctx in cfg.context:
+                need = Cell.bytes_needed(page, bs, ctx)
+                (run if need <= cfg.mem_cap_gb * 1e9 else skipped).append((page, bs, ctx))
+    return run, skipped
+
+
+def sweep(cfg: Config) -> list[roofline.DecodeRow]:
+    """Run every selected shape; returns one DecodeRow per (page, bs, ctx, H, lengths)."""
+    device = torch.device(cfg.device)
+    ceil = h200_ceilings()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    cells, skipped = plan(cfg)
+    for page, bs, ctx in skipped:
+        print(f"skip page {page} bs {bs} ctx {ctx}: pool over the {cfg.mem_cap_gb:g} GB cap", file=sys.stderr)
+    kinds = {bs: [k for k in cfg.lengths if not (k == "skewed" and bs == 1)] for bs in cfg.batch}
+    total = sum(len(cfg.heads) * len(kinds[bs]) for _, bs, _ in cells)
+    rows: list[roofline.DecodeRow] = []
+    with Progress(total, quiet=cfg.quiet) as progress:
+        for page, bs, ctx in cells:
+            cell = Cell(page, bs, ctx, device, gen)
+            for heads in cfg.heads:
+                bench = BackendBench(cfg, cell, heads, gen) if "backend" not in cfg.skip else None
+                for kind in kinds[bs]:
+                    lens = lengths_of(kind, bs, ctx)
+                    row = roofline.make_row(heads, bs, ctx, page, kind, sum(lens), ceil)
+                    row.layers_rotated = cell.rotate
+                    if "fa3" not in cfg.skip:
+                        row.fa3_ms = measure_fa3(cfg, cell, heads, lens, row.roofline_ms)
+                    if "flashmla" not in cfg.skip and page == 64:
+                        row.flashmla_ms = measure_flashmla(cfg, cell, heads, lens, row.roofline_ms)
+                    if bench is not None:
+                        row.backend_ms, row.update_ms, row.backend_kernel = bench.measure(lens, row.roofline_ms)
+                    rows.append(row)
+                    progress.step(_describe(row))
+                if bench is not None:
+                    bench.close()
+            del cell
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _describe(row: roofline.DecodeRow) -> str:
+    def us(t):
+        return f"{1e3 * t:.1f}" if t else "-"
+
+    r = row.ratios()
+    ratio = f" backend/best {r['backend_over_best']:.2f}" if r["backend_over_best"] else ""
+    return (f"page {row.page} H {row.heads} bs {row.batch} ctx {row.context} {row.lengths}: "
+            f"backend {us(row.backend_ms)} us ({row.backend_kernel or '-'}) fa3 {us(row.fa3_ms)} "
+            f"flashmla {us(row.flashmla_ms)} roofline {us(row.roofline_ms)}{ratio}")
+
+
+def summary(rows: Sequence[roofline.DecodeRow]) -> str:
+    """Median / worst of the ratios over the sweep."""
+    lines = []
+    for name in roofline.RATIO_FIELDS:
+        vals = sorted(v for v in (row.ratios()[name] for row in rows) if v)
+        if vals:
+            lines.append(f"{name}: median {vals[len(vals) // 2]:.2f}, min {vals[0]:.2f}, max {vals[-1]:.2f} "
+                         f"over {len(vals)} shapes")
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            out.append(int(part[:-1] if mult > 1 else part) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints (8192 or 8k), got {text!r}") from None
+        if out[-1] < 1:
+            raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return tuple(out)
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(w.strip() for w in text.split(",") if w.strip())
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="mla-fa3 bench decode", description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=_ints, help="e.g. 16,128 (default 16,32,64,128)")
+    p.add_argument("--batch", type=_ints, help="e.g. 1,64 (default 1,4,16,64,128)")
+    p.add_argument("--context", type=_ints, help="e.g. 8192 or 8k,128k (default 1k,4k,16k,64k,128k)")
+    p.add_argument("--page", type=_ints, help="page sizes, e.g. 64 (default 1,64)")
+    p.add_argument("--lengths", type=_words, help="equal,skewed (default both)")
+    p.add_argument("--quick", action="store_true", help="a small subset: H 16,128 x bs 1,64 x ctx 4k,64k, page 64")
+    p.add_argument("--skip", type=_words, default=(), help="parts to skip: backend,fa3,flashmla")
+    p.add_argument("--out", help="directory for decode.csv, decode.md, decode_roofline.png")
+    p.add_argument("--mem-cap-gb", type=float, default=40.0, help="skip shapes whose latent pool exceeds this")
+    p.add_argument("--budget-ms", type=float, default=120.0, help="timed milliseconds per measurement")
+    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (reference kernels, smoke runs)")
+    p.add_argument("--impl", default="auto", choices=["auto", "fa3", "reference"])
+    p.add_argument("--dry-run", action="store_true", help="list the shapes and their roofline, run nothing")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    a = p.parse_args(argv)
+    base = QUICK if a.quick else FULL
+    bad = set(a.skip) - {"backend", "fa3", "flashmla"}
+    if bad:
+        p.error(f"--skip takes backend, fa3, flashmla; got {sorted(bad)}")
+    lengths = a.lengths or base["lengths"]
+    if set(lengths) - {"equal", "skewed"}:
+        p.error(f"--lengths takes equal, skewed; got {lengths}")
+    cfg = Config(heads=a.heads or base["heads"], batch=a.batch or base["batch"], context=a.context or base["context"],
+                 page=a.page or base["page"], lengths=lengths, device=a.device, impl=a.impl, mem_cap_gb=a.mem_cap_gb,
+                 budget_ms=a.budget_ms, max_iters=a.max_iters, skip=set(a.skip), quiet=a.quiet)
+    return cfg, a
+
+
+def write_outputs(rows: Sequence[roofline.DecodeRow], out_dir: str) -> list[str]:
+    """decode.csv, decode.md and (with matplotlib) decode_roofline.png under ``out_dir``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    ceil = h200_ceilings()
+    paths = [os.path.join(out_dir, "decode.csv"), os.path.join(out_dir, "decode.md")]
+    roofline.write_csv(rows, paths[0])
+    with open(paths[1], "w") as f:
+        f.write("# MLA decode benchmark\n\n" + roofline.markdown_table(rows, ceil) + "\n```\n" + summary(rows) + "```\n")
+    png = os.path.join(out_dir, "decode_roofline.png")
+    if roofline.plot_roofline(rows, png, ceil):
+        paths.append(png)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if args.dry_run:
+        ceil = h200_ceilings()
+        cells, skipped = plan(cfg)
+        for page, bs, ctx in cells:
+            for heads in cfg.heads:
+                row = roofline.make_row(heads, bs, ctx, page, "equal", bs * ctx, ceil)
+                print(f"page {page} H {heads} bs {bs} ctx {ctx}: roofline {1e3 * row.roofline_ms:.1f} us ({row.bound}), "
+                      f"pool {Cell.bytes_needed(page, bs, ctx) / 1e9:.2f} GB")
+        for page, bs, ctx in skipped:
+            print(f"skip page {page} bs {bs} ctx {ctx}: over the {cfg.mem_cap_gb:g} GB cap")
+        return 0
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the H200, or pass --device cpu for a smoke run on the reference", file=sys.stderr)
+        return 2
+    rows = sweep(cfg)
+    print(roofline.markdown_table(rows, h200_ceilings()))
+    print(summary(rows))
+    if args.out:
+        for path in write_outputs(rows, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

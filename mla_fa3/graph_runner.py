@@ -1,0 +1,373 @@
+"""CUDA-graph capture and replay of decode / verify / draft steps for a set of batch sizes.
+
+Symbols: ``B = {b_1 < … < b_m}`` the captured batch sizes, ``q`` the query tokens per request of the
+runner's mode (1 for DECODE and DRAFT_DECODE, ``k = num_draft_tokens`` for TARGET_VERIFY), ``n`` the
+live batch's requests and ``b = min{b_i ∈ B : b_i >= n}`` the padded size it replays at.
+
+A ``torch.cuda.CUDAGraph`` replays fixed device addresses, so everything the step reads lives in
+:class:`StaticBuffers`, allocated once for ``b_m`` requests (``b_m · q`` tokens). One graph is
+captured per size (and per draft step), all in ONE memory pool, largest first, each over views
+``[:b]`` / ``[:b·q]`` of the same buffers. Per run (``GraphRunner.run``):
+
+1. checks (host only): the mode / draft tokens / draft step match, ``n <= b_m``, and
+   ``max(seq_lens_cpu) <= max_context`` — otherwise ``ValueError``, before anything is written;
+2. ``fill_inputs`` copies every named input into rows ``[:n·q]`` of its buffer and zeroes the
+   padding rows ``[n·q:b·q]``; ``pad_batch`` does the same for the batch the step reads:
+   ``out_cache_loc`` -> slot 0 (the padding slot, never handed out: padding rows write only there),
+   ``positions`` -> 0, ``req_pool_indices`` -> ``pad_req_index`` (0), ``seq_lens`` ->
+   ``seq_len_fill`` (``max(fill, q)``, so the static batch stays a valid ForwardBatch; no kernel
+   reads it — the kernels read the metadata);
+3. the backend's ``init_forward_metadata_replay_cuda_graph(live batch, bs=b)`` rewrites the captured
+   metadata in place: the live rows ``[:n]`` and its own padding tail ``[n:b]`` (``cache_seqlens``
+   0 or 1 over padding page 0, see ``metadata_capture``); host ints come from ``seq_lens_cpu``;
+4. ``graph.replay()``; the result is the captured output's first ``n·q`` rows — views into the
+   graph's output, valid until the next run of this runner (clone what must survive it).
+
+Steps 1-4 are device->device copies and fills plus host arithmetic on CPU tensors: a run never
+syncs (the GPU tests run 2-4 under ``torch.cuda.set_sync_debug_mode("error")``). Without CUDA (or
+with ``use_graphs=False``) "capture" records nothing and a run calls ``forward_fn`` eagerly on the
+same static buffers and captured metadata: the CPU tests check that padding and buffer reuse equal
+the eager step, the GPU tests check the replay against the same.
+
+DRAFT_DECODE: one graph per (size, draft step ``i``); a run replays ``batch.draft_step``'s graph
+after updating step ``i``'s metadata (``MultiStepDraftBackend.step(i)``, each step its own buffers).
+
+``forward_fn(batch, inputs)`` is the step to capture: ``batch`` a :class:`ForwardBatch` whose tensors
+are the static views, ``inputs`` a dict of the static input views (``name -> [b·q, *shape]``). It must
+call the backend's ``forward`` (NOT ``init_forward_metadata``; the runner does the capture / replay
+metadata calls) and return a tensor or a tuple / list / dict of tensors with ``b·q`` leading rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from mla_fa3.batch import ForwardBatch, ForwardMode
+
+__all__ = ["InputSpec", "StaticBuffers", "GraphRunner", "padded_size", "pad_batch", "fill_inputs",
+           "static_batch", "DEFAULT_INPUTS"]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A per-token input of the captured step: ``[T, *shape]`` of ``dtype`` on the runner's device."""
+
+    shape: tuple[int, ...]  # trailing shape per token, e.g. () for input ids, (H, 192) for q
+    dtype: torch.dtype
+
+
+DEFAULT_INPUTS: dict[str, InputSpec] = {"input_ids": InputSpec((), torch.int64)}
+
+
+def _tokens_per_request(mode: ForwardMode, num_draft_tokens: int) -> int:
+    return num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
+
+
+@dataclass
+class StaticBuffers:
+    """Everything a captured step reads: allocated once for ``max_bs`` requests, written per run."""
+
+    req_pool_indices: Tensor  # [max_bs] int64, device — padding rows: pad_req_index
+    seq_lens: Tensor  # [max_bs] int32, device — padding rows: seq_len_fill
+    seq_lens_cpu: Tensor  # [max_bs] int32, cpu — host copy of seq_lens (host maxima, no sync)
+    out_cache_loc: Tensor  # [max_bs * q] int64, device — padding tokens: slot 0
+    positions: Tensor  # [max_bs * q] int64, device — padding tokens: 0
+    inputs: dict[str, Tensor]  # name -> [max_bs * q, *spec.shape] of spec.dtype, device; padding: 0
+    tokens_per_request: int  # q
+    seq_len_fill: int  # seq_lens value of a padding row (>= q)
+    pad_req_index: int  # req_pool_indices value of a padding row
+
+    @classmethod
+    def allocate(cls, max_bs: int, tokens_per_request: int, input_specs: Mapping[str, InputSpec],
+                 device: torch.device | str, *, seq_len_fill: int = 1,
+                 pad_req_index: int = 0) -> "StaticBuffers":
+        device = torch.device(device)
+        fill = max(int(seq_len_fill), tokens_per_request)
+        max_tokens = max_bs * tokens_per_request
+        return cls(
+            req_pool_indices=torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
+            seq_lens=torch.full((max_bs,), fill, dtype=torch.int32, device=device),
+            seq_lens_cpu=torch.full((max_bs,), fill, dtype=torch.int32),
+            out_cache_loc=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            inputs={name: torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
+                    for name, spec in input_specs.items()},
+            tokens_per_request=tokens_per_request, seq_len_fill=fill, pad_req_index=pad_req_index,
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
+    """The smallest captured size >= ``n``; ``ValueError`` when ``n`` exceeds them all."""
+    for b in sorted(batch_sizes):
+        if b >= n:
+            return b
+    raise ValueError(f"batch_size {n} exceeds the largest captured batch size {max(batch_sizes)} "
+                     f"(captured: {sorted(batch_sizes)}); run it eagerly or capture a larger size")
+
+
+def static_batch(buf: StaticBuffers, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1,
+                 draft_step: int = 0) -> ForwardBatch:
+    """A ForwardBatch of ``bs`` requests whose tensors are views of the static buffers."""
+    q = buf.tokens_per_request
+    return ForwardBatch(
+        forward_mode=mode, batch_size=bs, req_pool_indices=buf.req_pool_indices[:bs],
+        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=buf.seq_lens_cpu[:bs],
+        out_cache_loc=buf.out_cache_loc[: bs * q], positions=buf.positions[: bs * q],
+        num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 0,
+        draft_step=draft_step if mode is ForwardMode.DRAFT_DECODE else 0,
+    )
+
+
+def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int) -> None:
+    """Write ``batch``'s rows into the static buffers and reset rows ``n .. padded_bs-1`` to padding.
+
+    Device->device copies and fills only (plus a CPU->CPU copy of ``seq_lens_cpu``): no sync.
+    """
+    n, q = batch.batch_size, buf.tokens_per_request
+    if not n <= padded_bs <= buf.max_bs:
+        raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
+    if batch.num_tokens != n * q:
+        raise ValueError(f"batch must hold {q} token(s) per request ({n * q}), got {batch.num_tokens}")
+    t, tp = n * q, padded_bs * q
+    buf.req_pool_indices[:n].copy_(batch.req_pool_indices)
+    buf.req_pool_indices[n:padded_bs].fill_(buf.pad_req_index)
+    buf.seq_lens[:n].copy_(batch.seq_lens)
+    buf.seq_lens[n:padded_bs].fill_(buf.seq_len_fill)
+    buf.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
+    buf.seq_lens_cpu[n:padded_bs].fill_(buf.seq_len_fill)
+    buf.out_cache_loc[:t].copy_(batch.out_cache_loc)
+    buf.out_cache_loc[t:tp].fill_(0)
+    if batch.positions is not None:
+        buf.positions[:t].copy_(batch.positions)
+    else:
+        buf.positions[:t].fill_(0)
+    buf.positions[t:tp].fill_(0)
+
+
+def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: int, padded_tokens: int) -> None:
+    """Copy each named input ``[num_tokens, *shape]`` into its static buffer; zero rows up to ``padded_tokens``."""
+    missing = set(buf.inputs) - set(inputs)
+    extra = set(inputs) - set(buf.inputs)
+    if missing or extra:
+        raise ValueError(f"inputs must have exactly the keys {sorted(buf.inputs)}; "
+                         f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, x in inputs.items():
+        dst = buf.inputs[name]
+        if not isinstance(x, Tensor):
+            raise TypeError(f"inputs[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != (num_tokens, *dst.shape[1:]):
+            raise ValueError(f"inputs[{name!r}] must have shape {(num_tokens, *dst.shape[1:])}, got {tuple(x.shape)}")
+        if x.dtype != dst.dtype:
+            raise TypeError(f"inputs[{name!r}] must be {dst.dtype}, got {x.dtype}")
+        if x.device != dst.device:
+            raise ValueError(f"inputs[{name!r}] must be on {dst.device} (a host copy would sync), got {x.device}")
+    for name, x in inputs.items():
+        dst = buf.inputs[name]
+        dst[:num_tokens].copy_(x)
+        dst[num_tokens:padded_tokens].zero_()
+
+
+def _slice_rows(out: Any, rows: int) -> Any:
+    if isinstance(out, Tensor):
+        return out[:rows]
+    if isinstance(out, (tuple, list)):
+        return type(out)(_slice_rows(o, rows) for o in out)
+    if isinstance(out, dict):
+        return {k: _slice_rows(v, rows) for k, v in out.items()}
+    if out is None:
+        return None
+    raise TypeError(f"forward_fn must return a tensor or a tuple / list / dict of tensors, got {type(out).__name__}")
+
+
+class GraphRunner:
+    """One CUDA graph per (batch size[, draft step]) of a graph-capturable step; pad, update, replay.
+
+    Args:
+        backend: the attention backend (``MLABackend`` / ``MultiStepDraftBackend``) providing
+            ``init_cuda_graph_state``, ``init_forward_metadata_capture_cuda_graph`` and
+            ``init_forward_metadata_replay_cuda_graph`` (see docs/ARCHITECTURE.md).
+        forward_fn: ``forward_fn(batch, inputs) -> out`` (module docstring).
+        batch_sizes: sizes to capture (ints >= 1).
+        mode: DECODE, TARGET_VERIFY or DRAFT_DECODE.
+        num_draft_tokens: ``k`` tokens per request for TARGET_VERIFY (ignored otherwise).
+        max_context: the longest ``seq_lens`` a run may carry (sizes the page-table buffers).
+        num_draft_steps: DRAFT_DECODE: steps of the multi-step draft, one graph each (batch.draft_step).
+        input_specs: the named per-token inputs (default: ``input_ids`` int64).
+        device: where the static buffers live (default: the backend's ``device``, else CUDA).
+        use_graphs: capture real CUDA graphs (default: when ``device`` is CUDA).
+        seq_len_fill: ``seq_lens`` of the static batch's padding rows (raised to ``q``); the
+            kernels' padding lengths are the metadata builder's (``metadata_capture``).
+        capture_now: capture in the constructor (default) or later through :meth:`capture`.
+    """
+
+    def __init__(self, backend: Any, forward_fn: Callable[[ForwardBatch, dict], Any], *,
+                 batch_sizes: Iterable[int], mode: ForwardMode, num_draft_tokens: int = 1,
+                 max_context: int, num_draft_steps: int = 1,
+                 input_specs: Mapping[str, InputSpec] | None = None,
+                 device: torch.device | str | None = None, use_graphs: bool | None = None,
+                 seq_len_fill: int = 1, capture_now: bool = True):
+        if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
+            raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE, got {mode!r}")
+        sizes = sorted(set(batch_sizes))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"batch_sizes must be a non-empty collection of ints >= 1, got {batch_sizes!r}")
+        for name, value in (("num_draft_tokens", num_draft_tokens), ("max_context", max_context),
+                            ("num_draft_steps", num_draft_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not callable(forward_fn):
+            raise TypeError(f"forward_fn must be callable, got {type(forward_fn).__name__}")
+        specs = dict(DEFAULT_INPUTS if input_specs is None else input_specs)
+        for name, spec in specs.items():
+            if not isinstance(spec, InputSpec):
+                raise TypeError(f"input_specs[{name!r}] must be an InputSpec, got {type(spec).__name__}")
+        self.backend, self.forward_fn, self.mode = backend, forward_fn, mode
+        self.batch_sizes = sizes
+        self.num_draft_tokens = num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
+        self.num_draft_steps = num_draft_steps if mode is ForwardMode.DRAFT_DECODE else 1
+        self.max_context = max_context
+        self.tokens_per_request = _tokens_per_request(mode, self.num_draft_tokens)
+        if max_context < self.tokens_per_request:
+            raise ValueError(f"max_context must be >= {self.tokens_per_request} tokens per request, got {max_context}")
+        self.device = torch.device(device if device is not None else getattr(backend, "device", "cuda"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"use_graphs needs a CUDA device, got {self.device}")
+        self.buffers = StaticBuffers.allocate(sizes[-1], self.tokens_per_request, specs, self.device,
+                                              seq_len_fill=seq_len_fill)
+        self._batches: dict[tuple[int, int], ForwardBatch] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], Any] = {}
+        self.pool = None  # the graphs' shared memory pool (CUDA)
+        self.captured = False
+        if capture_now:
+            self.capture()
+
+    # ------------------------------------------------------------------ capture
+    def _static_inputs(self, bs: int) -> dict[str, Tensor]:
+        rows = bs * self.tokens_per_request
+        return {name: t[:rows] for name, t in self.buffers.inputs.items()}
+
+    def capture(self) -> None:
+        """Set up the backend's graph state and capture every (size, draft step), largest first."""
+        if self.captured:
+            raise RuntimeError("capture() was already called")
+        self.backend.init_cuda_graph_state(self.batch_sizes[-1], self.max_context,
+                                           max_num_draft_tokens=self.num_draft_tokens)
+        stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        for bs in reversed(self.batch_sizes):
+            for step in range(self.num_draft_steps):
+                batch = static_batch(self.buffers, bs, self.mode, num_draft_tokens=self.num_draft_tokens,
+                                     draft_step=step)
+                self._batches[(bs, step)] = batch
+                self._step_backend(step).init_forward_metadata_capture_cuda_graph(
+                    bs, self.mode, num_draft_tokens=self.num_draft_tokens)
+                if self.use_graphs:
+                    self._capture_one(bs, step, batch, stream)
+        self.captured = True
+
+    def _capture_one(self, bs: int, step: int, batch: ForwardBatch, stream) -> None:
+        inputs = self._static_inputs(bs)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up off the capture: lazy inits, workspace allocations
+            for _ in range(2):
+                self.forward_fn(batch, inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = self.forward_fn(batch, inputs)
+        self.pool = graph.pool()
+        self._graphs[(bs, step)] = graph
+        self._outputs[(bs, step)] = out
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ run
+    def check_fits(self, batch: ForwardBatch) -> int:
+        """Host-only checks that ``batch`` can replay here; returns the padded batch size."""
+        if not self.captured:
+            raise RuntimeError("capture() has not run")
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        if batch.forward_mode is not self.mode:
+            raise ValueError(f"batch.forward_mode must be {self.mode.name} for this runner, got {batch.forward_mode.name}")
+        if self.mode is ForwardMode.TARGET_VERIFY and batch.num_draft_tokens != self.num_draft_tokens:
+            raise ValueError(f"batch.num_draft_tokens must be {self.num_draft_tokens} (captured), got {batch.num_draft_tokens}")
+        if self.mode is ForwardMode.DRAFT_DECODE and not 0 <= batch.draft_step < self.num_draft_steps:
+            raise ValueError(f"batch.draft_step must be in [0, {self.num_draft_steps}), got {batch.draft_step}")
+        if batch.batch_size < 1:
+            raise ValueError("batch.batch_size must be >= 1 (an IDLE step needs no graph)")
+        bs = padded_size(batch.batch_size, self.batch_sizes)
+        longest = int(batch.seq_lens_cpu.max())  # CPU tensor: no device sync
+        if longest > self.max_context:
+            raise ValueError(f"batch.seq_lens holds a context of {longest} tokens, over the max_context "
+                             f"{self.max_context} the graphs were planned for")
+        if batch.device != self.device:
+            raise ValueError(f"batch is on {batch.device}, the runner's buffers on {self.device}")
+        return bs
+
+    def prepare(self, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> tuple[int, int]:
+        """Steps 1-3 of a run (check, pad, metadata replay update); returns the (size, step) key."""
+        bs = self.check_fits(batch)
+        q = self.tokens_per_request
+        fill_inputs(inputs, self.buffers, batch.batch_size * q, bs * q)  # validates before writing
+        pad_batch(batch, self.buffers, bs)
+        key = (bs, batch.draft_step if self.mode is ForwardMode.DRAFT_DECODE else 0)
+        # the live rows: the builder writes [:n] and resets its own metadata tail [n:bs]
+        self._step_backend(key[1]).init_forward_metadata_replay_cuda_graph(batch, bs=bs)
+        return key
+
+    def _step_backend(self, step: int) -> Any:
+        """The backend holding draft step ``step``'s metadata (``MultiStepDraftBackend.step``), else the backend."""
+        if self.mode is ForwardMode.DRAFT_DECODE and callable(getattr(self.backend, "step", None)):
+            return self.backend.step(step)
+        return self.backend
+
+    def replay(self, key: tuple[int, int]) -> Any:
+        """Step 4 for a prepared key: replay the graph (or run eagerly without graphs); full padded output."""
+        if self.use_graphs:
+            self._graphs[key].replay()
+            return self._outputs[key]
+        bs = key[0]
+        return self.forward_fn(self._batches[key], self._static_inputs(bs))
+
+    def run(self, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> Any:
+        """Pad ``batch`` to the next captured size, update the metadata, replay; first ``n·q`` rows."""
+        key = self.prepare(batch, inputs)
+        return _slice_rows(self.replay(key), batch.num_tokens)
+
+    def graph(self, bs: int, draft_step: int = 0) -> "torch.cuda.CUDAGraph":
+        """The captured graph of padded size ``bs`` (and draft step) — for benchmarks."""
+        return self._graphs[(bs, draft_step)]
+
+    def close(self) -> None:
+        """Drop the graphs, outputs and pool (free their memory); ``capture()`` may run again."""
+        self._graphs.clear()
+        self._outputs.clear()
+        self._batches.clear()
+        self.pool = None
+        self.captured = False
+
+    @contextlib.contextmanager
+    def no_sync_check(self):
+        """Context in which any device->host sync raises (``torch.cuda.set_sync_debug_mode('error')``)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        old = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
