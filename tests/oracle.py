@@ -33,9 +33,10 @@ def visible_mask(n: int, L: int, *, causal: bool, window=(-1, -1)) -> torch.Tens
 def dense_attention(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0, qv=None, mask=None):
     """fp64 attention of one request. q [n, H, dq], k [L, Hkv, dq], v [L, Hkv, dv], qv [n, H, dv].
 
-    Returns (out [n, H, dv] fp64, lse [n, H] fp64, natural log).
+    Inputs may live on any device; the oracle computes on the CPU.
+    Returns (out [n, H, dv] fp64 cpu, lse [n, H] fp64 cpu, natural log).
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.detach().cpu().double(), k.detach().cpu().double(), v.detach().cpu().double()
     n, H, _ = q.shape
     L, Hkv, _ = k.shape
     group = H // Hkv
@@ -43,13 +44,13 @@ def dense_attention(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.
     v = v.repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,lhd->hnl", q, k)
     if qv is not None:
-        s = s + torch.einsum("nhd,lhd->hnl", qv.double(), v)
+        s = s + torch.einsum("nhd,lhd->hnl", qv.detach().cpu().double(), v)
     s = s * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if mask is None:
         mask = visible_mask(n, L, causal=causal, window=window)
-    s = s.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    s = s.masked_fill(~mask.cpu().unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [H, n]
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("hnl,lhd->nhd", p, v)
@@ -64,7 +65,8 @@ def mla_nonabsorbed(q, c_kv, k_rope, kv_b_proj_weight, *, qk_nope_head_dim, v_he
     """
     n, H, _ = q.shape
     L = c_kv.shape[0]
-    w = kv_b_proj_weight.double().view(H, qk_nope_head_dim + v_head_dim, -1)
+    c_kv, k_rope = c_kv.detach().cpu(), k_rope.detach().cpu()
+    w = kv_b_proj_weight.detach().cpu().double().view(H, qk_nope_head_dim + v_head_dim, -1)
     kv = torch.einsum("lr,hdr->lhd", c_kv.double(), w)  # [L, H, d_nope + d_v]
     k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
     k = torch.cat([k_nope, k_rope.double().unsqueeze(1).expand(L, H, -1)], dim=-1)

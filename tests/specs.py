@@ -211,6 +211,9 @@ class MLACase:
         return out
 
 
+STALE_FINITE = 3.0e3  # poison for the tail of a sequence's last page on a GPU (see make_mla_case)
+
+
 def make_mla_case(spec: BatchSpec | str, cfg: MLAConfig | str = "tiny", *, dtype=torch.float32, device="cpu",
                   seed: int = 0, num_layers: int = 2, layer_id: int = 1, logit_cap: float = 0.0,
                   sliding_window: int = -1, poison: bool = True, reserve: int | None = None) -> MLACase:
@@ -225,6 +228,15 @@ def make_mla_case(spec: BatchSpec | str, cfg: MLAConfig | str = "tiny", *, dtype
                         dtype, device)
     for buf in pool.kv_buffer:
         buf.fill_(float("nan") if poison else 0.0)
+    if poison and torch.device(device).type == "cuda":
+        # FA3/FlashMLA read whole pages and multiply the slots past a sequence's end by a zero
+        # probability: that tail must be finite (pools start zeroed and hold only written rows), so on a
+        # GPU it holds large finite garbage instead of NaN — reading it still ruins the output.
+        for b, n in enumerate(spec.seq_lens):
+            if n:
+                page = int(layout.slots[b][n - 1]) // spec.page_size
+                for buf in pool.kv_buffer:
+                    buf.view(layout.num_pages, spec.page_size, -1)[page] = STALE_FINITE
     latent = [torch.randn(s, d.latent_dim, generator=g) for s in spec.seq_lens]
     for b, pre in enumerate(spec.prefix_lens):
         if pre:

@@ -87,8 +87,17 @@ def _quant(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn) if dtype is torch.float8_e4m3fn else x.to(dtype)
 
 
+# Kernels read whole pages: the slots past a sequence's end inside its last page are multiplied by a
+# zero probability, so they must be finite (the pools start zeroed and hold only written rows). On a GPU
+# that tail is poisoned with large finite garbage instead of NaN: reading it still ruins the result.
+STALE_FINITE = 3.0e3
+
+
 def build_case(spec: Spec, *, device="cpu", dtype: Optional[torch.dtype] = None, seed: int = 0) -> Case:
-    """Random case for ``spec``; ``dtype`` overrides ``spec.dtype`` (e.g. bf16 for the GPU tests)."""
+    """Random case for ``spec``; ``dtype`` overrides ``spec.dtype`` (e.g. bf16 for the GPU tests).
+
+    Every unused slot is NaN, except on CUDA the tail of each sequence's last page (``STALE_FINITE``).
+    """
     g = torch.Generator().manual_seed(seed)
     dtype = torch.float8_e4m3fn if spec.fp8 else (dtype or spec.dtype)
     bs, ps = len(spec.lens), spec.page_size
@@ -115,6 +124,9 @@ def build_case(spec: Spec, *, device="cpu", dtype: Optional[torch.dtype] = None,
         for i in range(need[b]):  # write the request's pages one by one
             page, lo, hi = ids.pop(), i * ps, min(L, (i + 1) * ps)
             table[b, i] = page
+            if torch.device(device).type == "cuda":
+                k_cache[page, hi - lo :] = STALE_FINITE
+                v_cache[page, hi - lo :] = STALE_FINITE
             k_cache[page, : hi - lo] = k_b[lo:hi]
             v_cache[page, : hi - lo] = v_b[lo:hi]
         kf, vf, qf = k_b.float(), v_b.float(), q_b.float()

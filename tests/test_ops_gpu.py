@@ -23,7 +23,8 @@ from mla_fa3.ops import Impl
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BF16 = torch.bfloat16
-GPU_SPECS = [name for name, spec in SPECS.items() if not spec.fp8]
+# FA3 runs qv (absorbed MLA) only for v head dims >= 256; smaller ones are rejected by validation.
+GPU_SPECS = [name for name, spec in SPECS.items() if not spec.fp8 and not (spec.mla and spec.dv < 256)]
 LSE_ATOL = 2e-3
 
 

@@ -150,6 +150,16 @@ def test_fa3_rejects_fp8_cache_with_qv():
     assert ref.out_dtype is torch.bfloat16  # the reference takes the combination
 
 
+def test_fa3_rejects_qv_with_small_v_head_dim():
+    args, kw = kvcache_args(h_kv=1, d=64, dv=128, dtype=torch.bfloat16)
+    kw.update(qv=torch.randn(5, 4, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="^qv needs a v head dim >= 256 in FA3, got 128"):
+        _fa3_check(args, kw)
+    args, kw = kvcache_args(h_kv=1, d=64, dv=256, dtype=torch.bfloat16)
+    kw.update(qv=torch.randn(5, 4, 256, dtype=torch.bfloat16))
+    assert _fa3_check(args, kw).batch_size == 2
+
+
 def test_fa3_head_dims_and_strides():
     args, kw = kvcache_args(d=12, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="^q head dim must be a multiple of 8"):

@@ -18,6 +18,7 @@ FA3_KVCACHE_DTYPES = FA3_HALF_DTYPES + (torch.float8_e4m3fn,)
 MERGE_FA3_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FA3_MAX_HEAD_DIM = 256  # FA3's largest q/k (and plain v) head dim
 FA3_MAX_QV_HEAD_DIM = 512  # largest v head dim FA3 accepts (q/k head dim <= 64: absorbed MLA)
+FA3_MIN_QV_V_HEAD_DIM = 256  # FA3 runs qv (absorbed MLA) only for v head dims >= 256
 FLASHMLA_PAGE_SIZE = 64
 FLASHMLA_HEAD_DIM = 576  # r + d_rope, the only q/k head dim FlashMLA supports
 FLASHMLA_HEAD_DIM_V = 512  # r, the only v head dim FlashMLA supports
@@ -160,6 +161,9 @@ def fa3_head_dims(d: int, dv: int, dtype: torch.dtype, has_qv: bool) -> None:
         raise ValueError(f"v head dim {dv} > 256 requires fp16/bf16 in FA3, got {dtype}{FA3_HINT}")
     if has_qv and d > 64:
         raise ValueError(f"q head dim must be <= 64 when qv is given (FA3), got {d}{FA3_HINT}")
+    if has_qv and dv < FA3_MIN_QV_V_HEAD_DIM:
+        # sgl-kernel 0.4.5 on the H200: "q_v is only supported for hdim_v >= 256"
+        raise ValueError(f"qv needs a v head dim >= {FA3_MIN_QV_V_HEAD_DIM} in FA3, got {dv}{FA3_HINT}")
 
 
 def seqlens_and_table(page_table, cache_seqlens, device: torch.device) -> Tuple[int, int]:
