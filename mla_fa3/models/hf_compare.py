@@ -1,0 +1,251 @@
+"""Validate our DeepSeek model on the MLA backend against transformers' own model (``mla-fa3 validate``).
+
+Procedure, for a checkpoint directory (or a tiny random DeepSeek-V3 written to a temp dir):
+
+1. ours = ``load_model(dir)`` (our loader, FP8 dequantized) driven by :class:`mla_fa3.engine.Engine`:
+   prefill (all prompt logits kept), then ``steps`` batched paged DECODE steps, greedy;
+2. the reference = transformers' ``DeepseekV{2,3}ForCausalLM`` in float32 with eager attention —
+   ``from_pretrained(dir)``, or for an FP8 checkpoint built from the config and filled with the
+   dequantized tensors under HF's own parameter names (an independent name mapping from ours);
+3. the reference runs ONE full forward over ``prompt + our tokens`` per prompt (teacher forcing):
+   row ``L - 1 + i`` holds the logits HF computes for new token ``i`` given exactly our prefix, so
+   "every step's argmax agrees" is the same statement as "HF greedy generates the same tokens".
+
+Per step (step 0 = prefill, every prompt position; step i = decode step i) the table reports
+max |ours - ref|, the relative error ``max|ours - ref| / max|ref|``, the cosine similarity of the
+logit rows and how many requests' greedy tokens agree. Thresholds come from the dtype (:data:`TOLERANCES`).
+In bf16 / fp16 the same transformers model cast to that dtype is run too (the *baseline*: what torch
+itself gets in that precision, MoE routing flips included): a step also passes when our error is at
+most twice the baseline's (``rel <= 2 rel_base``, ``1 - cos <= 2 (1 - cos_base)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mla_fa3.models.loader import CheckpointError, iter_checkpoint_tensors, load_model, read_config
+
+__all__ = ["TOLERANCES", "StepRow", "ValidateReport", "hf_reference_model", "run_validate", "format_report"]
+
+# dtype -> (max relative logit error, min cosine, min fraction of agreeing greedy tokens)
+TOLERANCES = {
+    torch.float32: (1e-4, 0.99999, 1.0),
+    torch.float16: (2e-2, 0.999, 0.9),
+    torch.bfloat16: (6e-2, 0.995, 0.9),
+}
+
+
+@dataclass
+class StepRow:
+    step: int  # 0 = prefill, i = decode step i
+    max_abs: float
+    rel: float
+    cosine: float  # smallest cosine similarity of a logit row in this step
+    agree: int  # requests whose greedy token agrees with HF's argmax
+    total: int
+    base_rel: float | None = None  # the baseline's (HF in the low dtype) relative error, when run
+    base_cosine: float | None = None
+
+    def within(self, rel_tol: float, cos_tol: float) -> bool:
+        rel_ok = self.rel <= rel_tol or (self.base_rel is not None and self.rel <= 2 * self.base_rel)
+        cos_ok = self.cosine >= cos_tol or (self.base_cosine is not None
+                                            and 1 - self.cosine <= 2 * (1 - self.base_cosine))
+        return rel_ok and cos_ok
+
+
+@dataclass
+class ValidateReport:
+    rows: list[StepRow]
+    dtype: torch.dtype
+    page_size: int
+    checkpoint: str
+    thresholds: tuple[float, float, float]
+    prompts: list[list[int]] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def agree_fraction(self) -> float:
+        decode = [r for r in self.rows if r.step > 0] or self.rows
+        return sum(r.agree for r in decode) / max(1, sum(r.total for r in decode))
+
+    @property
+    def greedy_identical(self) -> bool:
+        return all(r.agree == r.total for r in self.rows)
+
+    @property
+    def passed(self) -> bool:
+        rel, cos, agree = self.thresholds
+        return all(r.within(rel, cos) for r in self.rows) and self.agree_fraction >= agree
+
+
+def _fill_hf_from_tensors(hf_model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors (HF names) into an HF model, stacking per-expert weights if it fuses them."""
+    with torch.no_grad():
+        for name, dest in hf_model.state_dict().items():
+            if name in tensors:
+                dest.copy_(tensors[name])
+            elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+                prefix = name.rsplit(".", 1)[0]
+                parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+                for e in range(dest.shape[0]):
+                    dest[e].copy_(torch.cat([tensors[f"{prefix}.{e}.{p}.weight"] for p in parts], dim=0))
+            elif not name.endswith("rotary_emb.inv_freq"):
+                raise CheckpointError(f"the HF reference model needs {name}, not in the checkpoint", [name])
+
+
+def hf_reference_model(path: str, device: torch.device | str = "cpu"):
+    """transformers' model of ``path`` in float32, eager attention (FP8 weights dequantized by us)."""
+    import transformers
+
+    cfg, raw = read_config(path)
+    if raw.get("quantization_config"):
+        hf_cfg = transformers.AutoConfig.from_pretrained(path)
+        hf_cfg.quantization_config = None
+        if hasattr(hf_cfg, "__dict__"):
+            hf_cfg.__dict__.pop("quantization_config", None)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
+                                                              dtype=torch.float32)
+        _fill_hf_from_tensors(model, {n: t.float() for n, t in iter_checkpoint_tensors(path, cfg, raw)})
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                                  dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def _prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: torch.dtype = torch.float32,
+                 steps: int = 16, device: str = "cpu", seed: int = 0, prompt_lengths=(11, 6, 17),
+                 max_prefill_tokens: int | None = None, use_cuda_graph: bool = False, config: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> ValidateReport:
+    """Run the comparison (module docstring). ``checkpoint=None`` builds the embedded ``config``
+    (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
+    head dims are the ones FA3 implements)."""
+    from mla_fa3.engine import Engine
+
+    say = progress or (lambda msg: None)
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in TOLERANCES]}, got {dtype}")
+    tmp = None
+    if checkpoint is None:
+        from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
+
+        if config is None:
+            config = "tiny_v3" if torch.device(device).type == "cpu" else "v3_mla_dims"
+        tmp = tempfile.TemporaryDirectory(prefix="mla_fa3_tiny_")
+        say(f"building {config} with transformers (random weights, seed {seed})")
+        hf = random_hf_model(config, seed=seed)
+        save_hf_checkpoint(hf, tmp.name)
+        path, label = tmp.name, f"{config} (embedded config, random weights)"
+        hf = hf.to(device)
+    else:
+        path, label = checkpoint, checkpoint
+        say(f"loading the transformers reference from {path}")
+        hf = hf_reference_model(path, device)
+    try:
+        say("loading our model through mla_fa3.models.loader")
+        ours = load_model(path, dtype=dtype, device=device)
+        prompts = _prompts(ours.config.vocab_size, tuple(prompt_lengths), seed + 1)
+        engine = Engine(ours, page_size=page_size, max_batch_size=len(prompts),
+                        max_context=max(map(len, prompts)) + steps + 1, max_prefill_tokens=max_prefill_tokens,
+                        use_cuda_graph=use_cuda_graph)
+        res = engine.generate(prompts, steps + 1, return_logits=True, return_prefill_logits=True,
+                              progress=lambda phase, i, n: say(f"{phase} step {i}/{n}"))
+        say("transformers reference forward (teacher-forced on our tokens)")
+        refs = _teacher_forced(hf, prompts, res.token_ids, device)
+        base = None
+        if dtype != torch.float32:
+            say(f"transformers baseline in {dtype}")
+            base = _teacher_forced(copy.deepcopy(hf).to(dtype), prompts, res.token_ids, device)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    bases = base or [None] * len(prompts)
+    rows = [_row(0, [(pl, ref[: len(p)], None if b is None else b[: len(p)], None)
+                     for p, pl, ref, b in zip(prompts, res.prefill_logits, refs, bases)])]
+    for i in range(1, steps + 1):
+        sl = [slice(len(p) - 1 + i, len(p) + i) for p in prompts]
+        rows.append(_row(i, [(lg[i: i + 1], ref[s], None if b is None else b[s], toks[i])
+                             for s, lg, ref, b, toks in zip(sl, res.logits, refs, bases, res.token_ids)]))
+    # step 0's agreement: the first new token (from the prefill) against HF's argmax at the prompt end
+    first = sum(int(ref[len(p) - 1].argmax()) == toks[0] for p, ref, toks in zip(prompts, refs, res.token_ids))
+    rows[0].agree, rows[0].total = first, len(prompts)
+    return ValidateReport(rows, dtype, page_size, label, TOLERANCES[dtype], prompts, res.token_ids)
+
+
+def _teacher_forced(hf, prompts, token_ids, device) -> list[torch.Tensor]:
+    """Per prompt: HF logits [len(prompt) + n_new - 1, V] float32 cpu over prompt + our tokens."""
+    out = []
+    for p, toks in zip(prompts, token_ids):
+        ids = torch.tensor([p + toks[:-1]], device=device)
+        out.append(hf(input_ids=ids, use_cache=False).logits[0].float().cpu())
+    return out
+
+
+def _errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(max abs error, relative error, smallest row cosine) of x against ref, in float64."""
+    x, ref = x.double(), ref.double()
+    diff = (x - ref).abs().max().item()
+    cos = F.cosine_similarity(x, ref, dim=-1).min().item()
+    return diff, diff / max(ref.abs().max().item(), 1e-30), cos
+
+
+def _row(step: int, items) -> StepRow:
+    """items: (ours [n, V], ref [n, V], baseline [n, V] or None, our greedy token or None) per request."""
+    max_abs = rel = 0.0
+    cos = 1.0
+    base_rel, base_cos = 0.0, 1.0
+    has_base = False
+    agree = total = 0
+    for ours, ref, base, tok in items:
+        d, r, c = _errors(ours, ref)
+        max_abs, rel, cos = max(max_abs, d), max(rel, r), min(cos, c)
+        if base is not None:
+            has_base = True
+            _, r, c = _errors(base, ref)
+            base_rel, base_cos = max(base_rel, r), min(base_cos, c)
+        if tok is not None:
+            agree += int(int(ref[-1].argmax()) == tok)
+            total += 1
+    return StepRow(step, max_abs, rel, cos, agree, total,
+                   base_rel if has_base else None, base_cos if has_base else None)
+
+
+def format_report(report: ValidateReport) -> str:
+    """The human-readable table plus a PASS / FAIL line."""
+    rel_t, cos_t, agree_t = report.thresholds
+    lines = [f"checkpoint: {report.checkpoint}",
+             f"dtype: {str(report.dtype).replace('torch.', '')}   page_size: {report.page_size}   "
+             f"requests: {len(report.prompts)} (prompt lengths {[len(p) for p in report.prompts]})",
+             f"{'step':>7} {'max abs err':>12} {'rel err':>10} {'min cos':>10} {'token agree':>12}"
+             + ("   baseline rel / cos (HF in this dtype)" if report.rows[0].base_rel is not None else "")]
+    for r in report.rows:
+        name = "prefill" if r.step == 0 else str(r.step)
+        line = f"{name:>7} {r.max_abs:12.3e} {r.rel:10.3e} {r.cosine:10.6f} {r.agree:>7}/{r.total:<4}"
+        if r.base_rel is not None:
+            line += f"   {r.base_rel:10.3e} / {r.base_cosine:.6f}"
+        lines.append(line + ("" if r.within(rel_t, cos_t) else "   <- over threshold"))
+    lines.append(f"greedy tokens identical to transformers: {'yes' if report.greedy_identical else 'no'} "
+                 f"(decode agreement {report.agree_fraction:.1%})")
+    verdict = "PASS" if report.passed else "FAIL"
+    rule = f"rel err <= {rel_t:g}, cosine >= {cos_t:g}"
+    if report.rows[0].base_rel is not None:
+        rule = f"({rule}) or within 2x the baseline's error"
+    lines.append(f"{verdict}: thresholds {rule}; token agreement >= {agree_t:.0%}")
+    return "\n".join(lines)
+
+
+def report_json(report: ValidateReport) -> str:
+    return json.dumps({"passed": report.passed, "greedy_identical": report.greedy_identical,
+                       "rows": [r.__dict__ for r in report.rows], "token_ids": report.token_ids})
