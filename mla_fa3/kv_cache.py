@@ -212,10 +212,15 @@ class PagedAllocator:
         self._req_pages[req_idx] = pages[:keep]
         req_to_token_pool.req_to_token[req_idx, num_tokens:] = 0
 
-    def free_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int) -> None:
-        """Free every page of request row ``req_idx`` and zero its row (the row itself stays allocated)."""
-        self.free_pages(self._req_pages.pop(req_idx, []))
+    def free_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int) -> list[int]:
+        """Free every page of request row ``req_idx`` and zero its row (the row itself stays allocated).
+
+        Returns the freed page ids, for the pools' :meth:`_TokenPoolBase.clear_pages`.
+        """
+        pages = self._req_pages.pop(req_idx, [])
+        self.free_pages(pages)
         req_to_token_pool.req_to_token[req_idx] = 0
+        return list(pages)
 
 
 # ---------------------------------------------------------------------------------------- pools
@@ -230,6 +235,29 @@ class _TokenPoolBase:
         self.num_slots = num_pages * page_size
         self.device = torch.device(device)
         self.debug_checks = debug_checks
+
+    def _buffers(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def clear_pages(self, page_ids) -> None:
+        """Zero pages ``page_ids`` (a list or CPU tensor of page ids) in every layer.
+
+        Call it when pages go back to the allocator. FA3 and FlashMLA read whole pages and multiply the
+        slots past a sequence's end by a zero probability, so a non-finite value an earlier request left
+        there would leak (0 * NaN) into the page's next owner; zeroed free pages keep that tail finite.
+        """
+        ids = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1)
+        if ids.device.type != "cpu":
+            raise ValueError(f"page_ids must be on the CPU (host list or tensor), got {ids.device}")
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_pages:
+            raise ValueError(f"page_ids must be in [0, {self.num_pages}), got values in [{lo}, {hi}]")
+        ids = ids.to(self.device, non_blocking=True)
+        for buf in self._buffers():
+            raw = buf.view(torch.uint8) if buf.element_size() == 1 else buf  # fp8: all-zero bits = 0.0
+            self._paged(raw).index_fill_(0, ids, 0)
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -280,6 +308,9 @@ class MLATokenPool(_TokenPoolBase):
         self.dtype = dtype
         self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.device)
                           for _ in range(num_layers)]
+
+    def _buffers(self) -> list[Tensor]:
+        return self.kv_buffer
 
     def set_kv(self, layer: int, loc: Tensor, c_kv: Tensor, k_rope: Tensor) -> None:
         """Write ``c_kv`` [T, r] and ``k_rope`` [T, d_rope] at slots ``loc`` [T] (cast to the pool dtype)."""
@@ -369,6 +400,9 @@ class MHATokenPool(_TokenPoolBase):
         if scale is None:
             return x.to(self.kv_dtype)
         return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.kv_dtype)
+
+    def _buffers(self) -> list[Tensor]:
+        return self.k_buffer + self.v_buffer
 
     def set_kv(self, layer: int, loc: Tensor, k: Tensor, v: Tensor) -> None:
         """Write ``k`` [T, h_kv, d] and ``v`` [T, h_kv, d_v] at slots ``loc`` [T] (quantized when FP8)."""

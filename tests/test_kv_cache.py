@@ -237,3 +237,24 @@ def test_mha_pool_fp8_round_trip_within_e4m3_precision() -> None:
         pool.set_scales(0, 0.0, 1.0)
     with pytest.raises(TypeError, match="kv_dtype"):
         MHATokenPool(1, 2, 4, 1, 8, 8, torch.bfloat16, "cpu", kv_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("pool_kind", ["mla", "mha_bf16", "mha_fp8"])
+def test_clear_pages_zeroes_exactly_those_pages_in_every_layer(pool_kind):
+    if pool_kind == "mla":
+        pool = MLATokenPool(2, 6, 4, 8, 4, torch.float32, "cpu")
+    else:
+        kv_dtype = torch.float8_e4m3fn if pool_kind == "mha_fp8" else None
+        pool = MHATokenPool(2, 6, 4, 2, 16, 16, torch.bfloat16, "cpu", kv_dtype=kv_dtype)
+    bufs = pool._buffers()
+    for buf in bufs:
+        buf.view(torch.uint8).fill_(0x7F)  # NaN bit patterns everywhere (fp32, bf16 and e4m3)
+    pool.clear_pages([4, 1])
+    for buf in bufs:
+        pages = buf.view(torch.uint8).view(pool.num_pages, -1)
+        for page in range(pool.num_pages):
+            expect = 0 if page in (1, 4) else 0x7F
+            assert bool((pages[page] == expect).all()), (page, expect)
+        assert bool((buf.float().view(pool.num_pages, -1)[[1, 4]] == 0).all())
+    with pytest.raises(ValueError, match="^page_ids must be in"):
+        pool.clear_pages([6])
