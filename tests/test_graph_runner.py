@@ -147,6 +147,18 @@ class World:
             keep[table[row, : self.length(row)].long()] = True
         for buf in self.pool.kv_buffer:
             buf[~keep.to(self.device)] = float("nan")
+        if self.device.type == "cuda":
+            # The kernels read whole pages and weight the slots past a sequence's end by a zero
+            # probability (0 * NaN = NaN): on a GPU that tail holds large finite garbage instead, as
+            # the pools guarantee finite stale rows (zeroed when freed).
+            p = self.pool.page_size
+            for row in live_rows:
+                n = self.length(row)
+                if n % p:
+                    page = int(table[row, n - 1]) // p
+                    tail = torch.arange(page * p + n % p, (page + 1) * p, device=self.device)
+                    for buf in self.pool.kv_buffer:
+                        buf[tail] = 3.0e3
 
     def oracle(self, rows: list[int], q: torch.Tensor) -> torch.Tensor:
         """fp64 non-absorbed MLA per request and layer, after commit: [T, layers, H, d_v]."""
@@ -161,7 +173,7 @@ class World:
                                        v_head_dim=d.v_head_dim, scale=self.scale, causal=True)
                 per_layer.append(o)
             outs.append(torch.stack(per_layer, dim=1))
-        return torch.cat(outs)
+        return torch.cat(outs).to(self.device)
 
     def eager(self, batch: ForwardBatch, inputs: dict) -> torch.Tensor:
         """The same step without the runner: plan for the live batch, run the step on it."""
