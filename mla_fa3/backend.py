@@ -107,7 +107,10 @@ class MLABackend:
         self.forward_metadata = None  # the current step's AttentionMetadata (eager or captured)
         self._step_kernel = DecodeKernel.FA3  # absorbed kernel of the current step
         self._record: PathRecord | None = None
-        self._graph: dict[tuple[ForwardMode, int, int], _GraphEntry] = {}
+        # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
+        # kernels are captured per size and each replay picks one from the live lengths (host ints)
+        self._graph: dict[tuple[ForwardMode, int, int, DecodeKernel], _GraphEntry] = {}
+        self.graph_kernel: DecodeKernel | None = None  # kernel of the graph the last replay update chose
 
     # ------------------------------------------------------------------------------ per step
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -122,15 +125,17 @@ class MLABackend:
             self._record = self.extend.plan_step(batch, md)
         else:
             sq = batch.num_draft_tokens if mode.is_target_verify() else 1
-            kernel, reason = self._choose_decode_kernel(batch.batch_size, md.max_seqlen_k)
+            kernel, reason = self._choose_decode_kernel(batch.batch_size, md.max_seqlen_k,
+                                                        _mean_seqlen(batch))
             if kernel is DecodeKernel.FLASHMLA:
                 md.flashmla_schedule = self._plan_flashmla(md, sq)
             self._step_kernel = kernel
             self._record = PathRecord(mode.name, AttentionPath.ABSORBED, kernel.value, reason)
         self.forward_metadata = md
 
-    def _choose_decode_kernel(self, batch_size: int, max_seqlen_k: int) -> tuple[DecodeKernel, str]:
-        """The absorbed kernel of a decode-like / verify step (host ints only)."""
+    def _choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
+                              mean_seqlen_k: float | None = None) -> tuple[DecodeKernel, str]:
+        """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown)."""
         if self.decode_kernel is not _AUTO:
             return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
         if self.page_size != FLASHMLA_PAGE_SIZE:
@@ -139,10 +144,17 @@ class MLABackend:
         if kc is None:
             return DecodeKernel.FA3, "auto: mla_fa3.kernel_choice unavailable -> FA3"
         args = (self.num_heads, max(batch_size, 1), max(max_seqlen_k, 1), self.page_size)
-        if hasattr(kc, "explain_decode_kernel"):
-            choice = kc.explain_decode_kernel(*args)
-            return choice.kernel, f"auto: {choice.reason}"
-        return kc.choose_decode_kernel(*args), "auto: kernel_choice.choose_decode_kernel"
+        choice = kc.explain_decode_kernel(*args, mean_seqlen_k=mean_seqlen_k)
+        return choice.kernel, f"auto: {choice.reason}"
+
+    def graph_kernels(self) -> tuple[DecodeKernel, ...]:
+        """Kernels worth capturing a graph for, per batch size: both FA3 and FlashMLA when the choice is
+        automatic on page 64 (the winner depends on the live lengths' skew), else the one kernel."""
+        if self.decode_kernel is not _AUTO:
+            return (self.decode_kernel,)
+        if self.page_size != FLASHMLA_PAGE_SIZE or optional_module("kernel_choice") is None:
+            return (DecodeKernel.FA3,)
+        return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
 
     def _plan_flashmla(self, md, sq: int):
         return ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads * sq, impl=self.impl)
@@ -298,8 +310,11 @@ class MLABackend:
         self._graph.clear()
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
-                                                 num_draft_tokens: int = 1):
+                                                 num_draft_tokens: int = 1, kernel: DecodeKernel | None = None):
         """Metadata for capturing a graph of ``bs`` requests in ``mode`` (views of the capture buffers).
+
+        ``kernel``: the absorbed kernel to record (one of :meth:`graph_kernels`); None chooses one for
+        ``bs`` at ``max_context``. Capture once per kernel to let each replay pick the faster one.
 
         ``bs`` may also be the graph's static ``ForwardBatch`` (mode, size and draft tokens are read from
         it; how ``graph_runner.GraphRunner`` calls it). Call OUTSIDE ``torch.cuda.graph(...)``: it may
@@ -313,12 +328,18 @@ class MLABackend:
             raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE for a CUDA graph, got {mode!r}")
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"bs must be an int >= 1, got {bs!r}")
+        if kernel is not None and kernel not in self.graph_kernels():
+            raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {self.graph_kernels()}")
         k = num_draft_tokens if mode.is_target_verify() else 1
         md = self.builder.capture(bs, mode, num_draft_tokens=k)
-        kernel, reason = self._choose_decode_kernel(bs, md.max_seqlen_k)
+        if kernel is None:
+            kernel, reason = self._choose_decode_kernel(bs, md.max_seqlen_k)
+        else:
+            reason = f"{kernel.value} graph"
         if kernel is DecodeKernel.FLASHMLA:
             md.flashmla_schedule = self._plan_flashmla(md, k)
-        self._graph[(mode, bs, k)] = _GraphEntry(md, kernel, reason)
+        self._graph[(mode, bs, k, kernel)] = _GraphEntry(md, kernel, reason)
+        self.graph_kernel = kernel
         self._activate(mode, md, kernel, f"{reason} (captured for bs {bs})")
         return md
 
@@ -334,26 +355,38 @@ class MLABackend:
         """
         mode = batch.forward_mode
         k = batch.num_draft_tokens if mode.is_target_verify() else 1
-        sizes = sorted(b for (m, b, kk) in self._graph if m is mode and kk == k)
+        sizes = sorted({b for (m, b, kk, _) in self._graph if m is mode and kk == k})
         if bs is None:
             fitting = [b for b in sizes if b >= batch.batch_size]
             if not fitting:
                 raise ValueError(f"batch of {batch.batch_size} requests ({mode.name}, k={k}) fits no captured "
                                  f"batch size {sizes}")
             bs = fitting[0]
-        entry = self._graph.get((mode, bs, k))
-        if entry is None:
+        kernels = [kk for kk in DecodeKernel if (mode, bs, k, kk) in self._graph]
+        if not kernels:
             raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
+        kernel, why = kernels[0], None
+        if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync)
+            kernel, why = self._choose_decode_kernel(batch.batch_size, int(batch.seq_lens_cpu.max()),
+                                                     _mean_seqlen(batch))
+        entry = self._graph[(mode, bs, k, kernel)]
         self.builder.replay(batch, entry.metadata)
         if entry.kernel is DecodeKernel.FLASHMLA:
             entry.metadata.flashmla_schedule.copy_(self._plan_flashmla(entry.metadata, k))
-        self._activate(mode, entry.metadata, entry.kernel, f"{entry.reason} (replay of bs {bs})")
+        self.graph_kernel = entry.kernel
+        self._activate(mode, entry.metadata, entry.kernel, f"{why or entry.reason} (replay of bs {bs})")
         return entry.metadata
 
     def _activate(self, mode: ForwardMode, md, kernel: DecodeKernel, reason: str) -> None:
         self.forward_metadata = md
         self._step_kernel = kernel
         self._record = PathRecord(mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=True)
+
+
+def _mean_seqlen(batch: ForwardBatch) -> float | None:
+    """Mean KV length of the live requests, from the batch's CPU copy (None for an empty batch)."""
+    lens = batch.seq_lens_cpu
+    return float(lens.float().mean()) if lens is not None and lens.numel() else None
 
 
 def _empty_output(q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:

@@ -14,6 +14,7 @@ from specs import (MLA_CONFIGS, SPECS, BatchSpec, MLAConfig, follow_up, make_bat
                    mla_oracle, padded, rel_err)
 
 from mla_fa3 import ops
+from mla_fa3.absorb import DecodeKernel
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
@@ -256,7 +257,7 @@ def test_auto_decode_kernel_uses_kernel_choice():
     spec = BatchSpec(DEC, (10, 70), (1, 1), page_size=64)
     case = make_mla_case(spec, "tiny", seed=4)
     out, backend = run_step(case, decode_kernel="auto", num_heads=case.cfg.num_heads)
-    want = kc.choose_decode_kernel(case.cfg.num_heads, 2, 71, 64)
+    want = kc.choose_decode_kernel(case.cfg.num_heads, 2, 71, 64, mean_seqlen_k=(11 + 71) / 2)
     assert backend.explain().kernel == want.value
     assert rel_err(out, mla_oracle(case)) <= TOL
     case16 = make_mla_case("small_decode", "tiny", seed=4)  # page 16: FlashMLA impossible
@@ -288,6 +289,31 @@ def test_cuda_graph_capture_then_replay_reads_captured_metadata(mode, k, kernel)
         T = step.q.shape[0]
         assert rel_err(out[:T], mla_oracle(step)) <= TOL
         assert backend.explain().kernel == kernel and backend.explain().graph
+
+
+def test_auto_graphs_capture_both_kernels_and_each_replay_picks_from_live_lengths():
+    """decode_kernel='auto' on page 64: one graph per kernel per size; a replay picks the kernel that
+    kernel_choice gives for the live lengths (skew included) and computes the right answer with it."""
+    kc = pytest.importorskip("mla_fa3.kernel_choice")
+    spec = BatchSpec(DEC, (40, 3, 77), (1,) * 3, page_size=64)
+    case = make_mla_case(spec, "deepseek_v3", seed=9)
+    H = case.cfg.num_heads
+    backend = backend_for(case, decode_kernel="auto", num_heads=H)
+    assert backend.graph_kernels() == (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+    backend.init_cuda_graph_state(4, case.layout.req_to_token_pool.max_context)
+    for kernel in backend.graph_kernels():
+        backend.init_forward_metadata_capture_cuda_graph(4, DEC, kernel=kernel)
+        assert backend.graph_kernel is kernel
+    for prefix, requests in (((40, 3, 77), [0, 1, 2]), ((70, 35), [2, 0])):
+        step = follow_up(case, DEC, prefix, (1,) * len(prefix), requests=requests, seed=len(prefix), pad_to=4)
+        backend.init_forward_metadata_replay_cuda_graph(step.batch)
+        lens = [p + 1 for p in prefix]
+        want = kc.choose_decode_kernel(H, len(lens), max(lens), 64, mean_seqlen_k=sum(lens) / len(lens))
+        assert backend.graph_kernel is want and backend.explain().kernel == want.value
+        out = backend.forward(padded(step.q, 4), padded(step.new_latent, 4), None, step.layer, step.batch)
+        assert rel_err(out[: len(lens)], mla_oracle(step)) <= TOL
+    with pytest.raises(ValueError, match="^kernel"):
+        backend_for(case).init_forward_metadata_capture_cuda_graph(4, DEC, kernel=DecodeKernel.FLASHMLA)
 
 
 def test_graph_runner_style_capture_with_a_static_batch_and_oversize_replay():
