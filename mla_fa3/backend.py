@@ -101,8 +101,12 @@ class MLABackend:
                                  f"decode_kernel={kernel}, got {num_heads!r}")
         self.num_heads = num_heads
         self.impl = impl
+        slots = [p.num_slots for p in (self.mla_pool, self.mha_pool) if p is not None]
+        # the builder range-checks out_cache_loc and page ids against the pool (on the host for CPU
+        # tensors; on a GPU only with debug_checks, since reading device values would sync)
         self.builder = MetadataBuilder(req_to_token_pool, page_size, self.device,
-                                       attention_chunk_size=attention_chunk_size, debug_checks=debug_checks)
+                                       attention_chunk_size=attention_chunk_size, debug_checks=debug_checks,
+                                       num_slots=min(slots))
         self.extend = ExtendDispatch(prefill_path, prefill_workspace_tokens, page_size, self.builder.req_to_token, impl)
         self.forward_metadata = None  # the current step's AttentionMetadata (eager or captured)
         self._step_kernel = DecodeKernel.FA3  # absorbed kernel of the current step

@@ -202,15 +202,20 @@ class PagedAllocator:
         req_to_token_pool.req_to_token[req_idx, start:end] = slots.to(torch.int32)
         return slots
 
-    def truncate_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens of the request; free the pages past them."""
+    def truncate_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int, num_tokens: int) -> list[int]:
+        """Keep the first ``num_tokens`` tokens of the request; free the pages past them.
+
+        Returns the freed page ids, for the pools' :meth:`_TokenPoolBase.clear_pages` (as ``free_request``).
+        """
         pages = self._req_pages.get(req_idx, [])
         keep = -(-num_tokens // self.page_size)
         if num_tokens < 0 or keep > len(pages):
             raise ValueError(f"num_tokens must be in [0, {len(pages) * self.page_size}], got {num_tokens}")
-        self.free_pages(pages[keep:])
+        freed = list(pages[keep:])
+        self.free_pages(freed)
         self._req_pages[req_idx] = pages[:keep]
         req_to_token_pool.req_to_token[req_idx, num_tokens:] = 0
+        return freed
 
     def free_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int) -> list[int]:
         """Free every page of request row ``req_idx`` and zero its row (the row itself stays allocated).

@@ -130,3 +130,22 @@ def test_pool_tuple_and_mha_layer_needs_an_mha_pool():
     with pytest.raises(TypeError, match="kv_pool"):
         MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=(case.pool, case.pool),
                    page_size=16, device="cpu")
+
+
+def test_backend_range_checks_slots_and_pages_against_the_pool_before_any_kernel():
+    """The builder knows the pool size: a slot past the pool (in out_cache_loc or in the request's
+    req_to_token row) is a named error at planning time, and nothing is written."""
+    case = make_mla_case("small_decode", "tiny", seed=3)
+    backend = backend_for(case)
+    bad = case.batch
+    bad.out_cache_loc = bad.out_cache_loc.clone()
+    bad.out_cache_loc[0] = case.pool.num_slots + 5
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        backend.init_forward_metadata(bad)
+    case = make_mla_case("small_decode", "tiny", seed=3)
+    row = case.layout.rows[0]
+    case.layout.req_to_token_pool.req_to_token[row, 0] = case.pool.num_slots + 64
+    before = [b.clone() for b in case.pool.kv_buffer]
+    with pytest.raises(ValueError, match="page"):
+        backend_for(case).init_forward_metadata(case.batch)
+    assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip(before, case.pool.kv_buffer))

@@ -176,3 +176,16 @@ def test_draft_steps_on_gpu_equal_eager_decodes():
         assert torch.isfinite(out).all()
         cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
         assert cos >= MIN_COSINE
+
+
+def test_debug_checks_catch_out_of_pool_slots_on_the_gpu():
+    """On CUDA the range checks read device values, so they run under debug_checks=True (off the hot
+    path by default): a slot past the pool is then a named error before any kernel or pool write."""
+    case = make_mla_case("small_decode", "deepseek_v3", dtype=BF16, device=DEV, seed=3)
+    row = case.layout.rows[0]
+    case.layout.req_to_token_pool.req_to_token[row, 0] = case.pool.num_slots + 64
+    with pytest.raises(ValueError, match="page"):
+        backend_for(case, debug_checks=True).init_forward_metadata(case.batch)
+    case.batch.out_cache_loc[0] = case.pool.num_slots + 5
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        backend_for(case, debug_checks=True).init_forward_metadata(case.batch)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
@@ -138,10 +139,26 @@ def fa3_available() -> bool:
 def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
     chosen = _global_impl if impl is None else _coerce_impl(impl)
     if chosen is Impl.AUTO:
-        return Impl.FA3 if _fa3_usable_on(device) else Impl.REFERENCE
+        if _fa3_usable_on(device):
+            return Impl.FA3
+        if device.type == "cuda":
+            _warn_reference_on_cuda(device)
+        return Impl.REFERENCE
     if chosen is Impl.FA3 and not _fa3_usable_on(device):
         raise KernelUnavailableError(fa3.unavailable_message(device))
     return chosen
+
+
+_warned_reference_on_cuda = False
+
+
+def _warn_reference_on_cuda(device: torch.device) -> None:
+    """AUTO fell back to the (slow, syncing, not graph-capturable) reference on a GPU: say so, once."""
+    global _warned_reference_on_cuda
+    if not _warned_reference_on_cuda:
+        _warned_reference_on_cuda = True
+        warnings.warn(f"mla_fa3.ops: impl=auto runs the pure-torch reference on {device}: "
+                      f"{fa3.unavailable_message(device)}", RuntimeWarning, stacklevel=3)
 
 
 def _ran(impl: Impl) -> None:
