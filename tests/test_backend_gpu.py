@@ -183,9 +183,12 @@ def test_debug_checks_catch_out_of_pool_slots_on_the_gpu():
     path by default): a slot past the pool is then a named error before any kernel or pool write."""
     case = make_mla_case("small_decode", "deepseek_v3", dtype=BF16, device=DEV, seed=3)
     row = case.layout.rows[0]
-    case.layout.req_to_token_pool.req_to_token[row, 0] = case.pool.num_slots + 64
+    table = case.layout.req_to_token_pool.req_to_token
+    good = table[row, 0].clone()
+    table[row, 0] = case.pool.num_slots + 64
     with pytest.raises(ValueError, match="page"):
         backend_for(case, debug_checks=True).init_forward_metadata(case.batch)
+    table[row, 0] = good
     case.batch.out_cache_loc[0] = case.pool.num_slots + 5
     with pytest.raises(ValueError, match="out_cache_loc"):
         backend_for(case, debug_checks=True).init_forward_metadata(case.batch)
