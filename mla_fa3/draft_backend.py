@@ -11,6 +11,10 @@ written). The backend holds one :class:`~mla_fa3.backend.MLABackend` per step, e
 metadata builder and CUDA-graph capture buffers, so the ``n`` steps' metadata coexist (all planned
 once, before the first step runs, or all captured in one graph). They share the KV pools.
 
+Precondition: every step's slot is in ``req_to_token`` before the steps are planned (the engine
+allocates the ``num_steps`` draft slots of each request up front, as EAGLE engines do): step ``i``'s
+page table is gathered from ``req_to_token`` at planning time.
+
 Batches: the engine hands ``init_forward_metadata`` the step-0 ``DRAFT_DECODE`` batch (``seq_lens =
 base + 1``, ``draft_step = 0``); :meth:`step_batch` derives step ``i``'s batch from it (``seq_lens +
 i``, ``positions + i``, that step's ``out_cache_loc``) with device arithmetic only (no sync). Each
@@ -50,9 +54,17 @@ class MultiStepDraftBackend:
     def step_batch(self, batch: ForwardBatch, i: int, out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
         """Step ``i``'s DRAFT_DECODE batch from the step-0 batch (device adds, no sync).
 
-        ``out_cache_loc`` [bs] int64: the slots step ``i`` writes (default: the step-0 batch's, which is
-        fine for planning metadata — it is only read when a layer stores its latent rows).
+        ``out_cache_loc`` [bs] int64: the slots step ``i`` writes — required for ``i > 0``, since a layer
+        stores its latent rows there (reusing step 0's slots would overwrite step 0's token).
         """
+        if i and out_cache_loc is None:
+            raise ValueError(f"out_cache_loc is required for draft step {i} (the slots that step writes); "
+                             "step 0's would be overwritten")
+        return self._planning_batch(batch, i, out_cache_loc)
+
+    def _planning_batch(self, batch: ForwardBatch, i: int, out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
+        """Step ``i``'s batch for metadata planning only (keeps step 0's out_cache_loc when none is given:
+        planning never writes through it)."""
         self._check_base(batch)
         self.step(i)
         changes = {"draft_step": i}
@@ -76,7 +88,7 @@ class MultiStepDraftBackend:
         """Plan every step once from the step-0 batch: step i's cache_seqlens = batch.seq_lens + i."""
         self._check_base(batch)
         for i, backend in enumerate(self.backends):
-            backend.init_forward_metadata(self.step_batch(batch, i))
+            backend.init_forward_metadata(self._planning_batch(batch, i))
 
     def forward(self, q, k, v, layer, batch: ForwardBatch, *, save_kv_cache: bool = True) -> torch.Tensor:
         """A layer of draft step ``batch.draft_step`` (the step's own batch, with its out_cache_loc)."""
@@ -107,7 +119,7 @@ class MultiStepDraftBackend:
     def replay_all_steps(self, batch: ForwardBatch, *, bs: int | None = None) -> list:
         """Replay-update every step's captured metadata from the step-0 batch (one graph, all steps)."""
         self._check_base(batch)
-        return [backend.init_forward_metadata_replay_cuda_graph(self.step_batch(batch, i), bs=bs)
+        return [backend.init_forward_metadata_replay_cuda_graph(self._planning_batch(batch, i), bs=bs)
                 for i, backend in enumerate(self.backends)]
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

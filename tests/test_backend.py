@@ -345,7 +345,9 @@ def test_multistep_draft_capture_and_replay_all_steps():
     for i in range(steps):
         assert draft.step(i).forward_metadata.cache_seqlens[:2].tolist() == [p + i + 1 for p in prefix]
     # per-step capture/replay as a graph runner does it (batch.draft_step selects the step)
-    sb = draft.step_batch(case.batch, 2)
+    with pytest.raises(ValueError, match="^out_cache_loc is required for draft step 2"):
+        draft.step_batch(case.batch, 2)
+    sb = draft.step_batch(case.batch, 2, case.batch.out_cache_loc + 2)
     assert draft.init_forward_metadata_replay_cuda_graph(sb) is mds[2]
     with pytest.raises(ValueError, match="draft step"):
         draft.step(steps)
