@@ -5,34 +5,39 @@ Symbols (per layer; all dims from the model config): ``H`` query heads, ``r`` = 
 tokens, ``n_b`` new tokens; ``P = Σ p_b``, ``N = Σ n_b``; ``W`` the chunked path's workspace in tokens;
 ``S = Σ_b (n_b·p_b + n_b(n_b+1)/2)`` the (query, key) pairs of causal attention over prefix + new.
 
-The paths (``absorb.py``, ``chunked_prefix.py``) and what the model charges each, in ms per layer:
+Each path costs, in ms per layer, a device time ``g`` (roofline terms at effective rates) and a host
+time ``h`` (the eager launches of the path: Python, dispatch, launch latency), combined as
+``t = (g^k + h^k)^(1/k)`` with ``k = host_overlap_p``: the host runs ahead of the device in eager
+mode, so the two overlap — ``k = 1`` adds them, a large ``k`` takes the larger. What each path charges:
 
 * ``ABSORBED`` — attention over the 576-wide latent rows with ``q_lat = q_nope·W_UK``:
-  ``max(2·H·S·(2r + d_rope) / R_abs, bytes / BW)`` (bytes: latent rows read once, q and o_lat)
-  ``+ 2·N·H·r·(d_nope + d_v) / R_gemm`` (query absorption and output projection) ``+ fixed``.
-* ``MHA_ONESHOT`` (no prefix among the MHA rows) / ``MHA_CHUNKED`` (prefixes, ``ceil(P / W)`` chunks):
+  ``g = max(2·H·S·(2r + d_rope) / R_abs, bytes / BW_hbm)`` (bytes: latent rows read once, q and o_lat)
+  ``+ 2·N·H·r·(d_nope + d_v) / R_gemm`` (query absorption and output projection); ``h = absorbed_fixed``.
+* ``MHA_ONESHOT`` (no prefix among the MHA rows) / ``MHA_CHUNKED`` (prefixes, ``c = ceil(P / W)`` chunks):
   attention with head dims ``d_qk / d_v``: ``2·H·S·(d_qk + d_v) / (R_mha · occupancy)``, where
   ``occupancy = min(1, H·Σ_b ceil(n_b / tile_m) / num_sms)`` (FA3's varlen forward runs one CTA per
-  (q tile, head): few new tokens leave SMs idle — why 16 heads × 512 tokens over 64k loses);
-  decompression ``max(2·(P + N)·r·H·(d_nope + d_v) / R_gemm, bytes / BW)``; the gather of the
-  prefix's latent rows ``2·P·(r + d_rope)·2 B / BW``; one LSE merge per chunk over all rows
-  ``N·H·(3·d_v·2 B + 12 B) / BW``; ``chunk_overhead`` per chunk and a fixed cost.
+  (q tile, head): few new tokens leave SMs idle); decompression ``2·(P + N)·r·H·(d_nope + d_v) / R_gemm``
+  plus its copies ``(P + N)·H·(2·d_nope + d_qk + d_v)·2 B / BW_copy``; the gather of the prefix's latent
+  rows ``2·P·(r + d_rope)·2 B / BW_copy``; one LSE merge per chunk ``N·H·(3·d_v·2 B + 12 B) / BW_copy``;
+  ``h = mha_fixed + c·chunk_overhead`` (each chunk is ~8 launches: gather, 2 GEMMs, 2 copies, attention, merge).
 
 Rows with ``n_b = 1`` and ``p_b > 0`` (decode rows of a MIXED step) always take the absorbed path —
-decompressing a whole prefix for one query never pays — so the choice is made for the other rows,
-and the decode rows' absorbed cost is added to every option. Decode-like modes (one query per
-request) are ABSORBED by definition.
+decompressing a whole prefix for one query never pays — so the choice is made for the other rows, and
+the decode rows' absorbed ``g`` and ``h`` are added to the MHA options' (one split step runs both).
+Decode-like modes (one query per request) are ABSORBED by definition.
 
-:class:`CostConstants` holds every constant in one place; the defaults are calibrated on the H200
-measurements (kernels only, bf16, page 64) of shared/device/README.md — 128 heads, 4096 new over a
-32k prefix: chunked MHA (8k chunks) 18.3 ms, absorbed 62.9 ms; 16 heads, 512 new over 64k: absorbed
-1.82 ms, MHA 1.97 ms — and :func:`fit_cost_constants` re-fits them from benchmark rows
-(``mla_fa3.bench.prefill`` writes them). Pure host arithmetic on CPU lengths: no tensor is read from
-a device, so choosing a path never syncs.
+:class:`CostConstants` holds every constant in one place. :data:`H200_COSTS` is fitted with
+:func:`fit_cost_constants` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv`` (H200, eager
+CUDA-event times of one layer, host overhead included, bf16, page 64, W = 8192). The rates are
+*effective* rates of the code as it runs, not hardware peaks.
+:func:`evaluate_on_csv` replays a benchmark CSV through the model: which path it picks per shape and
+picked / best measured time. Pure host arithmetic on CPU lengths: no tensor is read from a device, so
+choosing a path never syncs.
 """
 
 from __future__ import annotations
 
+import csv
 import enum
 import math
 from dataclasses import dataclass, fields, replace
@@ -41,16 +46,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 __all__ = [
-    "PrefillPath",
-    "PREFILL_PATH_OVERRIDES",
-    "CostConstants",
-    "H200_COSTS",
-    "PathDecision",
-    "CostSample",
-    "decode_rows",
-    "estimate_costs_ms",
-    "choose_path",
-    "fit_cost_constants",
+    "PrefillPath", "PREFILL_PATH_OVERRIDES", "CostConstants", "H200_COSTS", "PathDecision", "decode_rows",
+    "estimate_costs_ms", "choose_path", "CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation",
+    "read_samples_csv", "evaluate_choices", "evaluate_on_csv", "summarize",
 ]
 
 PREFILL_PATH_OVERRIDES = ("auto", "absorbed", "mha")
@@ -70,17 +68,19 @@ class PrefillPath(enum.Enum):
 
 @dataclass(frozen=True)
 class CostConstants:
-    """Every constant of the cost model (per-layer kernel times; H200, bf16). Re-fit from benchmarks."""
+    """Every constant of the cost model (one layer, eager). Fitted ones first; ``replace(H200_COSTS, ...)``."""
 
-    mha_attn_tflops: float = 745.0  # FA3 varlen forward, head dims 192/128, full occupancy (TFLOP/s)
-    absorbed_attn_tflops: float = 636.0  # FA3 absorbed MLA (qv, head dims 64 + 512 / 512) (TFLOP/s)
-    gemm_tflops: float = 650.0  # bf16 GEMMs with K = r (decompression, absorption, projection)
-    hbm_tbps: float = 4.0  # achieved bandwidth of gathers, copies and merges (TB/s)
+    mha_attn_tflops: float  # FA3 varlen forward, head dims 192/128, full occupancy (TFLOP/s)
+    absorbed_attn_tflops: float  # FA3 absorbed MLA (qv, head dims 64 + 512 / 512) (TFLOP/s)
+    gemm_tflops: float  # effective rate of the GEMMs with K = r (decompression, absorption, projection)
+    chunk_overhead_us: float  # host: launches of one prefix chunk (gather, 2 GEMMs, 2 copies, attention, merge)
+    mha_fixed_us: float  # host: the MHA path's launches independent of the prefix (decompress, copies, attention)
+    absorbed_fixed_us: float  # host: the absorbed path's launches (absorption, attention, projection)
+    host_overlap_p: float = 2.0  # k of t = (g^k + h^k)^(1/k): 1 = host adds to device time, large = max
+    hbm_tbps: float = 4.0  # streaming reads of FA3 over the latent cache (decode bench, shared/device/README.md)
+    copy_tbps: float = 3.0  # read + write traffic of the MHA path's gathers, copies, merges (assumed, see fit)
     num_sms: int = 132  # streaming multiprocessors (H200)
     mha_tile_m: int = 128  # query rows per CTA of FA3's varlen forward at head dim 192
-    chunk_overhead_us: float = 64.0  # per prefix chunk: ~6 launches (gather, 2 GEMMs, copy, attn, merge) + tails
-    mha_fixed_us: float = 30.0  # the MHA path's new-token part: launches independent of sizes
-    absorbed_fixed_us: float = 10.0  # the absorbed path's launches (absorb, attention, projection)
     dtype_bytes: int = 2  # activation / cache element size (bf16)
 
     def __post_init__(self) -> None:
@@ -88,13 +88,24 @@ class CostConstants:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {v!r}")
-        for name in ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops", "hbm_tbps", "num_sms",
+        for name in ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops", "copy_tbps", "hbm_tbps", "num_sms",
                      "mha_tile_m", "dtype_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.host_overlap_p < 1:
+            raise ValueError(f"host_overlap_p must be >= 1, got {self.host_overlap_p!r}")
 
 
-H200_COSTS = CostConstants()
+# H200 (sm90, 132 SMs), DeepSeek-V3 dims, bf16, page 64, W = 8192: fit_cost_constants on the 32 shapes of
+# docs/perf/prefill_2026-12-02_run1.csv (bench run of 2026-12-02; heads {16,128} x new {128,512,4096,8192}
+# x prefix {0,8k,32k,64k}; eager CUDA-event times, so the host launch costs are part of what is fitted).
+# On those shapes auto picks the faster path on 31/32 and is within 2.5 % of it on all 32 (the one miss:
+# 16 heads, 4096 new, no prefix, a 2.5 % tie); tests/test_path_choice.py replays the CSV. k = 2 had the
+# best leave-one-out error (each shape predicted from the other 31: 31/32 right, worst 1.025); k = 1
+# (host + device) fits worse and wants a 1017 TFLOP/s GEMM, above the ~790 the H200 reaches.
+H200_COSTS = CostConstants(
+    mha_attn_tflops=646.0, absorbed_attn_tflops=641.0, gemm_tflops=584.0,
+    chunk_overhead_us=450.0, mha_fixed_us=392.0, absorbed_fixed_us=231.0, host_overlap_p=2.0)
 
 
 @dataclass(frozen=True)
@@ -149,33 +160,58 @@ def _pairs(prefix: Sequence[int], extend: Sequence[int]) -> int:
     return sum(n * p + n * (n + 1) // 2 for p, n in zip(prefix, extend))
 
 
-def _absorbed_ms(prefix, extend, H, dims, c: CostConstants) -> float:
+def _absorbed_parts(prefix, extend, H, dims, c: CostConstants) -> tuple[float, float]:
+    """(device ms, host ms) of the absorbed path over these rows."""
     if not extend or sum(extend) == 0:
-        return 0.0
+        return 0.0, 0.0
     r, dr, dn, dv, e = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, c.dtype_bytes
     N = sum(extend)
     flops = 2.0 * H * _pairs(prefix, extend) * (2 * r + dr)
     nbytes = e * (sum(prefix) + N) * (r + dr) + e * N * H * (2 * r + dr)
     attn = max(flops / (c.absorbed_attn_tflops * 1e9), nbytes / (c.hbm_tbps * 1e9))
     proj = 2.0 * N * H * r * (dn + dv) / (c.gemm_tflops * 1e9)
-    return attn + proj + c.absorbed_fixed_us * 1e-3
+    return attn + proj, c.absorbed_fixed_us * 1e-3
 
 
-def _mha_ms(prefix, extend, H, dims, c: CostConstants, workspace_tokens: int) -> float:
+def _mha_parts(prefix, extend, H, dims, c: CostConstants, workspace_tokens: int) -> tuple[float, float]:
+    """(device ms, host ms) of the one-shot (no prefix) or chunked MHA path over these rows."""
     if not extend or sum(extend) == 0:
-        return 0.0
+        return 0.0, 0.0
     r, dr, dn, dv, e = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, c.dtype_bytes
     dqk, P, N = dn + dr, sum(prefix), sum(extend)
-    bw = c.hbm_tbps * 1e9  # bytes per ms
+    bw = c.copy_tbps * 1e9  # bytes per ms
     tiles = H * sum(-(-n // c.mha_tile_m) for n in extend)
     occupancy = min(1.0, tiles / c.num_sms)
     attn = 2.0 * H * _pairs(prefix, extend) * (dqk + dv) / (c.mha_attn_tflops * 1e9 * occupancy)
     rows = P + N
-    decomp = max(2.0 * rows * r * H * (dn + dv) / (c.gemm_tflops * 1e9), e * rows * H * (2 * dn + dqk + dv) / bw)
+    decomp = 2.0 * rows * r * H * (dn + dv) / (c.gemm_tflops * 1e9) + e * rows * H * (2 * dn + dqk + dv) / bw
     chunks = -(-P // workspace_tokens) if P else 0
     gather = 2.0 * e * P * (r + dr) / bw
     merge = chunks * N * H * (3 * dv * e + 12) / bw
-    return attn + decomp + gather + merge + (chunks * c.chunk_overhead_us + c.mha_fixed_us) * 1e-3
+    return attn + decomp + gather + merge, (chunks * c.chunk_overhead_us + c.mha_fixed_us) * 1e-3
+
+
+def _overlap(device_ms: float, host_ms: float, c: CostConstants) -> float:
+    """Eager time of a path: ``(g^k + h^k)^(1/k)`` — host launches run ahead of, and overlap, device work."""
+    top, k = max(device_ms, host_ms), c.host_overlap_p
+    return top * ((device_ms / top) ** k + (host_ms / top) ** k) ** (1.0 / k) if top > 0 else 0.0
+
+
+def _costs(prefix, extend, is_decode, H, dims, c: CostConstants, workspace_tokens: int) -> dict[PrefillPath, float]:
+    """Modelled ms of each option; decode rows (``is_decode``) stay absorbed under the MHA options."""
+    rest_p = [p for p, d in zip(prefix, is_decode) if not d]
+    rest_n = [n for n, d in zip(extend, is_decode) if not d]
+    dec_p = [p for p, d in zip(prefix, is_decode) if d]
+    dec_n = [n for n, d in zip(extend, is_decode) if d]
+    mha_g, mha_h = _mha_parts(rest_p, rest_n, H, dims, c, workspace_tokens)
+    dec_g, dec_h = _absorbed_parts(dec_p, dec_n, H, dims, c)
+    mha = _overlap(mha_g + dec_g, mha_h + dec_h, c)
+    has_prefix = any(p > 0 for p in rest_p)
+    return {
+        PrefillPath.ABSORBED: _overlap(*_absorbed_parts(prefix, extend, H, dims, c), c),
+        PrefillPath.MHA_ONESHOT: math.inf if has_prefix else mha,
+        PrefillPath.MHA_CHUNKED: mha if has_prefix else math.inf,
+    }
 
 
 def estimate_costs_ms(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tokens: int,
@@ -188,13 +224,7 @@ def estimate_costs_ms(prefix_lens, extend_lens, *, num_heads: int, dims, workspa
     prefix = _host_lengths(prefix_lens, "prefix_lens")
     extend = _host_lengths(extend_lens, "extend_lens")
     _check_shape_args(prefix, extend, num_heads, workspace_tokens)
-    mha = _mha_ms(prefix, extend, num_heads, dims, constants, workspace_tokens)
-    has_prefix = any(p > 0 for p in prefix)
-    return {
-        PrefillPath.ABSORBED: _absorbed_ms(prefix, extend, num_heads, dims, constants),
-        PrefillPath.MHA_ONESHOT: math.inf if has_prefix else mha,
-        PrefillPath.MHA_CHUNKED: mha if has_prefix else math.inf,
-    }
+    return _costs(prefix, extend, [False] * len(prefix), num_heads, dims, constants, workspace_tokens)
 
 
 def _check_shape_args(prefix, extend, num_heads, workspace_tokens) -> None:
@@ -228,20 +258,13 @@ def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tok
     extend = _host_lengths(extend_lens, "extend_lens")
     _check_shape_args(prefix, extend, num_heads, workspace_tokens)
     is_decode = [True] * len(prefix) if decode_like else decode_rows(prefix, extend)
-    dec_p = [p for p, d in zip(prefix, is_decode) if d]
-    dec_n = [n for n, d in zip(extend, is_decode) if d]
+    costs = _costs(prefix, extend, is_decode, num_heads, dims, constants, workspace_tokens)
     rest_p = [p for p, d in zip(prefix, is_decode) if not d]
     rest_n = [n for n, d in zip(extend, is_decode) if not d]
-    costs = estimate_costs_ms(rest_p, rest_n, num_heads=num_heads, dims=dims,
-                              workspace_tokens=workspace_tokens, constants=constants)
-    decode_ms = _absorbed_ms(dec_p, dec_n, num_heads, dims, constants)
-    if dec_n:  # decode rows run absorbed under every option; charge them to every option
-        costs = {path: ms + decode_ms if path.is_mha else ms for path, ms in costs.items()}
-        costs[PrefillPath.ABSORBED] = _absorbed_ms(prefix, extend, num_heads, dims, constants)
+    n_dec = sum(is_decode)
     has_prefix = any(p > 0 for p in rest_p)
     mha_path = PrefillPath.MHA_CHUNKED if has_prefix else PrefillPath.MHA_ONESHOT
     chunks = -(-sum(rest_p) // workspace_tokens) if has_prefix else 0
-    n_dec = len(dec_n)
 
     def decision(path: PrefillPath, reason: str) -> PathDecision:
         return PathDecision(path=path, costs_ms=costs, reason=reason, requested=prefill_path,
@@ -266,12 +289,12 @@ def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tok
 
 
 # ---------------------------------------------------------------------------------------------------
-# re-fitting the constants from benchmark rows
+# re-fitting the constants from benchmark rows, and replaying them
 
 
 @dataclass(frozen=True)
 class CostSample:
-    """One measured shape: per-layer kernel times of both paths (e.g. a row of the prefill bench CSV)."""
+    """One measured shape: per-layer times of both paths (e.g. a row of the prefill bench CSV)."""
 
     num_heads: int
     prefix_lens: tuple[int, ...]
@@ -281,39 +304,135 @@ class CostSample:
     mha_ms: float | None  # measured one-shot / chunked MHA time (None: not measured)
 
 
-def _rescale(samples, measured, model, base: CostConstants, names: tuple[str, ...]) -> CostConstants:
-    """Scale the throughput constants ``names`` by the least-squares ratio of modelled to measured time."""
-    pairs = [(m, model(s, base)) for s, m in zip(samples, measured) if m is not None and m > 0]
-    if not pairs:
-        return base
-    # minimise Σ ((model/k - meas) / meas)²  over k: relative errors, so small shapes count as much.
-    num = sum((mod / meas) ** 2 for meas, mod in pairs)
-    den = sum(mod / meas for meas, mod in pairs)
-    k = num / den  # model/k fits best; a rate multiplied by k divides every compute term by k
-    return replace(base, **{n: getattr(base, n) * k for n in names})
+FITTED_CONSTANTS = ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops",
+                    "chunk_overhead_us", "mha_fixed_us", "absorbed_fixed_us")
+
+
+def _sample_costs(s: CostSample, dims, c: CostConstants) -> dict[PrefillPath, float]:
+    return _costs(list(s.prefix_lens), list(s.extend_lens), decode_rows(s.prefix_lens, s.extend_lens),
+                  s.num_heads, dims, c, s.workspace_tokens)
+
+
+def _measured(s: CostSample) -> dict[PrefillPath, float]:
+    """{path: measured ms} of a sample with new tokens (its MHA time is the one-shot or chunked path)."""
+    _check_shape_args(list(s.prefix_lens), list(s.extend_lens), s.num_heads, s.workspace_tokens)
+    prefix = [p for p, d in zip(s.prefix_lens, decode_rows(s.prefix_lens, s.extend_lens)) if not d]
+    out = {PrefillPath.ABSORBED: s.absorbed_ms,
+           PrefillPath.MHA_CHUNKED if any(prefix) else PrefillPath.MHA_ONESHOT: s.mha_ms}
+    return {k: v for k, v in out.items() if v is not None and v > 0} if sum(s.extend_lens) > 0 else {}
 
 
 def fit_cost_constants(samples: Iterable[CostSample], dims, *, base: CostConstants = H200_COSTS,
-                       rounds: int = 3) -> CostConstants:
-    """Re-fit the model's rates to measured samples (relative least squares), keeping its structure.
+                       names: Sequence[str] = FITTED_CONSTANTS, max_iters: int = 100,
+                       prior_weight: float = 0.02) -> CostConstants:
+    """Fit the constants ``names`` to measured samples: least squares of ``log(model / measured)``.
 
-    Each path gets one multiplicative factor on its throughput constants (absorbed: its attention
-    rate; MHA: its attention and GEMM rates and the bandwidth), alternated ``rounds`` times. Fixed
-    and per-chunk overheads are kept from ``base`` (a few launches; edit them by hand if needed).
+    Levenberg-Marquardt over the logs of the constants (they stay positive), started at ``base``, plus
+    a weak pull ``prior_weight · log(value / base value)`` per constant that settles what the samples
+    leave open and costs ~nothing elsewhere. The rest stays from ``base``: ``copy_tbps`` too, as the
+    decompression's GEMM and copies both scale with ``(P + N)·H`` — samples fix only their sum, so the
+    GEMM rate is fitted with the copies at ``copy_tbps``. Host arithmetic only; ~0.2 s for 32 samples.
     """
     samples = list(samples)
     if not all(isinstance(s, CostSample) for s in samples):
         raise TypeError("samples must be CostSample instances")
+    if not isinstance(base, CostConstants):
+        raise TypeError(f"base must be a CostConstants, got {type(base).__name__}")
+    names = tuple(names)
+    if not names or not set(names) <= set(FITTED_CONSTANTS):
+        raise ValueError(f"names must be a non-empty subset of {FITTED_CONSTANTS}, got {names}")
+    data = [(s, path, ms) for s in samples for path, ms in _measured(s).items()]
+    if not data:
+        raise ValueError("samples: no measured time (absorbed_ms / mha_ms) to fit")
+    theta0 = [math.log(max(getattr(base, n), 1.0)) for n in names]
 
-    def model_abs(s: CostSample, c: CostConstants) -> float:
-        return _absorbed_ms(list(s.prefix_lens), list(s.extend_lens), s.num_heads, dims, c)
+    def consts(theta) -> CostConstants:
+        return replace(base, **{n: math.exp(t) for n, t in zip(names, theta)})
 
-    def model_mha(s: CostSample, c: CostConstants) -> float:
-        return _mha_ms(list(s.prefix_lens), list(s.extend_lens), s.num_heads, dims, c, s.workspace_tokens)
+    def residuals(theta) -> list[float]:
+        c = consts(theta)
+        out = [math.log(_sample_costs(s, dims, c)[path] / ms) for s, path, ms in data]
+        return out + [prior_weight * (t - t0) for t, t0 in zip(theta, theta0)]
 
-    c = base
-    for _ in range(max(1, rounds)):
-        c = _rescale(samples, [s.absorbed_ms for s in samples], model_abs, c, ("absorbed_attn_tflops",))
-        c = _rescale(samples, [s.mha_ms for s in samples], model_mha, c,
-                     ("mha_attn_tflops", "gemm_tflops", "hbm_tbps"))
-    return c
+    theta, lam = list(theta0), 1e-3
+    r = residuals(theta)
+    cost = sum(x * x for x in r)
+    for _ in range(max_iters):
+        r0 = torch.tensor(r, dtype=torch.float64)
+        cols = [torch.tensor(residuals([t + 1e-6 * (i == j) for i, t in enumerate(theta)]), dtype=torch.float64)
+                for j in range(len(theta))]
+        J = (torch.stack(cols, 1) - r0[:, None]) / 1e-6  # forward differences: [residual, constant]
+        A, g = J.T @ J, J.T @ r0
+        while lam < 1e10:
+            step = torch.linalg.solve(A + lam * torch.diag(A.diagonal() + 1e-9), -g).tolist()
+            trial = [min(max(t + d, t0 - 9.0), t0 + 9.0) for t, d, t0 in zip(theta, step, theta0)]  # e^±9
+            r_t = residuals(trial)
+            cost_t = sum(x * x for x in r_t)
+            if cost_t < cost:
+                break
+            lam *= 10.0
+        else:
+            break  # no step lowers the cost: a minimum
+        done = cost - cost_t < 1e-10 * (1.0 + cost)
+        theta, r, cost, lam = trial, r_t, cost_t, max(lam / 10.0, 1e-9)
+        if done:
+            break
+    return consts(theta)
+
+
+@dataclass(frozen=True)
+class PathEvaluation:
+    """One measured shape replayed through the model: what auto picks and what that costs."""
+
+    sample: CostSample
+    modelled_ms: Mapping[PrefillPath, float]  # the model's ms of each option (inf: not applicable)
+    measured_ms: Mapping[PrefillPath, float]  # the benchmark's ms of the measured options
+    chosen: PrefillPath  # what choose_path(..., "auto") picks with the constants
+    best: PrefillPath  # the measured faster path
+
+    @property
+    def chosen_over_best(self) -> float:
+        """Measured time of the chosen path / of the faster one (1.0: auto picked the faster path)."""
+        return self.measured_ms[self.chosen] / self.measured_ms[self.best]
+
+
+def read_samples_csv(path) -> list[CostSample]:
+    """The rows of a ``mla_fa3.bench.prefill`` CSV (one request per row) as :class:`CostSample`."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    need = {"heads", "new", "prefix", "workspace", "absorbed_ms", "mha_ms"}
+    if not rows or not need <= set(rows[0]):
+        raise ValueError(f"path: {path} is not a prefill bench CSV with columns {sorted(need)}")
+    return [CostSample(int(r["heads"]), (int(r["prefix"]),), (int(r["new"]),), int(r["workspace"]),
+                       float(r["absorbed_ms"]), float(r["mha_ms"])) for r in rows]
+
+
+def evaluate_choices(samples: Iterable[CostSample], dims, *,
+                     constants: CostConstants = H200_COSTS) -> list[PathEvaluation]:
+    """Per sample measured on both paths: the path auto picks with ``constants`` and the measured best."""
+    out = []
+    for s in samples:
+        measured = _measured(s)
+        if len(measured) < 2:
+            continue  # one path measured: nothing to compare
+        d = choose_path(s.prefix_lens, s.extend_lens, num_heads=s.num_heads, dims=dims,
+                        workspace_tokens=s.workspace_tokens, constants=constants)
+        out.append(PathEvaluation(s, d.costs_ms, measured, d.path, min(measured, key=measured.get)))
+    return out
+
+
+def evaluate_on_csv(path, dims, *, constants: CostConstants = H200_COSTS) -> list[PathEvaluation]:
+    """:func:`evaluate_choices` over a prefill bench CSV (``docs/perf/prefill_*.csv``)."""
+    return evaluate_choices(read_samples_csv(path), dims, constants=constants)
+
+
+def summarize(evaluations: Sequence[PathEvaluation]) -> str:
+    """One line: shapes picked right, and the worst picked / best with its shape."""
+    right = sum(e.chosen is e.best for e in evaluations)
+    head = f"auto picked the faster path on {right}/{len(evaluations)} shapes"
+    if right == len(evaluations):
+        return head
+    w = max(evaluations, key=lambda e: e.chosen_over_best)
+    s = w.sample
+    return (f"{head}; worst picked/best {w.chosen_over_best:.3f} ({s.num_heads} heads, {sum(s.extend_lens)} new "
+            f"over {sum(s.prefix_lens)}: {w.chosen.value} instead of {w.best.value})")

@@ -1,68 +1,156 @@
-"""Path choice (path_choice): the cost model against the H200 measurements, overrides, splits, errors, re-fit.
+"""Path choice (path_choice): the cost model replayed on recorded H200 times, overrides, splits, errors, re-fit.
 
-The measured anchors (shared/device/README.md, kernels only, bf16, page 64, DeepSeek-V3 dims):
-128 heads, 4096 new over a 32k prefix: chunked MHA (8k chunks) 18.3 ms, absorbed 62.9 ms;
-16 heads, 512 new over 64k: absorbed 1.82 ms, chunked MHA 1.97 ms.
+Recorded data (the oracle of the choice tests): ``docs/perf/prefill_2026-12-02_run1.csv`` — H200,
+DeepSeek-V3 dims, bf16, page 64, W = 8192, one request per shape, heads {16, 128} x new {128, 512, 4096,
+8192} x prefix {0, 8k, 32k, 64k}; eager CUDA-event ms of one layer on the absorbed path and on the MHA
+path (one-shot without prefix, chunked otherwise). The tests read the CSV themselves and compare the
+measured time of the path ``choose_path`` picks with the measured faster one.
+
+Thresholds: auto within 5 % of the faster path on every recorded shape (reached: worst 1.025, a 2.5 % tie
+at 16 heads, 4096 new, no prefix); shapes where one path is >= 1.2x faster are always picked right. This
+is a regression guard on recorded data, not a timing test: no GPU is used.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from mla_fa3.layer import MLADims
 from mla_fa3.path_choice import (
-    CostConstants,
+    FITTED_CONSTANTS,
+    H200_COSTS,
     CostSample,
     PrefillPath,
     choose_path,
     decode_rows,
     estimate_costs_ms,
+    evaluate_choices,
+    evaluate_on_csv,
     fit_cost_constants,
+    read_samples_csv,
+    summarize,
 )
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 W = 8192
-
-# name: (heads, prefix, new, measured absorbed ms, measured chunked-MHA ms, path that must win)
-MEASURED = {
-    "h128_4k_over_32k": (128, 32768, 4096, 62.9, 18.3, PrefillPath.MHA_CHUNKED),
-    "h16_512_over_64k": (16, 65536, 512, 1.82, 1.97, PrefillPath.ABSORBED),
-}
+RECORDED_CSV = Path(__file__).resolve().parents[1] / "docs" / "perf" / "prefill_2026-12-02_run1.csv"
+WITHIN_BEST = 1.05  # auto's measured time / the faster path's, on every recorded shape
+CLEAR_WIN = 1.2  # a path this much faster than the other must be picked
 
 
-@pytest.mark.parametrize("name", list(MEASURED))
-def test_measured_shapes_pick_the_faster_path(name):
-    H, p, n, _, _, want = MEASURED[name]
-    d = choose_path([p], [n], num_heads=H, dims=V3, workspace_tokens=W)
-    assert d.path is want
-    assert d.requested == "auto" and want.value in d.reason and "auto" in d.reason
-    assert d.num_chunks == (-(-p // W) if want is PrefillPath.MHA_CHUNKED else 0)
-    assert want.value in d.explain()
+def _recorded() -> dict[str, dict]:
+    """The CSV's rows by name ``h{heads}_n{new}_p{prefix}``, read here (not through path_choice)."""
+    with open(RECORDED_CSV, newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for r in rows:
+        H, n, p = int(r["heads"]), int(r["new"]), int(r["prefix"])
+        mha = PrefillPath.MHA_CHUNKED if p else PrefillPath.MHA_ONESHOT
+        out[f"h{H}_n{n}_p{p}"] = dict(heads=H, new=n, prefix=p, workspace=int(r["workspace"]),
+                                      ms={PrefillPath.ABSORBED: float(r["absorbed_ms"]), mha: float(r["mha_ms"])})
+    return out
 
 
-@pytest.mark.parametrize("name", list(MEASURED))
-def test_model_reproduces_the_measurements(name):
-    H, p, n, absorbed_ms, mha_ms, _ = MEASURED[name]
-    costs = estimate_costs_ms([p], [n], num_heads=H, dims=V3, workspace_tokens=W)
-    assert costs[PrefillPath.ABSORBED] == pytest.approx(absorbed_ms, rel=0.04)
-    assert costs[PrefillPath.MHA_CHUNKED] == pytest.approx(mha_ms, rel=0.04)
-    assert costs[PrefillPath.MHA_ONESHOT] == math.inf  # a prefix is present: one-shot does not apply
+RECORDED = _recorded()
+
+
+def _pick(row, constants=H200_COSTS):
+    return choose_path([row["prefix"]], [row["new"]], num_heads=row["heads"], dims=V3,
+                       workspace_tokens=row["workspace"], constants=constants)
+
+
+def test_the_recorded_sweep_is_complete():
+    assert len(RECORDED) == 32
+    assert {r["heads"] for r in RECORDED.values()} == {16, 128}
+    assert {r["prefix"] for r in RECORDED.values()} == {0, 8192, 32768, 65536}
+
+
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_auto_is_within_5pct_of_the_faster_recorded_path(name):
+    row = RECORDED[name]
+    d = _pick(row)
+    best = min(row["ms"].values())
+    assert d.path in row["ms"], f"{name}: picked {d.path.value}, which does not apply"
+    assert row["ms"][d.path] / best <= WITHIN_BEST, f"{name}: {d.explain()}; measured {row['ms']}"
+    assert d.requested == "auto" and d.path.value in d.reason
+    assert d.num_chunks == (-(-row["prefix"] // W) if d.path is PrefillPath.MHA_CHUNKED else 0)
+
+
+def test_clear_wins_are_always_picked():
+    clear = {k: r for k, r in RECORDED.items() if max(r["ms"].values()) / min(r["ms"].values()) >= CLEAR_WIN}
+    assert len(clear) >= 24  # most of the sweep: the guard is not vacuous
+    for name, row in clear.items():
+        faster = min(row["ms"], key=row["ms"].get)
+        assert _pick(row).path is faster, f"{name}: measured {row['ms']}"
+    # both directions occur: long prompts go MHA, short ones over long prefixes stay absorbed
+    assert {min(r["ms"], key=r["ms"].get).is_mha for r in clear.values()} == {True, False}
+
+
+def test_evaluate_on_csv_replays_each_recorded_row():
+    evals = evaluate_on_csv(RECORDED_CSV, V3)
+    assert len(evals) == len(RECORDED)
+    right = 0
+    for e in evals:
+        s = e.sample
+        row = RECORDED[f"h{s.num_heads}_n{s.extend_lens[0]}_p{s.prefix_lens[0]}"]
+        assert dict(e.measured_ms) == row["ms"]
+        assert e.best is min(row["ms"], key=row["ms"].get)
+        assert e.chosen is _pick(row).path
+        assert e.chosen_over_best == pytest.approx(row["ms"][e.chosen] / min(row["ms"].values()), rel=1e-12)
+        right += e.chosen is e.best
+    assert summarize(evals).startswith(f"auto picked the faster path on {right}/{len(RECORDED)} shapes")
+
+
+def test_model_tracks_the_kernel_bound_recorded_shapes():
+    """>= 5 ms the kernels dominate: modelled within 10 % (below, host launch noise dominates, e.g.
+    16 heads over 8k: MHA 1.40 ms at 128 new vs 0.74 ms at 512 new — no per-shape claim there)."""
+    checked = 0
+    for name, row in RECORDED.items():
+        model = estimate_costs_ms([row["prefix"]], [row["new"]], num_heads=row["heads"], dims=V3, workspace_tokens=W)
+        for path, ms in row["ms"].items():
+            if ms >= 5.0:
+                assert model[path] == pytest.approx(ms, rel=0.10), f"{name} {path.value}"
+                checked += 1
+        assert model[PrefillPath.MHA_ONESHOT if row["prefix"] else PrefillPath.MHA_CHUNKED] == math.inf
+    assert checked >= 25
+
+
+def test_h200_costs_are_the_fit_of_the_recorded_csv():
+    """H200_COSTS is fit_cost_constants on the CSV (rounded to 3 digits): re-fitting lands on it."""
+    fitted = fit_cost_constants(read_samples_csv(RECORDED_CSV), V3)
+    for f in fields(H200_COSTS):
+        got, want = getattr(fitted, f.name), getattr(H200_COSTS, f.name)
+        assert got == pytest.approx(want, rel=0.01 if f.name in FITTED_CONSTANTS else 0), f.name
+
+
+@pytest.mark.parametrize("train", ["heads_16", "prefix_0_32k"])
+def test_fit_on_half_the_sweep_picks_right_on_the_other_half(train):
+    """Generalisation: constants fitted on half the recorded shapes stay within 5 % on the held-out half."""
+    keep = {"heads_16": lambda r: r["heads"] == 16, "prefix_0_32k": lambda r: r["prefix"] in (0, 32768)}[train]
+    def sample(r):
+        mha = next(ms for path, ms in r["ms"].items() if path.is_mha)
+        return CostSample(r["heads"], (r["prefix"],), (r["new"],), r["workspace"], r["ms"][PrefillPath.ABSORBED], mha)
+    fitted = fit_cost_constants([sample(r) for r in RECORDED.values() if keep(r)], V3)
+    for name, row in RECORDED.items():
+        if not keep(row):
+            assert row["ms"][_pick(row, fitted).path] / min(row["ms"].values()) <= WITHIN_BEST, name
 
 
 def test_override_is_respected():
-    H, p, n, *_ = MEASURED["h128_4k_over_32k"]
-    d = choose_path([p], [n], num_heads=H, dims=V3, workspace_tokens=W, prefill_path="absorbed")
+    d = choose_path([32768], [4096], num_heads=128, dims=V3, workspace_tokens=W, prefill_path="absorbed")
     assert d.path is PrefillPath.ABSORBED and "override" in d.reason
-    H, p, n, *_ = MEASURED["h16_512_over_64k"]
-    d = choose_path([p], [n], num_heads=H, dims=V3, workspace_tokens=W, prefill_path="mha")
-    assert d.path is PrefillPath.MHA_CHUNKED and "override" in d.reason
-    d = choose_path([0, 0], [64, 3], num_heads=H, dims=V3, workspace_tokens=W, prefill_path="mha")
+    d = choose_path([65536], [512], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="mha")
+    assert d.path is PrefillPath.MHA_CHUNKED and "override" in d.reason and d.num_chunks == 8
+    d = choose_path([0, 0], [64, 3], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="mha")
     assert d.path is PrefillPath.MHA_ONESHOT and d.num_chunks == 0
     with pytest.raises(ValueError, match="prefill_path must be one of"):
-        choose_path([0], [4], num_heads=H, dims=V3, workspace_tokens=W, prefill_path="fast")
+        choose_path([0], [4], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="fast")
 
 
 def test_no_prefix_long_prompt_is_oneshot_mha():
@@ -93,7 +181,20 @@ def test_smaller_workspace_costs_more_chunks():
     assert b[PrefillPath.ABSORBED] == a[PrefillPath.ABSORBED]
 
 
-def test_bad_arguments_are_named():
+def test_host_overlap_bounds():
+    """p = 1 adds host to device time, a large p takes the larger; p = 2 lies between."""
+    shape = dict(num_heads=16, dims=V3, workspace_tokens=W)
+    got = {p: estimate_costs_ms([8192], [512], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
+           for p in (1.0, 2.0, 64.0)}
+    for path in (PrefillPath.ABSORBED, PrefillPath.MHA_CHUNKED):
+        assert got[1.0][path] > got[2.0][path] > got[64.0][path]
+    # 64 new tokens, no prefix: ~1 us of device work under 231 us of launches -> ~ the host time for any p
+    for p in (1.0, 2.0, 64.0):
+        tiny = estimate_costs_ms([0], [64], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
+        assert tiny[PrefillPath.ABSORBED] == pytest.approx(H200_COSTS.absorbed_fixed_us * 1e-3, rel=0.02)
+
+
+def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="prefix_lens and extend_lens must have the same length"):
         choose_path([1, 2], [3], num_heads=16, dims=V3, workspace_tokens=W)
     with pytest.raises(ValueError, match="extend_lens must be >= 0"):
@@ -104,26 +205,43 @@ def test_bad_arguments_are_named():
         choose_path([1], [3], num_heads=0, dims=V3, workspace_tokens=W)
     with pytest.raises(ValueError, match="workspace_tokens must be a positive int"):
         choose_path([1], [3], num_heads=16, dims=V3, workspace_tokens=0)
-    with pytest.raises(ValueError, match="hbm_tbps must be > 0"):
-        CostConstants(hbm_tbps=0.0)
+    with pytest.raises(ValueError, match="copy_tbps must be > 0"):
+        replace(H200_COSTS, copy_tbps=0.0)
+    with pytest.raises(ValueError, match="host_overlap_p must be >= 1"):
+        replace(H200_COSTS, host_overlap_p=0.5)
     with pytest.raises(TypeError, match="constants must be a CostConstants"):
         choose_path([1], [3], num_heads=16, dims=V3, workspace_tokens=W, constants={"hbm_tbps": 4})
+    with pytest.raises(ValueError, match="names must be a non-empty subset"):
+        fit_cost_constants(read_samples_csv(RECORDED_CSV)[:4], V3, names=("num_sms",))
+    with pytest.raises(ValueError, match="no measured time"):
+        fit_cost_constants([CostSample(16, (0,), (64,), W, None, None)], V3)
+    other = tmp_path / "decode.csv"
+    other.write_text("batch,context,ms\n1,2,3\n")
+    with pytest.raises(ValueError, match="not a prefill bench CSV"):
+        read_samples_csv(other)
 
 
-def test_fit_recovers_a_slower_machine():
-    """Samples timed on a machine 20 % slower in attention and GEMMs: the re-fit model predicts them."""
-    truth = CostConstants(mha_attn_tflops=600.0, absorbed_attn_tflops=500.0, gemm_tflops=520.0, hbm_tbps=3.2)
-    shapes = [(16, 8192, 512), (128, 32768, 4096), (16, 0, 4096), (128, 65536, 128), (16, 65536, 8192)]
+def test_fit_recovers_a_different_machine():
+    """Samples timed on a machine 20 % slower in attention and GEMMs, with other host costs: the fit
+    started at H200_COSTS recovers the constants and predicts every sample."""
+    truth = replace(H200_COSTS, mha_attn_tflops=0.8 * H200_COSTS.mha_attn_tflops,
+                    absorbed_attn_tflops=0.8 * H200_COSTS.absorbed_attn_tflops,
+                    gemm_tflops=0.8 * H200_COSTS.gemm_tflops, chunk_overhead_us=150.0, mha_fixed_us=120.0,
+                    absorbed_fixed_us=60.0)
+    shapes = [(16, [8192], [512]), (128, [32768], [4096]), (16, [0], [4096]), (128, [65536], [128]),
+              (16, [65536], [8192]), (128, [0], [256]), (16, [0, 0], [100, 300]), (128, [4096, 0], [64, 2048]),
+              (128, [0], [8192]), (16, [16384], [64])]
     samples = []
     for H, p, n in shapes:
-        c = estimate_costs_ms([p], [n], num_heads=H, dims=V3, workspace_tokens=W, constants=truth)
-        mha = c[PrefillPath.MHA_CHUNKED] if p else c[PrefillPath.MHA_ONESHOT]
-        samples.append(CostSample(H, (p,), (n,), W, absorbed_ms=c[PrefillPath.ABSORBED], mha_ms=mha))
-    fitted = fit_cost_constants(samples, V3, rounds=6)
-    for s in samples:
-        c = estimate_costs_ms(s.prefix_lens, s.extend_lens, num_heads=s.num_heads, dims=V3, workspace_tokens=W,
-                              constants=fitted)
-        mha = c[PrefillPath.MHA_CHUNKED] if s.prefix_lens[0] else c[PrefillPath.MHA_ONESHOT]
-        assert c[PrefillPath.ABSORBED] == pytest.approx(s.absorbed_ms, rel=0.05)
-        assert mha == pytest.approx(s.mha_ms, rel=0.05)
-    assert fitted.mha_attn_tflops < CostConstants().mha_attn_tflops
+        c = estimate_costs_ms(p, n, num_heads=H, dims=V3, workspace_tokens=W, constants=truth)
+        mha = c[PrefillPath.MHA_CHUNKED] if any(p) else c[PrefillPath.MHA_ONESHOT]
+        samples.append(CostSample(H, tuple(p), tuple(n), W, absorbed_ms=c[PrefillPath.ABSORBED], mha_ms=mha))
+    only_mha = estimate_costs_ms([2048], [1024], num_heads=16, dims=V3, workspace_tokens=W, constants=truth)
+    samples.append(CostSample(16, (2048,), (1024,), W, absorbed_ms=None, mha_ms=only_mha[PrefillPath.MHA_CHUNKED]))
+    fitted = fit_cost_constants(samples, V3)
+    for name in FITTED_CONSTANTS:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.03), name
+    for e in evaluate_choices(samples, V3, constants=fitted):
+        for path, ms in e.measured_ms.items():
+            assert e.modelled_ms[path] == pytest.approx(ms, rel=0.01)
+    assert len(evaluate_choices(samples, V3, constants=fitted)) == len(samples) - 1  # one path only: skipped
