@@ -66,7 +66,7 @@ class Engine:
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int = 16, max_batch_size: int = 8,
                  max_context: int = 2048, num_pages: int | None = None, max_prefill_tokens: int | None = None,
                  use_cuda_graph: bool = False, cuda_graph_batch_sizes: Sequence[int] | None = None,
-                 decode_kernel: str = "fa3", prefill_path: str = "auto", impl=None) -> None:
+                 decode_kernel: str = "auto", prefill_path: str = "auto", impl=None) -> None:
         if not isinstance(model, DeepseekForCausalLM):
             raise TypeError(f"model must be a DeepseekForCausalLM, got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
