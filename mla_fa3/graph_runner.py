@@ -16,18 +16,20 @@ captured per size (and per draft step), all in ONE memory pool, largest first, e
    ``out_cache_loc`` -> slot 0 (the padding slot, never handed out: padding rows write only there),
    ``positions`` -> 0, ``req_pool_indices`` -> ``pad_req_index`` (0), ``seq_lens`` ->
    ``seq_len_fill`` (``max(fill, q)``, so the static batch stays a valid ForwardBatch; no kernel
-   reads it — the kernels read the metadata);
+   reads it — the kernels read the metadata). Only rows an earlier run filled are reset (host-side
+   marks ``StaticBuffers.live_*``); all live-row copies go in one ``torch._foreach_copy_``;
 3. the backend's ``init_forward_metadata_replay_cuda_graph(live batch, bs=b)`` rewrites the captured
    metadata in place: the live rows ``[:n]`` and its own padding tail ``[n:b]`` (``cache_seqlens``
    0 or 1 over padding page 0, see ``metadata_capture``); host ints come from ``seq_lens_cpu``;
 4. ``graph.replay()``; the result is the captured output's first ``n·q`` rows — views into the
    graph's output, valid until the next run of this runner (clone what must survive it).
 
-Steps 1-4 are device->device copies and fills plus host arithmetic on CPU tensors: a run never
-syncs (the GPU tests run 2-4 under ``torch.cuda.set_sync_debug_mode("error")``). Without CUDA (or
-with ``use_graphs=False``) "capture" records nothing and a run calls ``forward_fn`` eagerly on the
-same static buffers and captured metadata: the CPU tests check that padding and buffer reuse equal
-the eager step, the GPU tests check the replay against the same.
+Steps 1-4 are device->device copies and fills, one host->device copy from pinned memory and host
+arithmetic on CPU tensors: a run never syncs (the GPU tests run 2-4 under
+``torch.cuda.set_sync_debug_mode("error")``). Without CUDA (or with ``use_graphs=False``) "capture"
+records nothing and a run calls ``forward_fn`` eagerly on the same static buffers and captured
+metadata: the CPU tests check that padding and buffer reuse equal the eager step, the GPU tests check
+the replay against the same.
 
 DRAFT_DECODE: one graph per (size, draft step ``i``); a run replays ``batch.draft_step``'s graph
 after updating step ``i``'s metadata (``MultiStepDraftBackend.step(i)``, each step its own buffers).
@@ -36,6 +38,8 @@ after updating step ``i``'s metadata (``MultiStepDraftBackend.step(i)``, each st
 are the static views, ``inputs`` a dict of the static input views (``name -> [b·q, *shape]``). It must
 call the backend's ``forward`` (NOT ``init_forward_metadata``; the runner does the capture / replay
 metadata calls) and return a tensor or a tuple / list / dict of tensors with ``b·q`` leading rows.
+It must not write its inputs or the static batch in place: the runner resets padding rows only where
+its own copies wrote live values.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from torch import Tensor
 from mla_fa3.batch import ForwardBatch, ForwardMode
 
 __all__ = ["InputSpec", "StaticBuffers", "GraphRunner", "padded_size", "pad_batch", "fill_inputs",
-           "static_batch", "DEFAULT_INPUTS"]
+           "copy_all", "static_batch", "DEFAULT_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ class StaticBuffers:
     tokens_per_request: int  # q
     seq_len_fill: int  # seq_lens value of a padding row (>= q)
     pad_req_index: int  # req_pool_indices value of a padding row
+    live_rows: bytearray  # [max_bs] host: 1 where a batch row may hold a live (non-padding) value
+    live_tokens: bytearray  # [max_bs * q] host: 1 where an input row may hold a non-zero value
 
     @classmethod
     def allocate(cls, max_bs: int, tokens_per_request: int, input_specs: Mapping[str, InputSpec],
@@ -98,6 +104,7 @@ class StaticBuffers:
             inputs={name: torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
                     for name, spec in input_specs.items()},
             tokens_per_request=tokens_per_request, seq_len_fill=fill, pad_req_index=pad_req_index,
+            live_rows=bytearray(max_bs), live_tokens=bytearray(max_tokens),
         )
 
     @property
@@ -127,39 +134,67 @@ def static_batch(buf: StaticBuffers, bs: int, mode: ForwardMode, *, num_draft_to
     )
 
 
-def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int) -> None:
-    """Write ``batch``'s rows into the static buffers and reset rows ``n .. padded_bs-1`` to padding.
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # many copies in one dispatcher call
 
-    Device->device copies and fills only (plus a CPU->CPU copy of ``seq_lens_cpu``): no sync.
-    """
+
+def copy_all(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair; one ``torch._foreach_copy_`` call when available."""
+    if len(pairs) > 1 and _FOREACH_COPY is not None:
+        return _FOREACH_COPY([d for d, _ in pairs], [s for _, s in pairs])
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _stale(marks: bytearray, live: int, padded: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` covering every row of ``[live, padded)`` an earlier run filled (``lo == hi``: none);
+    ``marks`` then records this run: ``[:live]`` filled, ``[live:padded]`` padding."""
+    lo = marks.find(1, live, padded)
+    lo, hi = (lo, marks.rfind(1, live, padded) + 1) if lo >= 0 else (live, live)
+    marks[live:padded] = bytes(padded - live)
+    marks[:live] = b"\x01" * live
+    return lo, hi
+
+
+def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
+              copies: list | None = None) -> None:
+    """Write ``batch``'s rows into the static buffers and reset rows ``n .. padded_bs-1`` to padding
+    (only those an earlier call filled: ``buf.live_rows``). Device->device copies and fills (plus a
+    CPU->CPU copy of ``seq_lens_cpu``): no sync. ``copies``: append the ``(dst, src)`` pairs there for
+    the caller's :func:`copy_all` instead of copying."""
     n, q = batch.batch_size, buf.tokens_per_request
     if not n <= padded_bs <= buf.max_bs:
         raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
     if batch.num_tokens != n * q:
         raise ValueError(f"batch must hold {q} token(s) per request ({n * q}), got {batch.num_tokens}")
-    t, tp = n * q, padded_bs * q
-    buf.req_pool_indices[:n].copy_(batch.req_pool_indices)
-    buf.req_pool_indices[n:padded_bs].fill_(buf.pad_req_index)
-    buf.seq_lens[:n].copy_(batch.seq_lens)
-    buf.seq_lens[n:padded_bs].fill_(buf.seq_len_fill)
-    buf.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
-    buf.seq_lens_cpu[n:padded_bs].fill_(buf.seq_len_fill)
-    buf.out_cache_loc[:t].copy_(batch.out_cache_loc)
-    buf.out_cache_loc[t:tp].fill_(0)
+    t = n * q
+    pairs = [(buf.req_pool_indices[:n], batch.req_pool_indices), (buf.seq_lens[:n], batch.seq_lens),
+             (buf.out_cache_loc[:t], batch.out_cache_loc)]
     if batch.positions is not None:
-        buf.positions[:t].copy_(batch.positions)
+        pairs.append((buf.positions[:t], batch.positions))
     else:
         buf.positions[:t].fill_(0)
-    buf.positions[t:tp].fill_(0)
+    buf.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
+    lo, hi = _stale(buf.live_rows, n, padded_bs)
+    if hi > lo:
+        buf.req_pool_indices[lo:hi].fill_(buf.pad_req_index)
+        buf.seq_lens[lo:hi].fill_(buf.seq_len_fill)
+        buf.seq_lens_cpu[lo:hi].fill_(buf.seq_len_fill)
+        buf.out_cache_loc[lo * q:hi * q].zero_()
+        buf.positions[lo * q:hi * q].zero_()
+    copy_all(pairs) if copies is None else copies.extend(pairs)
 
 
-def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: int, padded_tokens: int) -> None:
-    """Copy each named input ``[num_tokens, *shape]`` into its static buffer; zero rows up to ``padded_tokens``."""
-    missing = set(buf.inputs) - set(inputs)
-    extra = set(inputs) - set(buf.inputs)
-    if missing or extra:
-        raise ValueError(f"inputs must have exactly the keys {sorted(buf.inputs)}; "
-                         f"missing {sorted(missing)}, unexpected {sorted(extra)}")
+def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: int, padded_tokens: int, *,
+                copies: list | None = None) -> None:
+    """Copy each named input ``[num_tokens, *shape]`` into its static buffer; zero rows up to
+    ``padded_tokens`` (only those an earlier call filled: ``buf.live_tokens``). Validates every input
+    before writing any. ``copies``: as in :func:`pad_batch`."""
+    if not 0 <= num_tokens <= padded_tokens <= len(buf.live_tokens):
+        raise ValueError(f"padded_tokens must be in [{num_tokens}, {len(buf.live_tokens)}], got {padded_tokens}")
+    if inputs.keys() != buf.inputs.keys():
+        raise ValueError(f"inputs must have exactly the keys {sorted(buf.inputs)}; missing "
+                         f"{sorted(set(buf.inputs) - set(inputs))}, unexpected {sorted(set(inputs) - set(buf.inputs))}")
+    pairs = []
     for name, x in inputs.items():
         dst = buf.inputs[name]
         if not isinstance(x, Tensor):
@@ -170,10 +205,12 @@ def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: in
             raise TypeError(f"inputs[{name!r}] must be {dst.dtype}, got {x.dtype}")
         if x.device != dst.device:
             raise ValueError(f"inputs[{name!r}] must be on {dst.device} (a host copy would sync), got {x.device}")
-    for name, x in inputs.items():
-        dst = buf.inputs[name]
-        dst[:num_tokens].copy_(x)
-        dst[num_tokens:padded_tokens].zero_()
+        pairs.append((dst[:num_tokens], x))
+    lo, hi = _stale(buf.live_tokens, num_tokens, padded_tokens)
+    if hi > lo:
+        for dst in buf.inputs.values():
+            dst[lo:hi].zero_()
+    copy_all(pairs) if copies is None else copies.extend(pairs)
 
 
 def _slice_rows(out: Any, rows: int) -> Any:
@@ -321,8 +358,10 @@ class GraphRunner:
         """Steps 1-3 of a run (check, pad, metadata replay update); returns the (size, step) key."""
         bs = self.check_fits(batch)
         q = self.tokens_per_request
-        fill_inputs(inputs, self.buffers, batch.batch_size * q, bs * q)  # validates before writing
-        pad_batch(batch, self.buffers, bs)
+        copies: list = []
+        fill_inputs(inputs, self.buffers, batch.batch_size * q, bs * q, copies=copies)  # validates before writing
+        pad_batch(batch, self.buffers, bs, copies=copies)
+        copy_all(copies)  # every live row of the static buffers, one call
         key = (bs, batch.draft_step if self.mode is ForwardMode.DRAFT_DECODE else 0)
         # the live rows: the builder writes [:n] and resets its own metadata tail [n:bs]
         self._step_backend(key[1]).init_forward_metadata_replay_cuda_graph(batch, bs=bs)

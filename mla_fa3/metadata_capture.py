@@ -1,22 +1,32 @@
 """CUDA-graph buffers for the metadata: allocated once, viewed ``[:bs]`` at capture, updated at replay.
 
 A graph captured at batch size ``bs`` (mode DECODE / DRAFT_DECODE with 1 query per request, or
-TARGET_VERIFY with ``k``) reads fixed addresses, so every metadata tensor is a view of one buffer of
-:class:`CaptureBuffers`. Replaying it for a live batch of ``n <= bs`` requests writes, with
-``copy_``/``fill_``/``zero_``/``cumsum`` only (no device->host sync; host ints from ``seq_lens_cpu``):
+TARGET_VERIFY with ``k``) reads fixed addresses, so every metadata tensor is a view of a buffer of
+:class:`CaptureBuffers`. Replaying it for a live batch of ``n <= bs`` requests (lengths ``L_b``,
+page size ``p``) writes:
 
-- ``cache_seqlens[:n] = seq_lens``, ``cache_seqlens[n:bs] = pad_seqlen`` (1 by default: padding rows
-  read slot 0 of padding page 0, which every kernel — FlashMLA included — accepts; or 0, which FA3
-  turns into output 0 / lse -inf);
-- ``cu_seqlens_k[:bs+1]`` = cumsum of that (flat over the tail when ``pad_seqlen`` is 0);
+- ``cache_seqlens = [L_0 .. L_{n-1}, pad, pad, ...]`` (``pad`` = ``pad_seqlen``, 1 by default:
+  padding rows read slot 0 of padding page 0, which every kernel — FlashMLA included — accepts; or 0,
+  which FA3 turns into output 0 / lse -inf) and ``cu_seqlens_k`` = its cumulated sum, over the whole
+  ``max_bs`` buffer (rows past ``bs`` hold padding values no graph of this size reads);
 - ``cu_seqlens_q``: a constant table ``arange(bs+1) * k`` written once at allocation (padding rows keep
   their ``k`` queries, so the graph's query tensor is fully covered);
-- ``page_table[:n, :P]`` (``P = ceil(max seq_len / p)``), and zeros over every entry an earlier replay
-  wrote outside ``[:n, :P]`` (tracked by host-side high-water marks, so stale rows/columns of a bigger
-  batch never leak into a smaller one);
+- ``page_table[:n, :P]`` (``P = ceil(max L / p)``; ``page_table[b, j] = req_to_token[row_b, c0_b + j p]
+  // p`` for ``j p < L_b``, else 0), and zeros over every entry an earlier replay wrote outside
+  ``[:n, :P]`` (host-side high-water marks, so stale rows/columns of a bigger batch never leak into a
+  smaller one);
 - the encoder (cross-attention) and local-attention tables the same way. Local virtual requests:
   the live ones, then one per padding request (its ``k`` queries, ``pad_seqlen`` keys), then empty ones
-  (0 queries) up to the captured ``bs * (1 + ceil((k-1)/C))`` rows.
+  (0 queries) up to the buffer's end (the graph of ``bs`` reads ``bs * (1 + ceil((k-1)/C))`` rows).
+
+Host cost (the point of this layout; each torch op on CUDA costs ~5-10 us of host time): every 1-D
+table is a slice of ONE int32 device buffer ``packed``. A replay computes all of them on the host
+with NumPy from the batch's ``*_cpu`` copies into a staging buffer of the same layout and lands them
+with ONE ``copy_``; the page tables then take one gather + compare + divide + mask each (see
+``metadata_pages.gather_page_table``), written straight into the captured buffers. On CUDA the
+staging buffer is pinned and comes fresh from PyTorch's caching host allocator each replay: the
+non-blocking copy records an event on its block, so the block is not handed out again (and never
+overwritten) while the copy may still be in flight. No device value is ever read on the host.
 
 A mismatching batch (mode, ``k``, size, context, encoder presence) raises ValueError before any write.
 """
@@ -24,12 +34,12 @@ A mismatching batch (mode, ``k``, size, context, encoder presence) raises ValueE
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import ForwardBatch, ForwardMode, to_device
-from .metadata_pages import gather_page_table, local_layout, max_local_rows
+from .batch import ForwardBatch, ForwardMode
+from .metadata_pages import gather_page_table, local_layout_np, max_local_rows
 
 __all__ = ["CaptureBuffers", "capture_views", "replay_into"]
 
@@ -40,7 +50,7 @@ def _i32(*shape: int, device: torch.device) -> Tensor:
 
 @dataclass
 class CaptureBuffers:
-    """Every tensor a captured graph reads (all int32, device) plus host-side high-water marks."""
+    """Every tensor a captured graph reads (int32, device) plus host-side layout and high-water marks."""
 
     max_bs: int
     max_context: int
@@ -49,17 +59,23 @@ class CaptureBuffers:
     pad_seqlen: int
     with_encoder: bool
     attention_chunk_size: int | None
-    cache_seqlens: Tensor  # [max_bs]
+    packed: Tensor  # [N] int32, device — every 1-D table below is a slice (view) of it
+    regions: dict  # name -> (offset, length) of that table in ``packed`` (host ints)
     cu_seqlens_q_table: Tensor  # [max_k, max_bs+1]: row k-1 = arange(max_bs+1) * k
-    cu_seqlens_k: Tensor  # [max_bs+1]
+    col_offsets: Tensor  # [max(ceil(max_context/p), C/p)] int64, device — j * page_size
     page_table: Tensor  # [max_bs, ceil(max_context/p)]
-    enc_cache_seqlens: Tensor | None = None  # [max_bs]
-    enc_cu_seqlens_k: Tensor | None = None  # [max_bs+1]
+    cache_seqlens: Tensor  # [max_bs] (packed)
+    cu_seqlens_k: Tensor  # [max_bs+1] (packed)
+    enc_cache_seqlens: Tensor | None = None  # [max_bs] (packed)
+    enc_cu_seqlens_k: Tensor | None = None  # [max_bs+1] (packed)
+    enc_first_col: Tensor | None = None  # [max_bs] (packed): first decoder column of each row
     enc_page_table: Tensor | None = None  # [max_bs, ceil(max_context/p)]
-    enc_first_col: Tensor | None = None  # [max_bs]: first decoder column of each row
-    local_cu_seqlens_q: Tensor | None = None  # [max_rows+1]
-    local_cache_seqlens: Tensor | None = None  # [max_rows]
+    local_cu_seqlens_q: Tensor | None = None  # [max_rows+1] (packed)
+    local_cache_seqlens: Tensor | None = None  # [max_rows] (packed)
+    local_req: Tensor | None = None  # [max_rows] (packed): batch row of each live virtual request
+    local_col0: Tensor | None = None  # [max_rows] (packed): its first req_to_token column
     local_page_table: Tensor | None = None  # [max_rows, C/p]
+    staging: Tensor | None = None  # [N] int32, cpu — reused host staging buffer (CPU device only)
     dirty: dict = field(default_factory=dict)  # table name -> (rows, cols) possibly non-zero
 
     @classmethod
@@ -72,26 +88,36 @@ class CaptureBuffers:
             raise ValueError(f"max_num_draft_tokens must be a positive int, got {max_num_draft_tokens!r}")
         if pad_seqlen not in (0, 1):
             raise ValueError(f"pad_seqlen must be 0 or 1, got {pad_seqlen!r}")
+        device = torch.device(device)
         max_pages = -(-max_context // page_size)
-        ks = torch.arange(1, max_num_draft_tokens + 1, dtype=torch.int32, device=device)
-        table = ks.unsqueeze(1) * torch.arange(max_bs + 1, dtype=torch.int32, device=device).unsqueeze(0)
-        buf = cls(max_bs=max_bs, max_context=max_context, page_size=page_size,
-                  max_num_draft_tokens=max_num_draft_tokens, pad_seqlen=pad_seqlen, with_encoder=with_encoder,
-                  attention_chunk_size=attention_chunk_size,
-                  cache_seqlens=torch.full((max_bs,), pad_seqlen, dtype=torch.int32, device=device),
-                  cu_seqlens_q_table=table.to(torch.int32),
-                  cu_seqlens_k=torch.arange(max_bs + 1, dtype=torch.int32, device=device) * pad_seqlen,
-                  page_table=_i32(max_bs, max_pages, device=device))
+        sizes = [("cache_seqlens", max_bs), ("cu_seqlens_k", max_bs + 1)]
         if with_encoder:
-            buf.enc_cache_seqlens = torch.full((max_bs,), pad_seqlen, dtype=torch.int32, device=device)
-            buf.enc_cu_seqlens_k = torch.arange(max_bs + 1, dtype=torch.int32, device=device) * pad_seqlen
-            buf.enc_page_table = _i32(max_bs, max_pages, device=device)
-            buf.enc_first_col = _i32(max_bs, device=device)
+            sizes += [("enc_cache_seqlens", max_bs), ("enc_cu_seqlens_k", max_bs + 1), ("enc_first_col", max_bs)]
+        rows = 0
         if attention_chunk_size is not None:
             rows = max_local_rows(max_bs, max_num_draft_tokens, attention_chunk_size)
-            buf.local_cu_seqlens_q = _i32(rows + 1, device=device)
-            buf.local_cache_seqlens = _i32(rows, device=device)
+            sizes += [("local_cu_seqlens_q", rows + 1), ("local_cache_seqlens", rows), ("local_req", rows),
+                      ("local_col0", rows)]
+        regions, total = {}, 0
+        for name, length in sizes:
+            regions[name] = (total, length)
+            total += length
+        packed = _i32(total, device=device)
+        views = {name: packed[o: o + n] for name, (o, n) in regions.items()}
+        ks = torch.arange(1, max_num_draft_tokens + 1, dtype=torch.int32, device=device)
+        table = ks.unsqueeze(1) * torch.arange(max_bs + 1, dtype=torch.int32, device=device).unsqueeze(0)
+        width = max(max_pages, attention_chunk_size // page_size if attention_chunk_size else 0)
+        buf = cls(max_bs=max_bs, max_context=max_context, page_size=page_size,
+                  max_num_draft_tokens=max_num_draft_tokens, pad_seqlen=pad_seqlen, with_encoder=with_encoder,
+                  attention_chunk_size=attention_chunk_size, packed=packed, regions=regions,
+                  cu_seqlens_q_table=table.to(torch.int32),
+                  col_offsets=torch.arange(width, dtype=torch.int64, device=device) * page_size,
+                  page_table=_i32(max_bs, max_pages, device=device), **views)
+        if with_encoder:
+            buf.enc_page_table = _i32(max_bs, max_pages, device=device)
+        if attention_chunk_size is not None:
             buf.local_page_table = _i32(rows, attention_chunk_size // page_size, device=device)
+        _write(buf, max_bs, 1, None, None, None)  # every row padding
         return buf
 
 
@@ -111,7 +137,7 @@ def capture_views(buf: CaptureBuffers, bs: int, mode: ForwardMode, num_draft_tok
     if not isinstance(bs, int) or not 1 <= bs <= buf.max_bs:
         raise ValueError(f"bs must be an int in [1, {buf.max_bs}] (max_bs of the buffers), got {bs!r}")
     q = _queries_per_request(buf, mode, num_draft_tokens)
-    _write(buf, bs, q, None, None, None, None)
+    _write(buf, bs, q, None, None, None)
     views = dict(cache_seqlens=buf.cache_seqlens[:bs], cu_seqlens_q=buf.cu_seqlens_q_table[q - 1, : bs + 1],
                  cu_seqlens_k=buf.cu_seqlens_k[: bs + 1], page_table=buf.page_table[:bs], max_seqlen_q=q)
     if buf.with_encoder:
@@ -125,8 +151,13 @@ def capture_views(buf: CaptureBuffers, bs: int, mode: ForwardMode, num_draft_tok
 
 
 def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs: int, num_draft_tokens: int,
-                req_to_token: Tensor, col_index: Tensor, encoder_cols_cpu: Tensor | int) -> None:
-    """Check that ``batch`` fits the graph captured at ``(bs, mode, k)``, then write it (see module doc)."""
+                req_to_token: Tensor, col_index: Tensor | None, encoder_cols_cpu: Tensor | int) -> None:
+    """Check that ``batch`` fits the graph captured at ``(bs, mode, k)``, then write it (see module doc).
+
+    Host values only (``seq_lens_cpu``, ``encoder_lens_cpu``; ``encoder_cols_cpu`` = each row's encoder
+    region width, or 0). ``col_index`` is accepted for the builder's call and unused (the buffers keep
+    their own column offsets).
+    """
     if batch.forward_mode is not mode:
         raise ValueError(f"batch.forward_mode must be {mode.name} (the captured mode), got {batch.forward_mode.name}")
     q = _queries_per_request(buf, mode, num_draft_tokens)
@@ -138,82 +169,117 @@ def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs:
     if buf.with_encoder != (batch.encoder_lens is not None):
         raise ValueError(f"batch.encoder_lens must be {'given' if buf.with_encoder else 'None'}: the buffers "
                          f"were allocated with with_encoder={buf.with_encoder}")
+    seq = batch.seq_lens_cpu.numpy()
     if n:
-        span = batch.seq_lens_cpu.to(torch.int64) + encoder_cols_cpu
+        cols = encoder_cols_cpu.numpy() if isinstance(encoder_cols_cpu, Tensor) else encoder_cols_cpu
+        span = seq + cols  # int64 with an encoder region (int64 widths), else int32
         if int(span.max()) > buf.max_context:
             raise ValueError(f"seq_lens exceed the captured max_context {buf.max_context} (encoder region "
                              f"included): {span.tolist()}")
-    _write(buf, bs, q, batch, req_to_token, col_index, None if not n else encoder_cols_cpu)
+    _write(buf, bs, q, batch if n else None, req_to_token, seq)
 
 
-def _clear_stale(buf: CaptureBuffers, name: str, table: Tensor, rows: int, cols: int) -> None:
-    """Zero what earlier writes left outside ``[:rows, :cols]``, then remember ``(rows, cols)``."""
-    old_rows, old_cols = buf.dirty.get(name, (0, 0))
-    if old_cols > cols:
-        table[:rows, cols:old_cols].zero_()
-    if old_rows > rows:
-        table[rows:old_rows, :old_cols].zero_()
-    buf.dirty[name] = (rows, cols)
-
-
+# ---------------------------------------------------------------------------------------- writes
 def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req_to_token: Tensor | None,
-           col_index: Tensor | None, encoder_cols_cpu: Tensor | int | None) -> None:
-    p, pad = buf.page_size, buf.pad_seqlen
+           seq: np.ndarray | None) -> None:
+    """Stage every 1-D table on the host, one copy to the device, then the page tables (``batch`` None:
+    all padding; ``seq`` = ``batch.seq_lens_cpu`` as NumPy)."""
+    p, pad, reg = buf.page_size, buf.pad_seqlen, buf.regions
     n = 0 if batch is None else batch.batch_size
-    rows = batch.req_pool_indices if n else None
-    # decoder lengths
-    if n:
-        buf.cache_seqlens[:n].copy_(batch.seq_lens)
-    buf.cache_seqlens[n:bs].fill_(pad)
-    torch.cumsum(buf.cache_seqlens[:bs], 0, dtype=torch.int32, out=buf.cu_seqlens_k[1: bs + 1])
-    # encoder region (its width shifts where the decoder tokens start in each row)
-    first_col = None
+    device = buf.packed.device
+    if device.type == "cpu":  # copies are synchronous: one buffer is reused
+        if buf.staging is None:
+            buf.staging = torch.empty_like(buf.packed)
+        stage = buf.staging
+    else:  # fresh block of the caching host allocator (not reused while the copy below is in flight)
+        stage = torch.empty(buf.packed.shape[0], dtype=torch.int32, pin_memory=device.type == "cuda")
+    s = stage.numpy()
+    _stage_lengths(s, reg["cache_seqlens"], reg["cu_seqlens_k"], seq, n, pad)
+    enc = first_np = None
     if buf.with_encoder:
+        enc = batch.encoder_lens_cpu.numpy() if n else None
+        _stage_lengths(s, reg["enc_cache_seqlens"], reg["enc_cu_seqlens_k"], enc, n, pad)
+        o, length = reg["enc_first_col"]
+        s[o + n: o + length] = 0
         if n:
-            enc = batch.encoder_lens
-            buf.enc_cache_seqlens[:n].copy_(enc)
-            buf.enc_first_col[:n].copy_((enc + (p - 1)) // p * p)
-            first_col = buf.enc_first_col[:n]
-        buf.enc_cache_seqlens[n:bs].fill_(pad)
-        buf.enc_first_col[n:bs].zero_()
-        torch.cumsum(buf.enc_cache_seqlens[:bs], 0, dtype=torch.int32, out=buf.enc_cu_seqlens_k[1: bs + 1])
-        enc_pages = -(-int(batch.encoder_lens_cpu.max()) // p) if n else 0
-        if enc_pages:
-            buf.enc_page_table[:n, :enc_pages].copy_(
-                gather_page_table(req_to_token, rows, batch.encoder_lens, enc_pages, p, None, col_index))
-        _clear_stale(buf, "encoder", buf.enc_page_table, n, enc_pages)
-    # decoder page table
-    pages = -(-int(batch.seq_lens_cpu.max()) // p) if n else 0
-    if pages:
-        buf.page_table[:n, :pages].copy_(
-            gather_page_table(req_to_token, rows, batch.seq_lens, pages, p, first_col, col_index))
-    _clear_stale(buf, "decoder", buf.page_table, n, pages)
+            first_np = (enc.astype(np.int64) + (p - 1)) // p * p
+            s[o: o + n] = first_np
+    live = _stage_local(buf, s, bs, q, n, seq, first_np) if buf.attention_chunk_size is not None else 0
+    buf.packed.copy_(stage, non_blocking=device.type == "cuda")  # the one host->device copy
+
+    rows, first_col = (batch.req_pool_indices if n else None), None
+    if buf.with_encoder:
+        enc_pages = -(-int(enc.max()) // p) if n else 0
+        _write_table(buf, "encoder", buf.enc_page_table, n, enc_pages, req_to_token, rows,
+                     buf.enc_cache_seqlens[:n], None)
+        first_col = buf.enc_first_col[:n]
+    pages = -(-int(seq.max()) // p) if n else 0
+    _write_table(buf, "decoder", buf.page_table, n, pages, req_to_token, rows, buf.cache_seqlens[:n], first_col)
     if buf.attention_chunk_size is not None:
-        _write_local(buf, bs, q, batch, req_to_token, col_index, first_col)
+        local_rows = torch.index_select(rows, 0, buf.local_req[:live]) if live else None
+        _write_table(buf, "local", buf.local_page_table, live, buf.attention_chunk_size // p if live else 0,
+                     req_to_token, local_rows, buf.local_cache_seqlens[:live], buf.local_col0[:live])
 
 
-def _write_local(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req_to_token: Tensor | None,
-                 col_index: Tensor | None, first_col: Tensor | None) -> None:
-    chunk, p, pad = buf.attention_chunk_size, buf.page_size, buf.pad_seqlen
-    n = 0 if batch is None else batch.batch_size
-    total_rows = max_local_rows(bs, q, chunk)
-    q_lens = torch.zeros(total_rows, dtype=torch.int64)
-    k_lens = torch.zeros(total_rows, dtype=torch.int64)
+def _stage_lengths(s: np.ndarray, lens_region: tuple[int, int], cu_region: tuple[int, int],
+                   values: np.ndarray | None, n: int, pad: int) -> None:
+    """``lens = [values..., pad, pad, ...]`` and ``cu = [0, cumsum(lens)]`` into the staging array."""
+    o, length = lens_region
+    lens = s[o: o + length]
+    if n:
+        lens[:n] = values
+    lens[n:] = pad
+    o, length = cu_region
+    s[o] = 0
+    np.add.accumulate(lens, dtype=np.int32, out=s[o + 1: o + length])
+
+
+def _stage_local(buf: CaptureBuffers, s: np.ndarray, bs: int, q: int, n: int, seq: np.ndarray | None,
+                 first_col: np.ndarray | None) -> int:
+    """Local virtual requests into the staging array (live, one per padding request, empty); returns
+    the number of live ones."""
+    reg, chunk = buf.regions, buf.attention_chunk_size
+    o_cu, cu_len = reg["local_cu_seqlens_q"]
+    o_k, rows = reg["local_cache_seqlens"]
+    o_r, _ = reg["local_req"]
+    o_c, _ = reg["local_col0"]
+    q_lens = np.zeros(rows, dtype=np.int32)
+    k_lens = s[o_k: o_k + rows]
     live = 0
     if n:
-        lay = local_layout(batch.seq_lens_cpu, torch.full((n,), q, dtype=torch.int32), chunk)
-        live = lay.num_rows
-        q_lens[:live], k_lens[:live] = lay.q_lens, lay.k_lens
+        req, k_start, ql, kl = local_layout_np(seq, np.full(n, q, dtype=np.int64), chunk)
+        live = req.shape[0]
+        q_lens[:live], k_lens[:live] = ql, kl
+        s[o_r: o_r + live] = req
+        s[o_c: o_c + live] = k_start if first_col is None else k_start + first_col[req]
+    s[o_r + live: o_r + rows] = 0
+    s[o_c + live: o_c + rows] = 0
     q_lens[live: live + bs - n] = q  # one virtual request per padding request
-    k_lens[live: live + bs - n] = pad
-    lens = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q_lens, 0)]),
-                        torch.cat([k_lens, torch.zeros(1, dtype=torch.int64)])]).to(torch.int32)
-    lens = to_device(lens, buf.local_cache_seqlens.device)  # one H2D copy
-    buf.local_cu_seqlens_q[: total_rows + 1].copy_(lens[0])
-    buf.local_cache_seqlens[:total_rows].copy_(lens[1, :total_rows])
-    if live:
-        idx = to_device(torch.stack([lay.req, lay.k_start]), buf.local_page_table.device)
-        col0 = idx[1] if first_col is None else idx[1] + first_col[idx[0]]
-        buf.local_page_table[:live].copy_(gather_page_table(
-            req_to_token, batch.req_pool_indices[idx[0]], lens[1, :live], chunk // p, p, col0, col_index))
-    _clear_stale(buf, "local", buf.local_page_table, live, chunk // p if live else 0)
+    k_lens[live: live + bs - n] = buf.pad_seqlen
+    k_lens[live + bs - n:] = 0
+    s[o_cu] = 0
+    np.add.accumulate(q_lens, dtype=np.int32, out=s[o_cu + 1: o_cu + cu_len])
+    return live
+
+
+def _write_table(buf: CaptureBuffers, name: str, table: Tensor, rows: int, pages: int,
+                 req_to_token: Tensor | None, gather_rows: Tensor | None, num_tokens: Tensor | None,
+                 first_col: Tensor | None) -> None:
+    """Write ``table[:rows, :pages]`` (page ids of ``gather_rows``) and zero what earlier writes left
+    outside it.
+
+    The gather writes ``[:rows, :cols]`` with ``cols = max(pages, stale columns)``: its mask zeroes the
+    columns past each row's pages, so stale columns cost no extra op; stale rows take one ``zero_``.
+    """
+    old_rows, old_cols = buf.dirty.get(name, (0, 0))
+    if rows and pages:
+        cols = max(pages, old_cols)
+        gather_page_table(req_to_token, gather_rows, num_tokens, cols, buf.page_size, first_col,
+                          col_offsets=buf.col_offsets, out=table[:rows, :cols])
+        if old_rows > rows:
+            table[rows:old_rows, :old_cols].zero_()
+        buf.dirty[name] = (rows, pages)
+    else:
+        if old_rows and old_cols:
+            table[:old_rows, :old_cols].zero_()
+        buf.dirty[name] = (0, 0)

@@ -17,17 +17,20 @@ sees keys ``floor(t / C) * C .. t``. A request with ``q`` new tokens over ``L`` 
 and each virtual request runs ordinary bottom-right causal attention over its ``k_len`` keys with
 the page table starting at page ``k_start / p``. Virtual requests keep the token order (request by
 request, chunk by chunk), so the query tensor needs no permutation. Same result as SGLang's
-``make_local_attention_virtual_batches``, written with tensor ops instead of NumPy.
+``make_local_attention_virtual_batches`` (our own vectorized code; the layout is host math on the
+``*_cpu`` lengths, so it runs in NumPy: no torch op, no device value read).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["gather_page_table", "cumsum_padded", "LocalLayout", "local_layout", "max_local_rows"]
+__all__ = ["gather_page_table", "cumsum_padded", "LocalLayout", "local_layout", "local_layout_np",
+           "max_local_rows"]
 
 
 def cumsum_padded(lens: Tensor) -> Tensor:
@@ -39,23 +42,38 @@ def cumsum_padded(lens: Tensor) -> Tensor:
 
 
 def gather_page_table(req_to_token: Tensor, rows: Tensor, num_tokens: Tensor, max_pages: int,
-                      page_size: int, first_col: Tensor | None = None, col_index: Tensor | None = None) -> Tensor:
+                      page_size: int, first_col: Tensor | None = None, col_index: Tensor | None = None, *,
+                      col_offsets: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """[n, max_pages] int32 page ids of ``rows`` (tensor ops only; no device->host sync).
 
-    ``rows`` [n] int64 request rows, ``num_tokens`` [n] tokens of each region, ``first_col`` [n] first
-    column of each region (None = 0), ``col_index`` an optional cached ``arange`` (int64, >= max_pages
-    long) on the device. Entries past a region's pages are 0.
+    ``rows`` [n] int64 (or int32) request rows, ``num_tokens`` [n] tokens of each region,
+    ``first_col`` [n] first column of each region (None = 0), ``col_index`` an optional cached
+    ``arange`` (int64, >= max_pages long) on the device, ``col_offsets`` an optional cached
+    ``arange * page_size`` (>= max_pages long; saves the multiply), ``out`` an optional [n, max_pages]
+    int32 destination (a view of a CUDA-graph buffer: written in place, no extra copy). Entries past
+    a region's pages are 0. Four kernels when ``first_col`` is None and ``col_offsets`` is given
+    (gather, compare, divide, mask), six with ``first_col``.
     """
     device = req_to_token.device
-    j = (col_index[:max_pages] if col_index is not None
-         else torch.arange(max_pages, dtype=torch.int64, device=device))
-    cols = j.unsqueeze(0) * page_size
-    if first_col is not None:
-        cols = cols + first_col.to(torch.int64).unsqueeze(1)
-    cols = cols.clamp(max=req_to_token.shape[1] - 1).expand(rows.shape[0], max_pages)
-    pages = req_to_token[rows.unsqueeze(1), cols] // page_size
-    live_pages = (num_tokens.to(torch.int64) + page_size - 1) // page_size
-    return torch.where(j.unsqueeze(0) < live_pages.unsqueeze(1), pages, torch.zeros_like(pages))
+    if col_offsets is not None:
+        offs = col_offsets[:max_pages]
+    else:
+        j = (col_index[:max_pages] if col_index is not None
+             else torch.arange(max_pages, dtype=torch.int64, device=device))
+        offs = j * page_size
+    width = req_to_token.shape[1]
+    if first_col is None and max_pages <= -(-width // page_size):
+        # column j*p of each row: one index_select over the strided view (no index arithmetic)
+        values = torch.index_select(req_to_token[:, : max_pages * page_size: page_size], 0, rows)
+    else:
+        cols = offs.unsqueeze(0) if first_col is None else first_col.unsqueeze(1) + offs
+        values = req_to_token[rows.unsqueeze(1), cols.clamp(max=width - 1)]  # broadcast to [n, max_pages]
+    # page j is live iff j*p < num_tokens (<=> j < ceil(num_tokens / p))
+    live = offs < num_tokens.unsqueeze(1)
+    values = values.floor_divide_(page_size)
+    if out is None:
+        return values.mul_(live)
+    return torch.mul(values, live, out=out)
 
 
 @dataclass
@@ -72,22 +90,29 @@ class LocalLayout:
         return self.req.shape[0]
 
 
-def local_layout(seq_lens_cpu: Tensor, q_lens_cpu: Tensor, chunk: int) -> LocalLayout:
-    """Split each request's queries at multiples of ``chunk`` (CPU tensors in, CPU tensors out)."""
-    seq = seq_lens_cpu.to(torch.int64)
-    q = q_lens_cpu.to(torch.int64)
+def local_layout_np(seq_lens: np.ndarray, q_lens: np.ndarray, chunk: int) -> tuple[np.ndarray, ...]:
+    """:func:`local_layout` on NumPy arrays (host only, no torch op): ``(req, k_start, q_lens, k_lens)``
+    as int64 arrays of the ``V`` virtual requests."""
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    q = np.asarray(q_lens, dtype=np.int64)
     first_pos = seq - q
     first_chunk = first_pos // chunk
-    last_chunk = (seq - 1).clamp(min=0) // chunk
-    nblocks = torch.where(q > 0, last_chunk - first_chunk + 1, torch.zeros_like(q))
-    num_rows = int(nblocks.sum())
-    req = torch.repeat_interleave(torch.arange(seq.shape[0], dtype=torch.int64), nblocks)
-    block_start_row = torch.cumsum(nblocks, 0) - nblocks
-    chunk_idx = first_chunk[req] + torch.arange(num_rows, dtype=torch.int64) - block_start_row[req]
+    last_chunk = np.maximum(seq - 1, 0) // chunk
+    nblocks = np.where(q > 0, last_chunk - first_chunk + 1, 0)
+    req = np.repeat(np.arange(seq.shape[0], dtype=np.int64), nblocks)
+    block_start_row = np.cumsum(nblocks) - nblocks
+    chunk_idx = first_chunk[req] + np.arange(req.shape[0], dtype=np.int64) - block_start_row[req]
     k_start = chunk_idx * chunk
-    q_begin = torch.maximum(k_start, first_pos[req])
-    q_end = torch.minimum(k_start + chunk, seq[req])
-    return LocalLayout(req=req, k_start=k_start, q_lens=q_end - q_begin, k_lens=q_end - k_start)
+    q_begin = np.maximum(k_start, first_pos[req])
+    q_end = np.minimum(k_start + chunk, seq[req])
+    return req, k_start, q_end - q_begin, q_end - k_start
+
+
+def local_layout(seq_lens_cpu: Tensor, q_lens_cpu: Tensor, chunk: int) -> LocalLayout:
+    """Split each request's queries at multiples of ``chunk`` (CPU tensors in, CPU tensors out)."""
+    arrays = local_layout_np(seq_lens_cpu.numpy(), q_lens_cpu.numpy(), chunk)
+    req, k_start, q_lens, k_lens = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays)
+    return LocalLayout(req=req, k_start=k_start, q_lens=q_lens, k_lens=k_lens)
 
 
 def max_local_rows(batch_size: int, queries_per_request: int, chunk: int) -> int:

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections import Counter
 
 import pytest
 import torch
 
 from oracle import mla_nonabsorbed
+from test_metadata_capture import DeviceOpLog
 
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
-from mla_fa3.graph_runner import GraphRunner, InputSpec, StaticBuffers, pad_batch, padded_size
+from mla_fa3.graph_runner import GraphRunner, InputSpec, StaticBuffers, fill_inputs, pad_batch, padded_size
 from mla_fa3.kv_cache import MLATokenPool, PagedAllocator, ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 
@@ -272,6 +274,58 @@ def test_pad_batch_resets_rows_of_an_earlier_bigger_batch():
     assert buf.seq_lens[:4].tolist() == [4, 6, 8, 2] and buf.seq_lens_cpu[:4].tolist() == [4, 6, 8, 2]
     assert buf.out_cache_loc[:8].tolist() == [11, 12, 13, 14, 15, 16, 0, 0]
     assert buf.positions[:8].tolist() == [2, 3, 4, 5, 6, 7, 0, 0]
+
+
+def test_padding_resets_only_rows_earlier_runs_filled():
+    """A walk of live / padded sizes: every padded view holds the live rows then padding, checked against
+    lists; padding rows are reset (one op per buffer) exactly when an earlier run filled one of them."""
+    q, gen = 2, torch.Generator().manual_seed(11)
+    buf = StaticBuffers.allocate(8, q, {"x": InputSpec((3,), torch.float32)}, "cpu", seq_len_fill=1)
+    steps = [(8, 8), (3, 4), (3, 4), (1, 8), (6, 8), (2, 2), (5, 5), (5, 8), (7, 8), (4, 4), (2, 8), (2, 8)]
+    filled: set[int] = set()  # rows some run filled and no run has reset since
+    for n, padded in steps:
+        rows = torch.randint(1, 20, (n,), generator=gen).tolist()
+        seq = torch.randint(q, 90, (n,), generator=gen).tolist()
+        loc = torch.randint(1, 500, (n * q,), generator=gen).tolist()
+        batch = ForwardBatch.verify(rows, seq, loc, "cpu", num_draft_tokens=q)
+        x = torch.randn(n * q, 3, generator=gen)
+        log = DeviceOpLog("cpu")
+        with log:
+            fill_inputs({"x": x}, buf, n * q, padded * q)
+            pad_batch(batch, buf, padded)
+        stale = filled & set(range(n, padded))
+        filled = (filled - set(range(n, padded))) | set(range(n))
+        # 3 fills (req_pool_indices, seq_lens, seq_lens_cpu) and 3 zeros (out_cache_loc, positions, x)
+        assert log.device_ops()["fill_"] + log.device_ops()["zero_"] == (6 if stale else 0), (n, padded, stale)
+        pad = padded - n
+        assert buf.req_pool_indices[:padded].tolist() == rows + [0] * pad
+        assert buf.seq_lens[:padded].tolist() == seq + [q] * pad == buf.seq_lens_cpu[:padded].tolist()
+        assert buf.out_cache_loc[: padded * q].tolist() == loc + [0] * (pad * q)
+        assert buf.positions[: padded * q].tolist() == [s - q + j for s in seq for j in range(q)] + [0] * (pad * q)
+        assert torch.equal(buf.inputs["x"][: padded * q], torch.cat([x, torch.zeros(pad * q, 3)]))
+
+
+def test_prepare_is_six_device_ops_without_reading_the_device():
+    """Steady-state decode prepare on the ``meta`` device (the CUDA path, no data: a host read of a device
+    value raises): one batched copy of the live rows, one host->device copy of the metadata, four
+    page-table ops — no padding reset, no other device op."""
+    dims, heads, page, ctx = TINY, 4, 16, 256
+    req_pool = ReqToTokenPool(9, ctx, "meta")
+    pool = MLATokenPool(1, 2 + 8 * ctx // page, page, dims.kv_lora_rank, dims.qk_rope_head_dim, torch.float32, "meta")
+    backend = MLABackend(req_to_token_pool=req_pool, kv_pool=pool, page_size=page, device="meta",
+                         decode_kernel="fa3", num_heads=heads)
+    specs = {"q": InputSpec((heads, dims.qk_head_dim), torch.float32),
+             "latent": InputSpec((dims.latent_dim,), torch.float32)}
+    runner = GraphRunner(backend, lambda batch, inputs: None, batch_sizes=[4, 8], mode=ForwardMode.DECODE,
+                         max_context=ctx, input_specs=specs, device="meta", use_graphs=False)
+    batch = ForwardBatch.decode([3, 1, 7, 2, 5, 8], [40, 17, 256, 3, 99, 120], list(range(1, 7)), "meta")
+    inputs = {name: torch.empty(6, *spec.shape, device="meta") for name, spec in specs.items()}
+    runner.prepare(batch, inputs)
+    log = DeviceOpLog()
+    with log:
+        assert runner.prepare(batch, inputs) == (8, 0)
+    assert log.host_to_device_copies() == 1
+    assert log.device_ops() == Counter(_foreach_copy_=1, copy_=1, index_select=1, lt=1, floor_divide_=1, mul=1)
 
 
 def test_oversize_batch_and_overlong_context_raise_before_writing():

@@ -2,17 +2,24 @@
 harmless tails, clears what a bigger batch left behind, and refuses what does not fit.
 
 The eager build itself is checked against Python lists (test_metadata.py); here each replay is also
-checked against those lists directly.
+checked against those lists directly. The host-cost contract (one host->device copy, a fixed small
+number of device ops, no device value read on the host) is checked on the ``meta`` device: it runs
+the CUDA code path but holds no data, so any host read of a device value raises there.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from metadata_world import check_against_lists, check_replay, expected_local, make_batch, make_world
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.kv_cache import ReqToTokenPool
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 
 M = ForwardMode
@@ -142,3 +149,88 @@ def test_capture_named_errors() -> None:
                          torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64))
     builder.replay(empty, cap)
     assert cap.cache_seqlens.tolist() == [1, 1] and builder.capture_buffers.page_table.eq(0).all()
+
+
+# ---------------------------------------------------------------------------------------- host cost
+VIEW_OPS = {"slice", "alias", "detach", "unsqueeze", "expand", "view", "select", "as_strided", "squeeze",
+            "t", "reshape", "_reshape_alias"}
+
+
+class DeviceOpLog(TorchDispatchMode):
+    """Records every torch op with the device types of its tensor arguments (``device`` = meta here)."""
+
+    def __init__(self, device: str = "meta"):
+        super().__init__()
+        self.device, self.ops = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        self.ops.append((func.overloadpacket.__name__, [a.device.type for a in flat if isinstance(a, torch.Tensor)]))
+        return func(*args, **kwargs)
+
+    def device_ops(self) -> Counter:
+        """Ops (views excluded) touching a device tensor: the kernel launches on a GPU."""
+        return Counter(name for name, devs in self.ops if self.device in devs and name not in VIEW_OPS)
+
+    def host_to_device_copies(self) -> int:
+        return sum(name == "copy_" and devs == [self.device, "cpu"] for name, devs in self.ops)
+
+
+# case -> (mode, k, attention chunk, with encoder, device ops of one replay of 3 live rows into bs 4)
+TABLE_OPS = Counter(index_select=1, lt=1, floor_divide_=1, mul=1)  # one page table: gather, compare, divide, mask
+OFFSET_TABLE_OPS = TABLE_OPS - Counter(index_select=1) + Counter(add=1, clamp=1, index=1)  # + first column
+META_CASES = {
+    "decode": (M.DECODE, 1, None, False, Counter(copy_=1) + TABLE_OPS),
+    "verify_k3": (M.TARGET_VERIFY, 3, None, False, Counter(copy_=1) + TABLE_OPS),
+    "draft_decode_encoder": (M.DRAFT_DECODE, 1, None, True, Counter(copy_=1) + TABLE_OPS + OFFSET_TABLE_OPS),
+    "verify_k3_local": (M.TARGET_VERIFY, 3, 32, False,
+                        Counter(copy_=1) + TABLE_OPS + OFFSET_TABLE_OPS + Counter(index_select=1)),
+}
+
+
+def meta_batch(mode: ForwardMode, k: int, rows: list[int], seq: list[int], enc: list[int] | None) -> ForwardBatch:
+    loc = list(range(1, 1 + len(rows) * k))
+    if mode is M.TARGET_VERIFY:
+        return ForwardBatch.verify(rows, seq, loc, "meta", num_draft_tokens=k, encoder_lens=enc)
+    if mode is M.DRAFT_DECODE:
+        return ForwardBatch.draft_decode(rows, seq, loc, "meta", step=0, encoder_lens=enc)
+    return ForwardBatch.decode(rows, seq, loc, "meta", encoder_lens=enc)
+
+
+@pytest.mark.parametrize("name", list(META_CASES))
+def test_replay_is_one_host_copy_and_a_few_table_ops_without_reading_the_device(name: str) -> None:
+    mode, k, chunk, with_enc, expected = META_CASES[name]
+    builder = MetadataBuilder(ReqToTokenPool(8, 512, "meta"), 16, "meta", attention_chunk_size=chunk)
+    builder.init_capture_buffers(6, 512, max_num_draft_tokens=4, with_encoder=with_enc)
+    cap = builder.capture(4, mode, num_draft_tokens=k)
+    enc = [3, 0, 40] if with_enc else None
+    batch = meta_batch(mode, k, [1, 5, 2], [40, 17, 300], enc)
+    builder.replay(batch, cap)
+    log = DeviceOpLog()
+    with log:  # steady state: the same live rows again (meta raises on any host read of a device value)
+        builder.replay(batch, cap)
+    assert log.host_to_device_copies() == 1
+    assert log.device_ops() == expected
+    smaller = meta_batch(mode, k, [5, 2], [17, 30], enc[1:] if enc else None)
+    log = DeviceOpLog()
+    with log:  # fewer rows than the previous replay: their stale page-table rows are zeroed, one op per table
+        builder.replay(smaller, cap)
+    tables = 1 + with_enc + (chunk is not None)
+    assert log.host_to_device_copies() == 1
+    assert log.device_ops() == expected + Counter(zero_=tables)
+
+
+def test_one_dimensional_tables_are_disjoint_slices_of_one_packed_buffer() -> None:
+    w, builder, _ = setup(16, "encoder")
+    builder.init_capture_buffers(6, w.pool.max_context, max_num_draft_tokens=4, with_encoder=True)
+    buf = builder.capture_buffers
+    base, itemsize = buf.packed.data_ptr(), buf.packed.element_size()
+    spans = []
+    for name in ("cache_seqlens", "cu_seqlens_k", "enc_cache_seqlens", "enc_cu_seqlens_k", "enc_first_col"):
+        t = getattr(buf, name)
+        assert t.untyped_storage().data_ptr() == buf.packed.untyped_storage().data_ptr(), name
+        start = (t.data_ptr() - base) // itemsize
+        spans.append((start, start + t.numel()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= buf.packed.numel()

@@ -78,3 +78,31 @@ def test_extend_build_without_sync_matches_cpu() -> None:
     with _NoSync():
         md = gpu.build(make_batch(w, M.EXTEND, new, device="cuda"))
     assert_same_metadata(md, cpu.build(make_batch(w, M.EXTEND, new)))
+
+
+def test_replays_queued_behind_a_busy_stream_each_land_their_own_values() -> None:
+    """Replays whose host->device copies are still queued (behind a long kernel) must each deliver their
+    own step's metadata: a staging buffer is never rewritten while its copy may be in flight. Each
+    replay's metadata is cloned on the stream right after it, then checked against the CPU build."""
+    w = make_world(SEQ, 16, seed=7)
+    cpu = MetadataBuilder(w.pool, 16, "cpu", num_slots=w.num_slots)
+    gpu_pool = ReqToTokenPool(w.pool.size, w.pool.max_context, "cuda")
+    gpu_pool.req_to_token.copy_(w.pool.req_to_token)
+    gpu = MetadataBuilder(gpu_pool, 16, "cuda", num_slots=w.num_slots)
+    gpu.init_capture_buffers(6, w.pool.max_context)
+    cap = gpu.capture(5, M.DECODE)
+    subsets = [[0, 1, 2, 3, 4], [2, 4], [1], [3, 0, 2], [4, 3, 2, 1]] * 4
+    batches = [make_batch(w, M.DECODE, [1] * len(idx), idx=idx, device="cuda") for idx in subsets]
+    snaps = []
+    with _NoSync():
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every copy below waits behind it
+        for batch in batches:
+            gpu.replay(batch, cap)
+            snaps.append([t.clone() for t in (cap.cache_seqlens, cap.cu_seqlens_k, cap.page_table)])
+    for idx, (seqlens, cu_k, table) in zip(subsets, snaps):
+        eager = cpu.build(make_batch(w, M.DECODE, [1] * len(idx), idx=idx))
+        n, width = len(idx), eager.page_table.shape[1]
+        assert seqlens.tolist() == eager.cache_seqlens.tolist() + [1] * (5 - n)
+        assert cu_k[: n + 1].tolist() == eager.cu_seqlens_k.tolist()
+        assert table[:n, :width].tolist() == eager.page_table.tolist()
+        assert table[n:].eq(0).all() and table[:, width:].eq(0).all()
