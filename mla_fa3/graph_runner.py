@@ -283,9 +283,11 @@ class GraphRunner:
             raise ValueError(f"use_graphs needs a CUDA device, got {self.device}")
         self.buffers = StaticBuffers.allocate(sizes[-1], self.tokens_per_request, specs, self.device,
                                               seq_len_fill=seq_len_fill)
-        self._batches: dict[tuple[int, int], ForwardBatch] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int], Any] = {}
+        # keyed (size, draft step, kernel): a backend whose decode kernel is chosen per step
+        # (``graph_kernels()`` lists more than one) gets one graph per kernel; the replay update says which
+        self._batches: dict[tuple[int, int, Any], ForwardBatch] = {}
+        self._graphs: dict[tuple[int, int, Any], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int, Any], Any] = {}
         self.pool = None  # the graphs' shared memory pool (CUDA)
         self.captured = False
         if capture_now:
@@ -307,15 +309,23 @@ class GraphRunner:
             for step in range(self.num_draft_steps):
                 batch = static_batch(self.buffers, bs, self.mode, num_draft_tokens=self.num_draft_tokens,
                                      draft_step=step)
-                self._batches[(bs, step)] = batch
-                self._step_backend(step).init_forward_metadata_capture_cuda_graph(
-                    bs, self.mode, num_draft_tokens=self.num_draft_tokens)
-                if self.use_graphs:
-                    self._capture_one(bs, step, batch, stream)
+                backend = self._step_backend(step)
+                for kernel in self._graph_kernels(step):
+                    extra = {} if kernel is None else {"kernel": kernel}
+                    self._batches[(bs, step, kernel)] = batch
+                    backend.init_forward_metadata_capture_cuda_graph(
+                        bs, self.mode, num_draft_tokens=self.num_draft_tokens, **extra)
+                    if self.use_graphs:
+                        self._capture_one((bs, step, kernel), batch, stream)
         self.captured = True
 
-    def _capture_one(self, bs: int, step: int, batch: ForwardBatch, stream) -> None:
-        inputs = self._static_inputs(bs)
+    def _graph_kernels(self, step: int) -> tuple:
+        """Decode kernels to capture a graph for (``(None,)``: the backend picks one at capture)."""
+        kernels = getattr(self._step_backend(step), "graph_kernels", None)
+        return tuple(kernels()) if callable(kernels) and len(kernels()) > 1 else (None,)
+
+    def _capture_one(self, key: tuple, batch: ForwardBatch, stream) -> None:
+        inputs = self._static_inputs(key[0])
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up off the capture: lazy inits, workspace allocations
             for _ in range(2):
@@ -326,8 +336,8 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = self.forward_fn(batch, inputs)
         self.pool = graph.pool()
-        self._graphs[(bs, step)] = graph
-        self._outputs[(bs, step)] = out
+        self._graphs[key] = graph
+        self._outputs[key] = out
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ run
@@ -354,18 +364,21 @@ class GraphRunner:
             raise ValueError(f"batch is on {batch.device}, the runner's buffers on {self.device}")
         return bs
 
-    def prepare(self, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> tuple[int, int]:
-        """Steps 1-3 of a run (check, pad, metadata replay update); returns the (size, step) key."""
+    def prepare(self, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> tuple[int, int, Any]:
+        """Steps 1-3 of a run (check, pad, metadata replay update); returns the (size, step, kernel) key."""
         bs = self.check_fits(batch)
         q = self.tokens_per_request
         copies: list = []
         fill_inputs(inputs, self.buffers, batch.batch_size * q, bs * q, copies=copies)  # validates before writing
         pad_batch(batch, self.buffers, bs, copies=copies)
         copy_all(copies)  # every live row of the static buffers, one call
-        key = (bs, batch.draft_step if self.mode is ForwardMode.DRAFT_DECODE else 0)
-        # the live rows: the builder writes [:n] and resets its own metadata tail [n:bs]
-        self._step_backend(key[1]).init_forward_metadata_replay_cuda_graph(batch, bs=bs)
-        return key
+        step = batch.draft_step if self.mode is ForwardMode.DRAFT_DECODE else 0
+        backend = self._step_backend(step)
+        # the live rows: the builder writes [:n] and resets its own metadata tail [n:bs]; a backend with
+        # several graph kernels picks one here from the live lengths (host values)
+        backend.init_forward_metadata_replay_cuda_graph(batch, bs=bs)
+        kernels = self._graph_kernels(step)
+        return (bs, step, backend.graph_kernel if len(kernels) > 1 else None)
 
     def _step_backend(self, step: int) -> Any:
         """The backend holding draft step ``step``'s metadata (``MultiStepDraftBackend.step``), else the backend."""
@@ -373,7 +386,7 @@ class GraphRunner:
             return self.backend.step(step)
         return self.backend
 
-    def replay(self, key: tuple[int, int]) -> Any:
+    def replay(self, key: tuple[int, int, Any]) -> Any:
         """Step 4 for a prepared key: replay the graph (or run eagerly without graphs); full padded output."""
         if self.use_graphs:
             self._graphs[key].replay()
@@ -386,9 +399,11 @@ class GraphRunner:
         key = self.prepare(batch, inputs)
         return _slice_rows(self.replay(key), batch.num_tokens)
 
-    def graph(self, bs: int, draft_step: int = 0) -> "torch.cuda.CUDAGraph":
-        """The captured graph of padded size ``bs`` (and draft step) — for benchmarks."""
-        return self._graphs[(bs, draft_step)]
+    def graph(self, bs: int, draft_step: int = 0, kernel: Any = None) -> "torch.cuda.CUDAGraph":
+        """The captured graph of padded size ``bs``, draft step and kernel (default: the first captured)."""
+        if kernel is None:
+            kernel = self._graph_kernels(draft_step)[0]
+        return self._graphs[(bs, draft_step, kernel)]
 
     def close(self) -> None:
         """Drop the graphs, outputs and pool (free their memory); ``capture()`` may run again."""

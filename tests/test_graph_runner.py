@@ -323,7 +323,7 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
     runner.prepare(batch, inputs)
     log = DeviceOpLog()
     with log:
-        assert runner.prepare(batch, inputs) == (8, 0)
+        assert runner.prepare(batch, inputs) == (8, 0, None)
     assert log.host_to_device_copies() == 1
     assert log.device_ops() == Counter(_foreach_copy_=1, copy_=1, index_select=1, lt=1, floor_divide_=1, mul=1)
 
@@ -372,3 +372,31 @@ def test_constructor_rejects_bad_arguments():
     with pytest.raises(ValueError, match="use_graphs needs a CUDA device"):
         GraphRunner(world.backend, world.forward_fn, batch_sizes=[2], mode=ForwardMode.DECODE, use_graphs=True,
                     **common)
+
+
+def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks():
+    """decode_kernel='auto' on page 64: the runner captures FA3 and FlashMLA per size; each run replays
+    the kernel the backend chose from the live lengths, and the answer matches the fp64 oracle."""
+    from specs import follow_up, make_mla_case, mla_oracle, rel_err, BatchSpec
+
+    from mla_fa3 import kernel_choice
+    from mla_fa3.absorb import DecodeKernel
+
+    spec = BatchSpec(ForwardMode.DECODE, (40, 3, 77), (1, 1, 1), page_size=64)
+    case = make_mla_case(spec, "deepseek_v3", seed=5)
+    H = case.cfg.num_heads
+    backend = MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool, page_size=64,
+                         device="cpu", decode_kernel="auto", num_heads=H, impl="reference")
+    specs = {"q": InputSpec((H, case.cfg.dims.qk_head_dim), torch.float32),
+             "latent": InputSpec((case.cfg.dims.latent_dim,), torch.float32)}
+    runner = GraphRunner(backend, lambda b, x: backend.forward(x["q"], x["latent"], None, case.layer, b),
+                         batch_sizes=[4], mode=ForwardMode.DECODE, max_context=case.layout.req_to_token_pool.max_context,
+                         input_specs=specs, device="cpu", use_graphs=False)
+    assert set(runner._batches) == {(4, 0, DecodeKernel.FA3), (4, 0, DecodeKernel.FLASHMLA)}
+    for prefix, requests in (((40, 3, 77), [0, 1, 2]), ((70, 35), [2, 0])):
+        step = follow_up(case, ForwardMode.DECODE, prefix, (1,) * len(prefix), requests=requests, seed=1)
+        out = runner.run(step.batch, {"q": step.q, "latent": step.new_latent})
+        lens = [p + 1 for p in prefix]
+        want = kernel_choice.choose_decode_kernel(H, len(lens), max(lens), 64, mean_seqlen_k=sum(lens) / len(lens))
+        assert backend.graph_kernel is want
+        assert rel_err(out, mla_oracle(step)) <= 1e-5
