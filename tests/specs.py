@@ -54,6 +54,11 @@ class BatchSpec:
         return len(self.prefix_lens)
 
     @property
+    def q_rows(self) -> list[tuple[int, int]]:
+        """(start, end) rows of each request's queries in a token-major q."""
+        return q_rows_of(self.extend_lens)
+
+    @property
     def seq_lens(self) -> tuple[int, ...]:
         return tuple(p + n for p, n in zip(self.prefix_lens, self.extend_lens))
 
@@ -101,6 +106,15 @@ MLA_CONFIGS: dict[str, MLAConfig] = {
     "odd_small": MLAConfig(3, MLADims(kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20)),
     "tiny": MLAConfig(4, MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
 }
+
+
+def q_rows_of(extend_lens) -> list[tuple[int, int]]:
+    """(start, end) rows of each request's queries in a token-major q with ``extend_lens`` tokens each."""
+    out, start = [], 0
+    for n in extend_lens:
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 @dataclass
@@ -204,11 +218,7 @@ class MLACase:
     @property
     def q_rows(self) -> list[tuple[int, int]]:
         """(start, end) rows of each request's queries in q."""
-        out, start = [], 0
-        for n in self.spec.extend_lens:
-            out.append((start, start + n))
-            start += n
-        return out
+        return self.spec.q_rows
 
 
 STALE_FINITE = 3.0e3  # poison for the tail of a sequence's last page on a GPU (see make_mla_case)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from oracle import dense_attention
-from specs import DEC, EXT, MIX, CacheLayout, make_layout, rel_err
+from specs import DEC, EXT, MIX, CacheLayout, make_layout, q_rows_of, rel_err
 from test_mha_fallback import (
     E4M3, FP8_TOL, FP32_TOL, MHA_CONFIGS, MHAConfig, fp8_query, pin_amax, poison, quantize_e4m3, visible,
 )
@@ -91,11 +91,7 @@ class CrossCase:
 
     @property
     def q_rows(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.spec.extend_lens:
-            out.append((start, start + n))
-            start += n
-        return out
+        return q_rows_of(self.spec.extend_lens)
 
     def encoder_slots(self, b: int) -> torch.Tensor:
         return self.layout.token_slots(b, 0, self.spec.encoder_lens[b])

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from oracle import dense_attention
-from specs import DEC, EXT, MIX, SPECS, VER, BatchSpec, CacheLayout, make_batch, make_layout, rel_err
+from specs import DEC, EXT, MIX, SPECS, VER, BatchSpec, CacheLayout, make_batch, make_layout, q_rows_of, rel_err
 
 from mla_fa3 import mha_fallback, ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
@@ -85,11 +85,7 @@ class MHACase:
 
     @property
     def q_rows(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.spec.extend_lens:
-            out.append((start, start + n))
-            start += n
-        return out
+        return q_rows_of(self.spec.extend_lens)
 
     def forward(self, **kw) -> torch.Tensor:
         return mha_fallback.forward(self.q, self.k_new, self.v_new, self.layer, self.batch, self.metadata,

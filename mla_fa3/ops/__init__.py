@@ -161,6 +161,16 @@ def _warn_reference_on_cuda(device: torch.device) -> None:
                       f"{fa3.unavailable_message(device)}", RuntimeWarning, stacklevel=3)
 
 
+def _run_attention(chosen: Impl, name: str, args, return_lse: bool):
+    """Run attention op ``name`` of the chosen implementation on validated ``args``; the fixed return."""
+    if chosen is Impl.FA3:
+        out, lse = getattr(fa3, name)(args, return_lse=return_lse)
+    else:
+        out, lse = getattr(reference, name)(args)
+    _ran(chosen)
+    return (out, lse) if return_lse else out
+
+
 def _ran(impl: Impl) -> None:
     global _last_impl
     _last_impl = impl
@@ -207,12 +217,7 @@ def flash_attn_with_kvcache(
         causal=causal, window_size=window_size, softcap=softcap, k_descale=k_descale,
         v_descale=v_descale, q_descale=q_descale, num_splits=num_splits, impl=chosen,
     )
-    if chosen is Impl.FA3:
-        out, lse = fa3.flash_attn_with_kvcache(args, return_lse=return_lse)
-    else:
-        out, lse = reference.flash_attn_with_kvcache(args)
-    _ran(chosen)
-    return (out, lse) if return_lse else out
+    return _run_attention(chosen, "flash_attn_with_kvcache", args, return_lse)
 
 
 def flash_attn_varlen_func(
@@ -244,12 +249,7 @@ def flash_attn_varlen_func(
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, impl=chosen,
     )
-    if chosen is Impl.FA3:
-        out, lse = fa3.flash_attn_varlen_func(args, return_lse=return_lse)
-    else:
-        out, lse = reference.flash_attn_varlen_func(args)
-    _ran(chosen)
-    return (out, lse) if return_lse else out
+    return _run_attention(chosen, "flash_attn_varlen_func", args, return_lse)
 
 
 def merge_state(
@@ -317,10 +317,5 @@ def flash_mla_with_kvcache(
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
         impl=chosen,
     )
-    if chosen is Impl.FA3:
-        out, lse = fa3.flash_mla_with_kvcache(args, return_lse=return_lse)
-    else:
-        out, lse = reference.flash_mla_with_kvcache(args)
-    _ran(chosen)
-    return (out, lse) if return_lse else out
+    return _run_attention(chosen, "flash_mla_with_kvcache", args, return_lse)
 
