@@ -30,13 +30,6 @@ BLOCK = 128
 E4M3_MAX = 448.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):

@@ -41,14 +41,6 @@ SPECS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny ops run fastest single-threaded on the shared CI cores; restored afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 _CACHE: dict = {}
 
