@@ -32,13 +32,14 @@ kernel time, 180 page-64 rows): the fitted table picks within 2 % everywhere (wo
 each row out of the table and predict it from its neighbours: 172/180 within 5 %, 177/180 within
 15 %, worst 1.215x. The skew-blind table the sweep ran with: 106/180 within 5 %, worst 2.10x.
 
-Regenerate the table from a decode-benchmark CSV (``mla-fa3 bench decode --out DIR``)::
+The table (``Measured``, ``MEASURED``) lives in ``kernel_choice_table.py`` and is re-exported here.
+Regenerate it from a decode-benchmark CSV (``mla-fa3 bench decode --out DIR``)::
 
     python -m mla_fa3.kernel_choice --from-csv DIR/decode.csv      # prints the MEASURED literal
     python -m mla_fa3.kernel_choice --evaluate DIR/decode.csv      # the summary above for that CSV
 
-and paste the literal over ``MEASURED`` below, or load it at run time with ``table_from_csv(path)``
-and pass ``table=`` to the functions.
+and paste the literal over ``MEASURED`` in ``kernel_choice_table.py``, or load it at run time with
+``table_from_csv(path)`` and pass ``table=`` to the functions.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from mla_fa3.kernel_choice_table import MEASURED, Measured, _check_positive_int, _is_real
+
 if TYPE_CHECKING:  # absorb imports this module's caller chain; resolve the enum lazily at run time
     from mla_fa3.absorb import DecodeKernel
 
@@ -61,47 +64,6 @@ SKEW_WEIGHT = 2.0  # per log2 unit of mean/max length: equal vs skewed outweighs
 MAX_DISTANCE = 3.0  # farther than this (log2 units) from every measured shape: no evidence -> FA3
 TIE_DISTANCE = 0.05  # shapes this close to the nearest distance are equally near (gains averaged)
 MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 mean of equal lengths)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One measured shape: per-layer decode kernel times at page 64, bf16, one query token each."""
-
-    num_heads: int  # query heads H (one latent KV head)
-    batch_size: int  # requests, one query token each
-    context: int  # longest KV length in the batch (every request's for equal lengths)
-    fa3_ms: float  # FA3 kernel time, ms (CUDA-graph replay)
-    flashmla_ms: float  # FlashMLA kernel time, ms (CUDA-graph replay)
-    source: str = "H200 anchor"  # where the numbers come from
-    skew: float = 1.0  # mean / max KV length over the batch, in (0, 1]; 1 = equal lengths
-
-    def __post_init__(self):
-        for name in ("num_heads", "batch_size", "context"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("fa3_ms", "flashmla_ms"):
-            if not (_is_real(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
-        if not (_is_real(self.skew) and 0 < self.skew <= 1):
-            raise ValueError(f"skew must be a number in (0, 1], got {self.skew!r}")
-
-    @property
-    def flashmla_gain(self) -> float:
-        """FA3 time / FlashMLA time: > 1 when FlashMLA is faster."""
-        return self.fa3_ms / self.flashmla_ms
-
-    def shape(self) -> str:
-        return f"heads {self.num_heads}, bs {self.batch_size}, ctx {self.context}, skew {self.skew:.2f}"
 
 
 @dataclass(frozen=True)
@@ -263,7 +225,7 @@ def table_from_csv(path: str) -> tuple[Measured, ...]:
 
 
 def format_table(table: Sequence[Measured]) -> str:
-    """Python source of a ``MEASURED`` literal for ``table`` (to paste into this module).
+    """Python source of a ``MEASURED`` literal for ``table`` (to paste into ``kernel_choice_table.py``).
 
     Two shapes per line as (heads, batch, context, skew, fa3_ms, flashmla_ms); floats are printed
     with ``repr`` so that the literal reproduces ``table`` exactly. Needs only ``Measured`` in scope.
@@ -367,10 +329,13 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m mla_fa3.kernel_choice",
-        description="Print the measured FA3-vs-FlashMLA decode table, regenerate it from a bench CSV, or "
-                    "evaluate the choice on a bench CSV.",
+        description="Print the measured FA3-vs-FlashMLA decode table, regenerate it from a bench CSV (the "
+                    "MEASURED literal to paste into mla_fa3/kernel_choice_table.py), or evaluate the choice "
+                    "on a bench CSV.",
     )
-    p.add_argument("--from-csv", metavar="CSV", help="decode-benchmark CSV (mla-fa3 bench decode --out DIR)")
+    p.add_argument("--from-csv", metavar="CSV",
+                   help="decode-benchmark CSV (mla-fa3 bench decode --out DIR); prints its table as the MEASURED "
+                        "literal to paste into mla_fa3/kernel_choice_table.py")
     p.add_argument("--evaluate", metavar="CSV",
                    help="score the choice (table: --from-csv's, else the built-in) on this CSV's page-64 rows")
     args = p.parse_args(argv)
@@ -384,107 +349,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(table))
     return 0
 
-
-# ---------------------------------------------------------------------------------------------------
-# The measured table (H200, sgl-kernel 0.4.5, bf16, page 64, CUDA-graph replay, per layer), from
-# ``python -m mla_fa3.kernel_choice --from-csv docs/perf/decode_2026-12-02_run1.csv``
-
-MEASURED: tuple[Measured, ...] = (
-    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,
-               source='bench CSV docs/perf/decode_2026-12-02_run1.csv')
-      for h, b, ctx, skew, fa3, mla in (  # heads, batch, context, skew, FA3 ms, FlashMLA ms
-        (16, 1, 1024, 1.0, 0.0143772, 0.0110278), (16, 1, 4096, 1.0, 0.0170358, 0.0227449),
-        (16, 1, 16384, 1.0, 0.0237049, 0.0399111), (16, 1, 65536, 1.0, 0.0404053, 0.0526347),
-        (16, 1, 131072, 1.0, 0.058968, 0.071408), (16, 4, 1024, 0.4041, 0.0146598, 0.0120692),
-        (16, 4, 1024, 1.0, 0.0149158, 0.0124809), (16, 4, 4096, 0.4042, 0.0181333, 0.0232356),
-        (16, 4, 4096, 1.0, 0.0197316, 0.0200053), (16, 4, 16384, 0.4042, 0.0257653, 0.031408),
-        (16, 4, 16384, 1.0, 0.0350187, 0.034), (16, 4, 65536, 0.4042, 0.051104, 0.05632),
-        (16, 4, 65536, 1.0, 0.09064, 0.08816), (16, 4, 131072, 0.4042, 0.080224, 0.08472),
-        (16, 4, 131072, 1.0, 0.158608, 0.156784), (16, 16, 1024, 0.3511, 0.0160249, 0.0126151),
-        (16, 16, 1024, 1.0, 0.0186649, 0.0153476), (16, 16, 4096, 0.3511, 0.0216427, 0.0203733),
-        (16, 16, 4096, 1.0, 0.033728, 0.0293707), (16, 16, 16384, 0.3511, 0.044768, 0.0408),
-        (16, 16, 16384, 1.0, 0.088336, 0.082448), (16, 16, 65536, 0.3511, 0.121584, 0.117056),
-        (16, 16, 65536, 1.0, 0.291328, 0.295408), (16, 16, 131072, 0.3511, 0.23464, 0.218144),
-        (16, 16, 131072, 1.0, 0.567856, 0.584576), (16, 64, 1024, 0.3412, 0.0225387, 0.020512),
-        (16, 64, 1024, 1.0, 0.035856, 0.0314987), (16, 64, 4096, 0.3412, 0.051408, 0.039504),
-        (16, 64, 4096, 1.0, 0.0896, 0.08456), (16, 64, 16384, 0.3412, 0.140128, 0.111632),
-        (16, 64, 16384, 1.0, 0.294416, 0.293104), (16, 64, 65536, 0.3412, 0.501872, 0.399872),
-        (16, 64, 65536, 1.0, 1.1813, 1.15101), (16, 64, 131072, 0.3412, 0.966288, 0.788096),
-        (16, 64, 131072, 1.0, 2.3967, 2.2871), (16, 128, 1024, 0.3396, 0.03516, 0.030048),
-        (16, 128, 1024, 1.0, 0.053968, 0.04348), (16, 128, 4096, 0.3397, 0.076448, 0.065552),
-        (16, 128, 4096, 1.0, 0.155568, 0.148496), (16, 128, 16384, 0.3397, 0.238592, 0.20808),
-        (16, 128, 16384, 1.0, 0.565344, 0.587072), (16, 128, 65536, 0.3397, 0.910176, 0.782864),
-        (16, 128, 65536, 1.0, 2.39504, 2.29098), (16, 128, 131072, 0.3397, 1.86589, 1.56192),
-        (16, 128, 131072, 1.0, 4.77635, 4.54736), (32, 1, 1024, 1.0, 0.0151165, 0.011752),
-        (32, 1, 4096, 1.0, 0.0179092, 0.0234833), (32, 1, 16384, 1.0, 0.0252391, 0.0408036),
-        (32, 1, 65536, 1.0, 0.0418187, 0.054848), (32, 1, 131072, 1.0, 0.061536, 0.072528),
-        (32, 4, 1024, 0.4041, 0.0153252, 0.0128946), (32, 4, 1024, 1.0, 0.0157656, 0.0134833),
-        (32, 4, 4096, 0.4042, 0.0183627, 0.0251093), (32, 4, 4096, 1.0, 0.0206933, 0.020416),
-        (32, 4, 16384, 0.4042, 0.0267627, 0.0318773), (32, 4, 16384, 1.0, 0.0363627, 0.0347733),
-        (32, 4, 65536, 0.4042, 0.05592, 0.058), (32, 4, 65536, 1.0, 0.092432, 0.089408),
-        (32, 4, 131072, 0.4042, 0.090544, 0.085456), (32, 4, 131072, 1.0, 0.161008, 0.158608),
-        (32, 16, 1024, 0.3511, 0.0168782, 0.0139271), (32, 16, 1024, 1.0, 0.0207342, 0.0166364),
-        (32, 16, 4096, 0.3511, 0.023648, 0.0212213), (32, 16, 4096, 1.0, 0.0362827, 0.0308053),
-        (32, 16, 16384, 0.3511, 0.051776, 0.042176), (32, 16, 16384, 1.0, 0.090784, 0.08392),
-        (32, 16, 65536, 0.3511, 0.159232, 0.11888), (32, 16, 65536, 1.0, 0.29648, 0.296096),
-        (32, 16, 131072, 0.3511, 0.335664, 0.212976), (32, 16, 131072, 1.0, 0.571472, 0.593648),
-        (32, 64, 1024, 0.3412, 0.0237173, 0.0206613), (32, 64, 1024, 1.0, 0.0391787, 0.0335893),
-        (32, 64, 4096, 0.3412, 0.052016, 0.040864), (32, 64, 4096, 1.0, 0.093808, 0.08584),
-        (32, 64, 16384, 0.3412, 0.149296, 0.11392), (32, 64, 16384, 1.0, 0.298544, 0.30184),
-        (32, 64, 65536, 0.3412, 0.558096, 0.40456), (32, 64, 65536, 1.0, 1.2189, 1.17925),
-        (32, 64, 131072, 0.3412, 1.06171, 0.83584), (32, 64, 131072, 1.0, 2.42787, 2.33792),
-        (32, 128, 1024, 0.3396, 0.036496, 0.030928), (32, 128, 1024, 1.0, 0.053776, 0.043776),
-        (32, 128, 4096, 0.3397, 0.084656, 0.068064), (32, 128, 4096, 1.0, 0.157744, 0.148672),
-        (32, 128, 16384, 0.3397, 0.30896, 0.218304), (32, 128, 16384, 1.0, 0.58536, 0.604048),
-        (32, 128, 65536, 0.3397, 1.05976, 0.809744), (32, 128, 65536, 1.0, 2.44051, 2.36288),
-        (32, 128, 131072, 0.3397, 2.08598, 1.64277), (32, 128, 131072, 1.0, 4.77118, 4.68342),
-        (64, 1, 1024, 1.0, 0.0163657, 0.012841), (64, 1, 4096, 1.0, 0.0193355, 0.0250296),
-        (64, 1, 16384, 1.0, 0.0275467, 0.0433564), (64, 1, 65536, 1.0, 0.0452747, 0.0573333),
-        (64, 1, 131072, 1.0, 0.06476, 0.075848), (64, 4, 1024, 0.4041, 0.01668, 0.0142085),
-        (64, 4, 1024, 1.0, 0.0173638, 0.0152489), (64, 4, 4096, 0.4042, 0.02096, 0.0262507),
-        (64, 4, 4096, 1.0, 0.0248836, 0.0214382), (64, 4, 16384, 0.4042, 0.032224, 0.0340853),
-        (64, 4, 16384, 1.0, 0.042768, 0.038176), (64, 4, 65536, 0.4042, 0.081488, 0.060928),
-        (64, 4, 65536, 1.0, 0.098864, 0.094416), (64, 4, 131072, 0.4042, 0.140032, 0.091344),
-        (64, 4, 131072, 1.0, 0.167984, 0.16744), (64, 16, 1024, 0.3511, 0.0203982, 0.0156587),
-        (64, 16, 1024, 1.0, 0.0234489, 0.0202524), (64, 16, 4096, 0.3511, 0.030304, 0.0242933),
-        (64, 16, 4096, 1.0, 0.0414773, 0.0351733), (64, 16, 16384, 0.3511, 0.073856, 0.046144),
-        (64, 16, 16384, 1.0, 0.0964, 0.09008), (64, 16, 65536, 0.3511, 0.26152, 0.125808),
-        (64, 16, 65536, 1.0, 0.301424, 0.310976), (64, 16, 131072, 0.3511, 0.481648, 0.22624),
-        (64, 16, 131072, 1.0, 0.585072, 0.636256), (64, 64, 1024, 0.3412, 0.0328533, 0.0242293),
-        (64, 64, 1024, 1.0, 0.0471947, 0.0402027), (64, 64, 4096, 0.3412, 0.07784, 0.047344),
-        (64, 64, 4096, 1.0, 0.103536, 0.093808), (64, 64, 16384, 0.3412, 0.25808, 0.127072),
-        (64, 64, 16384, 1.0, 0.308832, 0.325408), (64, 64, 65536, 0.3412, 0.905408, 0.4316),
-        (64, 64, 65536, 1.0, 1.20296, 1.24427), (64, 64, 131072, 0.3412, 1.74336, 0.854112),
-        (64, 64, 131072, 1.0, 2.44762, 2.45616), (64, 128, 1024, 0.3396, 0.041808, 0.034952),
-        (64, 128, 1024, 1.0, 0.054384, 0.045248), (64, 128, 4096, 0.3397, 0.12536, 0.077024),
-        (64, 128, 4096, 1.0, 0.158816, 0.150688), (64, 128, 16384, 0.3397, 0.49192, 0.235584),
-        (64, 128, 16384, 1.0, 0.584432, 0.650848), (64, 128, 65536, 0.3397, 1.72053, 0.85128),
-        (64, 128, 65536, 1.0, 2.2936, 2.48566), (64, 128, 131072, 0.3397, 3.43642, 1.70498),
-        (64, 128, 131072, 1.0, 4.8097, 4.88093), (128, 1, 1024, 1.0, 0.016989, 0.0138347),
-        (128, 1, 4096, 1.0, 0.0201882, 0.0195859), (128, 1, 16384, 1.0, 0.0326489, 0.0376409),
-        (128, 1, 65536, 1.0, 0.059984, 0.052288), (128, 1, 131072, 1.0, 0.090056, 0.078152),
-        (128, 4, 1024, 0.4041, 0.0174391, 0.0142311), (128, 4, 1024, 1.0, 0.0197012, 0.0149854),
-        (128, 4, 4096, 0.4042, 0.0238062, 0.0223911), (128, 4, 4096, 1.0, 0.0287236, 0.025248),
-        (128, 4, 16384, 0.4042, 0.0457973, 0.0348533), (128, 4, 16384, 1.0, 0.0526133, 0.0453813),
-        (128, 4, 65536, 0.4042, 0.129296, 0.065552), (128, 4, 65536, 1.0, 0.140384, 0.122528),
-        (128, 4, 131072, 0.4042, 0.23984, 0.108992), (128, 4, 131072, 1.0, 0.252544, 0.227024),
-        (128, 16, 1024, 0.3511, 0.0235307, 0.0175378), (128, 16, 1024, 1.0, 0.0284, 0.0225031),
-        (128, 16, 4096, 0.3511, 0.0436747, 0.029024), (128, 16, 4096, 1.0, 0.0497653, 0.0436373),
-        (128, 16, 16384, 0.3511, 0.122688, 0.058448), (128, 16, 16384, 1.0, 0.133936, 0.123904),
-        (128, 16, 65536, 0.3511, 0.50088, 0.167824), (128, 16, 65536, 1.0, 0.493248, 0.499808),
-        (128, 16, 131072, 0.3511, 0.85568, 0.312432), (128, 16, 131072, 1.0, 1.08218, 1.00811),
-        (128, 64, 1024, 0.3412, 0.038256, 0.031584), (128, 64, 1024, 1.0, 0.0413867, 0.0359573),
-        (128, 64, 4096, 0.3412, 0.11568, 0.063248), (128, 64, 4096, 1.0, 0.12528, 0.11592),
-        (128, 64, 16384, 0.3412, 0.47352, 0.17472), (128, 64, 16384, 1.0, 0.457088, 0.506608),
-        (128, 64, 65536, 0.3412, 1.61056, 0.613456), (128, 64, 65536, 1.0, 2.1313, 2.0321),
-        (128, 64, 131072, 0.3412, 3.19688, 1.39136), (128, 64, 131072, 1.0, 4.24298, 3.9925),
-        (128, 128, 1024, 0.3396, 0.046744, 0.050408), (128, 128, 1024, 1.0, 0.077144, 0.068784),
-        (128, 128, 4096, 0.3397, 0.135264, 0.112928), (128, 128, 4096, 1.0, 0.243392, 0.237328),
-        (128, 128, 16384, 0.3397, 0.49072, 0.332128), (128, 128, 16384, 1.0, 0.970896, 1.02744),
-        (128, 128, 65536, 0.3397, 1.79925, 1.38134), (128, 128, 65536, 1.0, 4.25464, 3.99821),
-        (128, 128, 131072, 0.3397, 3.57616, 2.78243), (128, 128, 131072, 1.0, 8.57704, 8.01699),
-    )),
-)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,23 +27,27 @@ the decode rows' absorbed ``g`` and ``h`` are added to the MHA options' (one spl
 Decode-like modes (one query per request) are ABSORBED by definition.
 
 :class:`CostConstants` holds every constant in one place. :data:`H200_COSTS` is fitted with
-:func:`fit_cost_constants` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv`` (H200, eager
-CUDA-event times of one layer, host overhead included, bf16, page 64, W = 8192). The rates are
-*effective* rates of the code as it runs, not hardware peaks.
-:func:`evaluate_on_csv` replays a benchmark CSV through the model: which path it picks per shape and
-picked / best measured time. Pure host arithmetic on CPU lengths: no tensor is read from a device, so
-choosing a path never syncs.
+``path_choice_fit.fit_cost_constants`` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv``
+(H200, eager CUDA-event times of one layer, host overhead included, bf16, page 64, W = 8192). The rates
+are *effective* rates of the code as it runs, not hardware peaks. Pure host arithmetic on CPU lengths:
+no tensor is read from a device, so choosing a path never syncs.
+
+The calibration (fitting the constants, replaying a benchmark CSV: ``path_choice_fit.py``) is
+re-exported here on first use (``CostSample``, ``fit_cost_constants``, ``evaluate_on_csv``, ...).
 """
 
 from __future__ import annotations
 
-import csv
 import enum
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # re-exported lazily by __getattr__ below: path_choice_fit imports this module
+    from mla_fa3.path_choice_fit import (FITTED_CONSTANTS, CostSample, PathEvaluation, evaluate_choices,
+                                         evaluate_on_csv, fit_cost_constants, read_samples_csv, summarize)
 
 __all__ = [
     "PrefillPath", "PREFILL_PATH_OVERRIDES", "CostConstants", "H200_COSTS", "PathDecision", "decode_rows",
@@ -289,150 +293,18 @@ def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tok
 
 
 # ---------------------------------------------------------------------------------------------------
-# re-fitting the constants from benchmark rows, and replaying them
+# the calibration's names (path_choice_fit), re-exported on first use
 
 
-@dataclass(frozen=True)
-class CostSample:
-    """One measured shape: per-layer times of both paths (e.g. a row of the prefill bench CSV)."""
-
-    num_heads: int
-    prefix_lens: tuple[int, ...]
-    extend_lens: tuple[int, ...]
-    workspace_tokens: int
-    absorbed_ms: float | None  # measured absorbed time (None: not measured)
-    mha_ms: float | None  # measured one-shot / chunked MHA time (None: not measured)
+_FIT_NAMES = frozenset({"CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation",
+                        "read_samples_csv", "evaluate_choices", "evaluate_on_csv", "summarize"})
 
 
-FITTED_CONSTANTS = ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops",
-                    "chunk_overhead_us", "mha_fixed_us", "absorbed_fixed_us")
+def __getattr__(name: str):
+    """``path_choice.<name>`` for the names that moved to ``path_choice_fit`` (imported on first use)."""
+    if name in _FIT_NAMES:
+        from mla_fa3 import path_choice_fit
 
-
-def _sample_costs(s: CostSample, dims, c: CostConstants) -> dict[PrefillPath, float]:
-    return _costs(list(s.prefix_lens), list(s.extend_lens), decode_rows(s.prefix_lens, s.extend_lens),
-                  s.num_heads, dims, c, s.workspace_tokens)
-
-
-def _measured(s: CostSample) -> dict[PrefillPath, float]:
-    """{path: measured ms} of a sample with new tokens (its MHA time is the one-shot or chunked path)."""
-    _check_shape_args(list(s.prefix_lens), list(s.extend_lens), s.num_heads, s.workspace_tokens)
-    prefix = [p for p, d in zip(s.prefix_lens, decode_rows(s.prefix_lens, s.extend_lens)) if not d]
-    out = {PrefillPath.ABSORBED: s.absorbed_ms,
-           PrefillPath.MHA_CHUNKED if any(prefix) else PrefillPath.MHA_ONESHOT: s.mha_ms}
-    return {k: v for k, v in out.items() if v is not None and v > 0} if sum(s.extend_lens) > 0 else {}
-
-
-def fit_cost_constants(samples: Iterable[CostSample], dims, *, base: CostConstants = H200_COSTS,
-                       names: Sequence[str] = FITTED_CONSTANTS, max_iters: int = 100,
-                       prior_weight: float = 0.02) -> CostConstants:
-    """Fit the constants ``names`` to measured samples: least squares of ``log(model / measured)``.
-
-    Levenberg-Marquardt over the logs of the constants (they stay positive), started at ``base``, plus
-    a weak pull ``prior_weight · log(value / base value)`` per constant that settles what the samples
-    leave open and costs ~nothing elsewhere. The rest stays from ``base``: ``copy_tbps`` too, as the
-    decompression's GEMM and copies both scale with ``(P + N)·H`` — samples fix only their sum, so the
-    GEMM rate is fitted with the copies at ``copy_tbps``. Host arithmetic only; ~0.2 s for 32 samples.
-    """
-    samples = list(samples)
-    if not all(isinstance(s, CostSample) for s in samples):
-        raise TypeError("samples must be CostSample instances")
-    if not isinstance(base, CostConstants):
-        raise TypeError(f"base must be a CostConstants, got {type(base).__name__}")
-    names = tuple(names)
-    if not names or not set(names) <= set(FITTED_CONSTANTS):
-        raise ValueError(f"names must be a non-empty subset of {FITTED_CONSTANTS}, got {names}")
-    data = [(s, path, ms) for s in samples for path, ms in _measured(s).items()]
-    if not data:
-        raise ValueError("samples: no measured time (absorbed_ms / mha_ms) to fit")
-    theta0 = [math.log(max(getattr(base, n), 1.0)) for n in names]
-
-    def consts(theta) -> CostConstants:
-        return replace(base, **{n: math.exp(t) for n, t in zip(names, theta)})
-
-    def residuals(theta) -> list[float]:
-        c = consts(theta)
-        out = [math.log(_sample_costs(s, dims, c)[path] / ms) for s, path, ms in data]
-        return out + [prior_weight * (t - t0) for t, t0 in zip(theta, theta0)]
-
-    theta, lam = list(theta0), 1e-3
-    r = residuals(theta)
-    cost = sum(x * x for x in r)
-    for _ in range(max_iters):
-        r0 = torch.tensor(r, dtype=torch.float64)
-        cols = [torch.tensor(residuals([t + 1e-6 * (i == j) for i, t in enumerate(theta)]), dtype=torch.float64)
-                for j in range(len(theta))]
-        J = (torch.stack(cols, 1) - r0[:, None]) / 1e-6  # forward differences: [residual, constant]
-        A, g = J.T @ J, J.T @ r0
-        while lam < 1e10:
-            step = torch.linalg.solve(A + lam * torch.diag(A.diagonal() + 1e-9), -g).tolist()
-            trial = [min(max(t + d, t0 - 9.0), t0 + 9.0) for t, d, t0 in zip(theta, step, theta0)]  # e^±9
-            r_t = residuals(trial)
-            cost_t = sum(x * x for x in r_t)
-            if cost_t < cost:
-                break
-            lam *= 10.0
-        else:
-            break  # no step lowers the cost: a minimum
-        done = cost - cost_t < 1e-10 * (1.0 + cost)
-        theta, r, cost, lam = trial, r_t, cost_t, max(lam / 10.0, 1e-9)
-        if done:
-            break
-    return consts(theta)
-
-
-@dataclass(frozen=True)
-class PathEvaluation:
-    """One measured shape replayed through the model: what auto picks and what that costs."""
-
-    sample: CostSample
-    modelled_ms: Mapping[PrefillPath, float]  # the model's ms of each option (inf: not applicable)
-    measured_ms: Mapping[PrefillPath, float]  # the benchmark's ms of the measured options
-    chosen: PrefillPath  # what choose_path(..., "auto") picks with the constants
-    best: PrefillPath  # the measured faster path
-
-    @property
-    def chosen_over_best(self) -> float:
-        """Measured time of the chosen path / of the faster one (1.0: auto picked the faster path)."""
-        return self.measured_ms[self.chosen] / self.measured_ms[self.best]
-
-
-def read_samples_csv(path) -> list[CostSample]:
-    """The rows of a ``mla_fa3.bench.prefill`` CSV (one request per row) as :class:`CostSample`."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    need = {"heads", "new", "prefix", "workspace", "absorbed_ms", "mha_ms"}
-    if not rows or not need <= set(rows[0]):
-        raise ValueError(f"path: {path} is not a prefill bench CSV with columns {sorted(need)}")
-    return [CostSample(int(r["heads"]), (int(r["prefix"]),), (int(r["new"]),), int(r["workspace"]),
-                       float(r["absorbed_ms"]), float(r["mha_ms"])) for r in rows]
-
-
-def evaluate_choices(samples: Iterable[CostSample], dims, *,
-                     constants: CostConstants = H200_COSTS) -> list[PathEvaluation]:
-    """Per sample measured on both paths: the path auto picks with ``constants`` and the measured best."""
-    out = []
-    for s in samples:
-        measured = _measured(s)
-        if len(measured) < 2:
-            continue  # one path measured: nothing to compare
-        d = choose_path(s.prefix_lens, s.extend_lens, num_heads=s.num_heads, dims=dims,
-                        workspace_tokens=s.workspace_tokens, constants=constants)
-        out.append(PathEvaluation(s, d.costs_ms, measured, d.path, min(measured, key=measured.get)))
-    return out
-
-
-def evaluate_on_csv(path, dims, *, constants: CostConstants = H200_COSTS) -> list[PathEvaluation]:
-    """:func:`evaluate_choices` over a prefill bench CSV (``docs/perf/prefill_*.csv``)."""
-    return evaluate_choices(read_samples_csv(path), dims, constants=constants)
-
-
-def summarize(evaluations: Sequence[PathEvaluation]) -> str:
-    """One line: shapes picked right, and the worst picked / best with its shape."""
-    right = sum(e.chosen is e.best for e in evaluations)
-    head = f"auto picked the faster path on {right}/{len(evaluations)} shapes"
-    if right == len(evaluations):
-        return head
-    w = max(evaluations, key=lambda e: e.chosen_over_best)
-    s = w.sample
-    return (f"{head}; worst picked/best {w.chosen_over_best:.3f} ({s.num_heads} heads, {sum(s.extend_lens)} new "
-            f"over {sum(s.prefix_lens)}: {w.chosen.value} instead of {w.best.value})")
+        value = globals()[name] = getattr(path_choice_fit, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

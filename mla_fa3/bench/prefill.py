@@ -39,7 +39,8 @@ from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward
 from mla_fa3.kv_cache import MLATokenPool, ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.path_choice import CostSample, PrefillPath, choose_path, estimate_costs_ms, fit_cost_constants
+from mla_fa3.path_choice import PrefillPath, choose_path, estimate_costs_ms
+from mla_fa3.path_choice_fit import CostSample, fit_cost_constants
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 

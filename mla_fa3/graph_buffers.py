@@ -1,0 +1,178 @@
+"""The static buffers of captured steps (``graph_runner``) and the per-run copies that pad a live batch into them.
+
+Symbols as in ``graph_runner``: ``B = {b_1 < … < b_m}`` the captured batch sizes, ``q`` the query tokens
+per request, ``n`` the live batch's requests and ``b = min{b_i ∈ B : b_i >= n}`` the padded size it
+replays at (:func:`padded_size`).
+
+A ``torch.cuda.CUDAGraph`` replays fixed device addresses, so everything the step reads lives in
+:class:`StaticBuffers`, allocated once for ``b_m`` requests (``b_m · q`` tokens); the graph of size ``b``
+reads views ``[:b]`` / ``[:b·q]`` of them (:func:`static_batch`). Per run, :func:`fill_inputs` copies
+every named input into rows ``[:n·q]`` of its buffer and zeroes the padding rows ``[n·q:b·q]``;
+:func:`pad_batch` does the same for the batch the step reads: ``out_cache_loc`` -> slot 0 (the padding
+slot, never handed out: padding rows write only there), ``positions`` -> 0, ``req_pool_indices`` ->
+``pad_req_index`` (0), ``seq_lens`` -> ``seq_len_fill`` (``max(fill, q)``, so the static batch stays a
+valid ForwardBatch; no kernel reads it — the kernels read the metadata). Only rows an earlier run
+filled are reset (host-side marks ``StaticBuffers.live_*``); all live-row copies go in one
+``torch._foreach_copy_`` (:func:`copy_all`). Device->device copies and fills: no sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from mla_fa3.batch import ForwardBatch, ForwardMode
+
+__all__ = ["InputSpec", "StaticBuffers", "padded_size", "static_batch", "copy_all", "pad_batch", "fill_inputs"]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A per-token input of the captured step: ``[T, *shape]`` of ``dtype`` on the runner's device."""
+
+    shape: tuple[int, ...]  # trailing shape per token, e.g. () for input ids, (H, 192) for q
+    dtype: torch.dtype
+
+
+@dataclass
+class StaticBuffers:
+    """Everything a captured step reads: allocated once for ``max_bs`` requests, written per run."""
+
+    req_pool_indices: Tensor  # [max_bs] int64, device — padding rows: pad_req_index
+    seq_lens: Tensor  # [max_bs] int32, device — padding rows: seq_len_fill
+    seq_lens_cpu: Tensor  # [max_bs] int32, cpu — host copy of seq_lens (host maxima, no sync)
+    out_cache_loc: Tensor  # [max_bs * q] int64, device — padding tokens: slot 0
+    positions: Tensor  # [max_bs * q] int64, device — padding tokens: 0
+    inputs: dict[str, Tensor]  # name -> [max_bs * q, *spec.shape] of spec.dtype, device; padding: 0
+    tokens_per_request: int  # q
+    seq_len_fill: int  # seq_lens value of a padding row (>= q)
+    pad_req_index: int  # req_pool_indices value of a padding row
+    live_rows: bytearray  # [max_bs] host: 1 where a batch row may hold a live (non-padding) value
+    live_tokens: bytearray  # [max_bs * q] host: 1 where an input row may hold a non-zero value
+
+    @classmethod
+    def allocate(cls, max_bs: int, tokens_per_request: int, input_specs: Mapping[str, InputSpec],
+                 device: torch.device | str, *, seq_len_fill: int = 1,
+                 pad_req_index: int = 0) -> "StaticBuffers":
+        device = torch.device(device)
+        fill = max(int(seq_len_fill), tokens_per_request)
+        max_tokens = max_bs * tokens_per_request
+        return cls(
+            req_pool_indices=torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
+            seq_lens=torch.full((max_bs,), fill, dtype=torch.int32, device=device),
+            seq_lens_cpu=torch.full((max_bs,), fill, dtype=torch.int32),
+            out_cache_loc=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
+            inputs={name: torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
+                    for name, spec in input_specs.items()},
+            tokens_per_request=tokens_per_request, seq_len_fill=fill, pad_req_index=pad_req_index,
+            live_rows=bytearray(max_bs), live_tokens=bytearray(max_tokens),
+        )
+
+    @property
+    def max_bs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
+    """The smallest captured size >= ``n``; ``ValueError`` when ``n`` exceeds them all."""
+    for b in sorted(batch_sizes):
+        if b >= n:
+            return b
+    raise ValueError(f"batch_size {n} exceeds the largest captured batch size {max(batch_sizes)} "
+                     f"(captured: {sorted(batch_sizes)}); run it eagerly or capture a larger size")
+
+
+def static_batch(buf: StaticBuffers, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1,
+                 draft_step: int = 0) -> ForwardBatch:
+    """A ForwardBatch of ``bs`` requests whose tensors are views of the static buffers."""
+    q = buf.tokens_per_request
+    return ForwardBatch(
+        forward_mode=mode, batch_size=bs, req_pool_indices=buf.req_pool_indices[:bs],
+        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=buf.seq_lens_cpu[:bs],
+        out_cache_loc=buf.out_cache_loc[: bs * q], positions=buf.positions[: bs * q],
+        num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 0,
+        draft_step=draft_step if mode is ForwardMode.DRAFT_DECODE else 0,
+    )
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # many copies in one dispatcher call
+
+
+def copy_all(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair; one ``torch._foreach_copy_`` call when available."""
+    if len(pairs) > 1 and _FOREACH_COPY is not None:
+        return _FOREACH_COPY([d for d, _ in pairs], [s for _, s in pairs])
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _stale(marks: bytearray, live: int, padded: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` covering every row of ``[live, padded)`` an earlier run filled (``lo == hi``: none);
+    ``marks`` then records this run: ``[:live]`` filled, ``[live:padded]`` padding."""
+    lo = marks.find(1, live, padded)
+    lo, hi = (lo, marks.rfind(1, live, padded) + 1) if lo >= 0 else (live, live)
+    marks[live:padded] = bytes(padded - live)
+    marks[:live] = b"\x01" * live
+    return lo, hi
+
+
+def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
+              copies: list | None = None) -> None:
+    """Write ``batch``'s rows into the static buffers and reset rows ``n .. padded_bs-1`` to padding
+    (only those an earlier call filled: ``buf.live_rows``). Device->device copies and fills (plus a
+    CPU->CPU copy of ``seq_lens_cpu``): no sync. ``copies``: append the ``(dst, src)`` pairs there for
+    the caller's :func:`copy_all` instead of copying."""
+    n, q = batch.batch_size, buf.tokens_per_request
+    if not n <= padded_bs <= buf.max_bs:
+        raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
+    if batch.num_tokens != n * q:
+        raise ValueError(f"batch must hold {q} token(s) per request ({n * q}), got {batch.num_tokens}")
+    t = n * q
+    pairs = [(buf.req_pool_indices[:n], batch.req_pool_indices), (buf.seq_lens[:n], batch.seq_lens),
+             (buf.out_cache_loc[:t], batch.out_cache_loc)]
+    if batch.positions is not None:
+        pairs.append((buf.positions[:t], batch.positions))
+    else:
+        buf.positions[:t].fill_(0)
+    buf.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
+    lo, hi = _stale(buf.live_rows, n, padded_bs)
+    if hi > lo:
+        buf.req_pool_indices[lo:hi].fill_(buf.pad_req_index)
+        buf.seq_lens[lo:hi].fill_(buf.seq_len_fill)
+        buf.seq_lens_cpu[lo:hi].fill_(buf.seq_len_fill)
+        buf.out_cache_loc[lo * q:hi * q].zero_()
+        buf.positions[lo * q:hi * q].zero_()
+    copy_all(pairs) if copies is None else copies.extend(pairs)
+
+
+def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: int, padded_tokens: int, *,
+                copies: list | None = None) -> None:
+    """Copy each named input ``[num_tokens, *shape]`` into its static buffer; zero rows up to
+    ``padded_tokens`` (only those an earlier call filled: ``buf.live_tokens``). Validates every input
+    before writing any. ``copies``: as in :func:`pad_batch`."""
+    if not 0 <= num_tokens <= padded_tokens <= len(buf.live_tokens):
+        raise ValueError(f"padded_tokens must be in [{num_tokens}, {len(buf.live_tokens)}], got {padded_tokens}")
+    if inputs.keys() != buf.inputs.keys():
+        raise ValueError(f"inputs must have exactly the keys {sorted(buf.inputs)}; missing "
+                         f"{sorted(set(buf.inputs) - set(inputs))}, unexpected {sorted(set(inputs) - set(buf.inputs))}")
+    pairs = []
+    for name, x in inputs.items():
+        dst = buf.inputs[name]
+        if not isinstance(x, Tensor):
+            raise TypeError(f"inputs[{name!r}] must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != (num_tokens, *dst.shape[1:]):
+            raise ValueError(f"inputs[{name!r}] must have shape {(num_tokens, *dst.shape[1:])}, got {tuple(x.shape)}")
+        if x.dtype != dst.dtype:
+            raise TypeError(f"inputs[{name!r}] must be {dst.dtype}, got {x.dtype}")
+        if x.device != dst.device:
+            raise ValueError(f"inputs[{name!r}] must be on {dst.device} (a host copy would sync), got {x.device}")
+        pairs.append((dst[:num_tokens], x))
+    lo, hi = _stale(buf.live_tokens, num_tokens, padded_tokens)
+    if hi > lo:
+        for dst in buf.inputs.values():
+            dst[lo:hi].zero_()
+    copy_all(pairs) if copies is None else copies.extend(pairs)

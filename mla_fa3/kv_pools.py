@@ -1,0 +1,269 @@
+"""The per-layer KV token pools, and the page-size / device checks they share with the allocator.
+
+Symbols: ``P`` pages of ``p`` = ``page_size`` slots each (``p`` = 1 or a power of two), so ``S = P * p``
+slots; slot ``s`` lives on page ``s // p`` at offset ``s % p``. ``r`` = kv_lora_rank, ``d_rope`` =
+qk_rope_head_dim (MLA); ``h_kv``, ``d``, ``d_v`` the KV heads and head dims (regular MHA). Slots come
+from ``kv_cache`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every name here.
+
+- :class:`MLATokenPool` — the latent cache: per layer one ``[S, r + d_rope]`` buffer whose rows are
+  ``[c_kv | k_rope]``; ``paged(layer)`` views it as ``[P, p, 1, r + d_rope]`` (one KV head) and
+  ``c_kv_paged`` / ``k_rope_paged`` slice the last dim — zero-copy views that FA3 takes as
+  ``v_cache`` / ``k_cache`` of the absorbed path.
+- :class:`MHATokenPool` — regular K/V per layer, optionally FP8 e4m3 with per-layer per-tensor scales:
+  stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
+
+Hot-path rule: nothing here reads a CUDA tensor's value unless ``debug_checks=True``; range checks on
+slot indices run on the host when the indices are CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .batch import to_device
+
+__all__ = ["MLATokenPool", "MHATokenPool", "check_page_size", "same_device", "FP8_E4M3_MAX"]
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_page_size(page_size: int) -> int:
+    """``page_size`` must be 1 or a power of two; returns it."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1 \
+            or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be 1 or a power of two, got {page_size!r}")
+    return page_size
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` (the current device) name the same place; tensors report ``cuda:0``."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        cur = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class _TokenPoolBase:
+    """Shared geometry and the ``loc`` / ``layer`` checks of the token pools."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, device: torch.device | str,
+                 debug_checks: bool):
+        self.num_layers = _positive_int(num_layers, "num_layers")
+        self.num_pages = _positive_int(num_pages, "num_pages")
+        self.page_size = check_page_size(page_size)
+        self.num_slots = num_pages * page_size
+        self.device = torch.device(device)
+        self.debug_checks = debug_checks
+
+    def _buffers(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def clear_pages(self, page_ids) -> None:
+        """Zero pages ``page_ids`` (a list or CPU tensor of page ids) in every layer.
+
+        Call it when pages go back to the allocator. FA3 and FlashMLA read whole pages and multiply the
+        slots past a sequence's end by a zero probability, so a non-finite value an earlier request left
+        there would leak (0 * NaN) into the page's next owner; zeroed free pages keep that tail finite.
+        """
+        ids = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1)
+        if ids.device.type != "cpu":
+            raise ValueError(f"page_ids must be on the CPU (host list or tensor), got {ids.device}")
+        if ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_pages:
+            raise ValueError(f"page_ids must be in [0, {self.num_pages}), got values in [{lo}, {hi}]")
+        ids = ids.to(self.device, non_blocking=True)
+        for buf in self._buffers():
+            raw = buf.view(torch.uint8) if buf.element_size() == 1 else buf  # fp8: all-zero bits = 0.0
+            self._paged(raw).index_fill_(0, ids, 0)
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def _check_loc(self, loc: Tensor) -> None:
+        """dtype/shape always; value range on the host for CPU ``loc``, or with ``debug_checks`` (syncs)."""
+        if not isinstance(loc, Tensor):
+            raise TypeError(f"loc must be a torch.Tensor, got {type(loc).__name__}")
+        if loc.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"loc must be int64 (or int32), got {loc.dtype}")
+        if loc.dim() != 1:
+            raise ValueError(f"loc must be 1-D, got shape {tuple(loc.shape)}")
+        if loc.device.type != "cpu" and not same_device(loc.device, self.device):
+            raise ValueError(f"loc must be on {self.device} (or the CPU), got {loc.device}")
+        if loc.numel() and (loc.device.type == "cpu" or self.debug_checks):
+            lo, hi = int(loc.min()), int(loc.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise ValueError(f"loc must be in [0, {self.num_slots}), got values in [{lo}, {hi}]")
+
+    def _check_rows(self, x: object, name: str, rows: int, width: tuple[int, ...]) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+        if tuple(x.shape) != (rows, *width):
+            raise ValueError(f"{name} must have shape {(rows, *width)}, got {tuple(x.shape)}")
+        if not same_device(x.device, self.device):
+            raise ValueError(f"{name} must be on {self.device}, got {x.device}")
+        return x
+
+    def _paged(self, buf: Tensor) -> Tensor:
+        return buf.view(self.num_pages, self.page_size, *buf.shape[1:])
+
+
+class MLATokenPool(_TokenPoolBase):
+    """Latent KV cache: ``kv_buffer[layer]`` [S, r + d_rope] of ``dtype`` (bf16 / fp16 / fp32)."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
+                 qk_rope_head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
+                 debug_checks: bool = False):
+        super().__init__(num_layers, num_pages, page_size, device, debug_checks)
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+        self.kv_lora_rank = _positive_int(kv_lora_rank, "kv_lora_rank")
+        self.qk_rope_head_dim = _positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+        self.width = kv_lora_rank + qk_rope_head_dim
+        self.dtype = dtype
+        self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.device)
+                          for _ in range(num_layers)]
+
+    def _buffers(self) -> list[Tensor]:
+        return self.kv_buffer
+
+    def set_kv(self, layer: int, loc: Tensor, c_kv: Tensor, k_rope: Tensor) -> None:
+        """Write ``c_kv`` [T, r] and ``k_rope`` [T, d_rope] at slots ``loc`` [T] (cast to the pool dtype)."""
+        self._check_layer(layer)
+        self._check_loc(loc)
+        t = loc.shape[0]
+        self._check_rows(c_kv, "c_kv", t, (self.kv_lora_rank,))
+        self._check_rows(k_rope, "k_rope", t, (self.qk_rope_head_dim,))
+        loc = to_device(loc, self.device, torch.int64)
+        buf = self.kv_buffer[layer]
+        buf[loc, : self.kv_lora_rank] = c_kv.to(self.dtype)
+        buf[loc, self.kv_lora_rank:] = k_rope.to(self.dtype)
+
+    def set_latent(self, layer: int, loc: Tensor, latent: Tensor) -> None:
+        """Write whole rows ``latent`` [T, r + d_rope] (``c_kv | k_rope`` already concatenated)."""
+        self._check_layer(layer)
+        self._check_loc(loc)
+        self._check_rows(latent, "latent", loc.shape[0], (self.width,))
+        self.kv_buffer[layer][to_device(loc, self.device, torch.int64)] = latent.to(self.dtype)
+
+    def paged(self, layer: int) -> Tensor:
+        """[P, p, 1, r + d_rope] view of the layer's buffer (no copy)."""
+        self._check_layer(layer)
+        return self._paged(self.kv_buffer[layer]).unsqueeze(2)
+
+    def c_kv_paged(self, layer: int) -> Tensor:
+        """[P, p, 1, r] view: the latent part (FA3's ``v_cache`` on the absorbed path)."""
+        return self.paged(layer)[..., : self.kv_lora_rank]
+
+    def k_rope_paged(self, layer: int) -> Tensor:
+        """[P, p, 1, d_rope] view: the RoPE key part (FA3's ``k_cache`` on the absorbed path)."""
+        return self.paged(layer)[..., self.kv_lora_rank:]
+
+
+class MHATokenPool(_TokenPoolBase):
+    """Regular K/V: ``k_buffer[layer]`` [S, h_kv, d], ``v_buffer[layer]`` [S, h_kv, d_v].
+
+    ``kv_dtype=torch.float8_e4m3fn`` stores ``clamp(x / scale, ±448)`` in e4m3 with per-layer
+    per-tensor scales ``k_scale[layer]`` / ``v_scale[layer]`` ([1] float32, device; default 1.0, set
+    them from the checkpoint with :meth:`set_scales`). Kernels dequantize with these as descales:
+    :meth:`descales` expands them to FA3's ``[bs, h_kv]``. ``k_scale``/``v_scale`` are ``None`` for a
+    floating pool.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 v_head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None, *, debug_checks: bool = False):
+        super().__init__(num_layers, num_pages, page_size, device, debug_checks)
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+        if kv_dtype not in (None, torch.float8_e4m3fn, *_FLOAT_DTYPES):
+            raise TypeError(f"kv_dtype must be None, torch.float8_e4m3fn or a float dtype, got {kv_dtype}")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.v_head_dim = _positive_int(v_head_dim, "v_head_dim")
+        self.dtype = dtype  # compute dtype (what set_kv receives, what dequantization gives)
+        self.kv_dtype = kv_dtype or dtype  # storage dtype
+        self.is_fp8 = self.kv_dtype == torch.float8_e4m3fn
+        self.k_buffer = [torch.zeros(self.num_slots, num_kv_heads, head_dim, dtype=self.kv_dtype,
+                                     device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(self.num_slots, num_kv_heads, v_head_dim, dtype=self.kv_dtype,
+                                     device=self.device) for _ in range(num_layers)]
+        ones = [torch.ones(1, dtype=torch.float32, device=self.device) for _ in range(2 * num_layers)]
+        self.k_scale: list[Tensor] | None = ones[:num_layers] if self.is_fp8 else None
+        self.v_scale: list[Tensor] | None = ones[num_layers:] if self.is_fp8 else None
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Set the layer's FP8 per-tensor scales (in place: CUDA graphs keep seeing the same tensors)."""
+        self._check_layer(layer)
+        if not self.is_fp8:
+            raise ValueError("k_scale/v_scale only exist for a kv_dtype=torch.float8_e4m3fn pool")
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+        self.k_scale[layer].fill_(float(k_scale))
+        self.v_scale[layer].fill_(float(v_scale))
+
+    def descales(self, layer: int, batch_size: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
+        """``(k_descale, v_descale)`` as [bs, h_kv] float32 expanded views, or ``(None, None)``."""
+        self._check_layer(layer)
+        if not self.is_fp8:
+            return None, None
+        shape = (batch_size, self.num_kv_heads)
+        return self.k_scale[layer].expand(shape), self.v_scale[layer].expand(shape)
+
+    def _store(self, x: Tensor, scale: Tensor | None) -> Tensor:
+        if scale is None:
+            return x.to(self.kv_dtype)
+        return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.kv_dtype)
+
+    def _buffers(self) -> list[Tensor]:
+        return self.k_buffer + self.v_buffer
+
+    def set_kv(self, layer: int, loc: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write ``k`` [T, h_kv, d] and ``v`` [T, h_kv, d_v] at slots ``loc`` [T] (quantized when FP8)."""
+        self._check_layer(layer)
+        self._check_loc(loc)
+        t = loc.shape[0]
+        self._check_rows(k, "k", t, (self.num_kv_heads, self.head_dim))
+        self._check_rows(v, "v", t, (self.num_kv_heads, self.v_head_dim))
+        loc = to_device(loc, self.device, torch.int64)
+        self.k_buffer[layer][loc] = self._store(k, self.k_scale[layer] if self.is_fp8 else None)
+        self.v_buffer[layer][loc] = self._store(v, self.v_scale[layer] if self.is_fp8 else None)
+
+    def k_paged(self, layer: int) -> Tensor:
+        """[P, p, h_kv, d] view of the layer's K buffer (storage dtype; no copy)."""
+        self._check_layer(layer)
+        return self._paged(self.k_buffer[layer])
+
+    def v_paged(self, layer: int) -> Tensor:
+        """[P, p, h_kv, d_v] view of the layer's V buffer (storage dtype; no copy)."""
+        self._check_layer(layer)
+        return self._paged(self.v_buffer[layer])
+
+    def dequantized(self, layer: int, slots: Sequence[int] | Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """K, V of the given slots (all when None) in the compute dtype: ``stored * scale`` for FP8."""
+        self._check_layer(layer)
+        k, v = self.k_buffer[layer], self.v_buffer[layer]
+        if slots is not None:
+            idx = to_device(torch.as_tensor(slots, dtype=torch.int64), self.device)
+            k, v = k[idx], v[idx]
+        if not self.is_fp8:
+            return k.to(self.dtype), v.to(self.dtype)
+        return (k.float() * self.k_scale[layer]).to(self.dtype), (v.float() * self.v_scale[layer]).to(self.dtype)
