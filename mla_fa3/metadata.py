@@ -145,8 +145,12 @@ class MetadataBuilder:
         self.hooks.append(hook)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, batch: ForwardBatch) -> None:
-        """Named errors for bad input, before any kernel runs; host values only unless debug_checks."""
+    def validate(self, batch: ForwardBatch, *, check_context: bool = True) -> None:
+        """Named errors for bad input, before any kernel runs; host values only unless debug_checks.
+
+        ``check_context=False``: the caller checks the context length itself (replay checks it against
+        the capture buffers' max_context, which is at most this builder's).
+        """
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
         batch.check()
@@ -154,10 +158,11 @@ class MetadataBuilder:
             raise ValueError(f"batch.seq_lens must be on {self.device}, got {batch.seq_lens.device}")
         if batch.batch_size == 0:
             return
-        span = batch.seq_lens_cpu.to(torch.int64) + self._encoder_cols_cpu(batch)
-        if int(span.max()) > self.max_context:
-            raise ValueError(f"seq_lens exceed max_context {self.max_context} (encoder region included): "
-                             f"{span.tolist()}")
+        if check_context:
+            span = batch.seq_lens_cpu.to(torch.int64) + self._encoder_cols_cpu(batch)
+            if int(span.max()) > self.max_context:
+                raise ValueError(f"seq_lens exceed max_context {self.max_context} (encoder region included): "
+                                 f"{span.tolist()}")
         check_values = self.debug_checks or batch.seq_lens.device.type == "cpu"
         if check_values:
             rows = batch.req_pool_indices
@@ -317,7 +322,7 @@ class MetadataBuilder:
         buf = self._buffers()
         if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
             raise ValueError("metadata must come from MetadataBuilder.capture")
-        self.validate(batch)
+        self.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
         replay_into(buf, batch, metadata.mode, metadata.batch_size, metadata.num_draft_tokens,
                     self.req_to_token, self._col_index, self._encoder_cols_cpu(batch))
         if metadata.encoder is not None:
