@@ -26,20 +26,16 @@ Weights are stored in the layouts the per-head batched matmuls (``torch.bmm`` ov
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mla_fa3 import ops
+from mla_fa3.layer import AttentionLayer, MLADims, MLAWeights
+from mla_fa3.metadata import AttentionMetadata
+from mla_fa3.policy.paths import DecodeKernel
 
-if TYPE_CHECKING:  # layer.py imports this module at runtime; type-only import here avoids a cycle
-    from mla_fa3.layer import AttentionLayer, MLADims
 
 __all__ = [
-    "DecodeKernel",
-    "MLAWeights",
     "split_query",
     "absorb_query",
     "project_output",
@@ -49,107 +45,7 @@ __all__ = [
 ]
 
 
-class DecodeKernel(enum.Enum):
-    """Kernel of the absorbed path for decode-like steps (equal q length per request)."""
-
-    FA3 = "fa3"  # sgl-kernel FlashAttention-3 with qv: any page size, any mode (the default)
-    FLASHMLA = "flashmla"  # FlashMLA dense decode over the whole latent row: page 64, equal q lengths
-
-
-@dataclass(frozen=True)
-class MLAWeights:
-    """W_UK / W_UV of one MLA layer, derived ONCE from kv_b_proj (at load), in bmm-ready layouts."""
-
-    w_uk: torch.Tensor  # [H, d_nope, r], contiguous, model dtype, device of the model
-    w_uv: torch.Tensor  # [H, r, d_v], contiguous (W_UVᵀ per head), same dtype/device as w_uk
-
-    def __post_init__(self) -> None:
-        for name in ("w_uk", "w_uv"):
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be 3-D [H, ., .], got shape {tuple(t.shape)}")
-            if not t.is_floating_point():
-                raise TypeError(f"{name} must be floating point, got {t.dtype}")
-        uk, uv = self.w_uk, self.w_uv
-        if uk.shape[0] != uv.shape[0] or uk.shape[2] != uv.shape[1]:
-            raise ValueError(
-                f"w_uv must be [H, r, d_v] matching w_uk [H, d_nope, r] = {tuple(uk.shape)}, got {tuple(uv.shape)}"
-            )
-        if uk.dtype != uv.dtype or uk.device != uv.device:
-            raise ValueError(f"w_uv must have w_uk's dtype/device ({uk.dtype}, {uk.device}), got ({uv.dtype}, {uv.device})")
-
-    @property
-    def num_heads(self) -> int:
-        return self.w_uk.shape[0]
-
-    @property
-    def qk_nope_head_dim(self) -> int:
-        return self.w_uk.shape[1]
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.w_uk.shape[2]
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.w_uv.shape[2]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.w_uk.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.w_uk.device
-
-    @classmethod
-    def from_kv_b_proj(cls, weight: torch.Tensor, dims: "MLADims", *, num_heads: int | None = None,
-                       dtype: torch.dtype | None = None) -> "MLAWeights":
-        """Split a ``kv_b_proj`` weight ``[H·(d_nope + d_v), r]`` (nn.Linear layout) into W_UK / W_UV.
-
-        ``num_heads`` (optional) is checked against the weight's row count; ``dtype`` casts the result
-        (e.g. a bf16 model whose loader dequantized FP8 weights to fp32).
-        """
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-        if not weight.is_floating_point() or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise TypeError(f"weight must be a dequantized float tensor (fp32/bf16/fp16), got {weight.dtype}")
-        rows_per_head, r = dims.kv_b_proj_shape
-        if weight.dim() != 2 or weight.shape[1] != r or weight.shape[0] % rows_per_head:
-            raise ValueError(
-                f"weight must be [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] = [H * {rows_per_head}, {r}], "
-                f"got {tuple(weight.shape)}"
-            )
-        heads = weight.shape[0] // rows_per_head
-        if num_heads is not None and heads != num_heads:
-            raise ValueError(f"weight has {heads} heads of {rows_per_head} rows, num_heads says {num_heads}")
-        w = weight.detach().view(heads, rows_per_head, r)
-        if dtype is not None:
-            w = w.to(dtype)
-        d_nope = dims.qk_nope_head_dim
-        w_uk = w[:, :d_nope, :].contiguous()  # [H, d_nope, r]
-        w_uv = w[:, d_nope:, :].transpose(1, 2).contiguous()  # [H, r, d_v]
-        return cls(w_uk=w_uk, w_uv=w_uv)
-
-    def check_matches(self, num_heads: int, dims: "MLADims") -> None:
-        """Raise ValueError unless these weights fit a layer of ``num_heads`` heads with ``dims``."""
-        want_uk = (num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank)
-        want_uv = (num_heads, dims.kv_lora_rank, dims.v_head_dim)
-        if tuple(self.w_uk.shape) != want_uk or tuple(self.w_uv.shape) != want_uv:
-            raise ValueError(
-                f"mla_weights must have w_uk {want_uk} and w_uv {want_uv} for this layer, got "
-                f"{tuple(self.w_uk.shape)} and {tuple(self.w_uv.shape)}"
-            )
-
-    def to(self, *args, **kwargs) -> "MLAWeights":
-        """A copy moved/cast like ``Tensor.to`` (layouts kept contiguous)."""
-        return MLAWeights(w_uk=self.w_uk.to(*args, **kwargs).contiguous(),
-                          w_uv=self.w_uv.to(*args, **kwargs).contiguous())
-
-
-def split_query(q: torch.Tensor, dims: "MLADims") -> tuple[torch.Tensor, torch.Tensor]:
+def split_query(q: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, d_nope + d_rope] -> (q_nope [T, H, d_nope], q_rope [T, H, d_rope]) as views."""
     return q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
 
@@ -184,7 +80,7 @@ def decompress_kv(c_kv: torch.Tensor, w: MLAWeights) -> tuple[torch.Tensor, torc
     return k_nope.view(L, H, w.qk_nope_head_dim), v
 
 
-def check_query(q: torch.Tensor, layer: "AttentionLayer") -> None:
+def check_query(q: torch.Tensor, layer: AttentionLayer) -> None:
     """Shape/dtype checks of an MLA query against its layer (no tensor values are read: no sync)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -200,7 +96,7 @@ def check_query(q: torch.Tensor, layer: "AttentionLayer") -> None:
         raise ValueError(f"q is on {q.device} but layer {layer.layer_id}'s mla_weights are on {layer.mla_weights.device}")
 
 
-def _kernel_tables(layer: "AttentionLayer", metadata):
+def _kernel_tables(layer: AttentionLayer, metadata):
     """(cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table): the layer's view of the step metadata."""
     if layer.use_local_attention:
         local = getattr(metadata, "local", None)
@@ -211,15 +107,17 @@ def _kernel_tables(layer: "AttentionLayer", metadata):
     return metadata.cu_seqlens_q, metadata.max_seqlen_q, metadata.cache_seqlens, metadata.page_table
 
 
-def forward_absorbed(q: torch.Tensor, layer: "AttentionLayer", metadata, kv_paged: torch.Tensor, *,
-                     kernel: DecodeKernel = DecodeKernel.FA3, impl=None, validate: bool = True) -> torch.Tensor:
+def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata, kv_paged: torch.Tensor, *,
+                     kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
+                     impl=None, validate: bool = True) -> torch.Tensor:
     """Absorbed MLA attention of one layer for one step: q [T, H, d_nope + d_rope] -> o [T, H, d_v].
 
     ``kv_paged``: the layer's latent pool as pages, ``[num_pages, page_size, 1, r + d_rope]``
     (``MLATokenPool.paged(layer_id)``); the new tokens' rows must already be written.
     ``metadata``: the step's ``AttentionMetadata`` (cu_seqlens_q / max_seqlen_q / cache_seqlens /
-    page_table; ``flashmla_schedule`` for FLASHMLA). ``kernel=FLASHMLA`` requires equal q lengths per
-    request (T = batch_size · max_seqlen_q) and page size 64 — the backend decides when it applies.
+    page_table). ``schedule``: FlashMLA's tile schedule of the step, required for ``kernel=FLASHMLA``,
+    which also requires equal q lengths per request (T = batch_size · max_seqlen_q) and page size 64 —
+    the step plan decides when it applies.
     """
     if validate:
         check_query(q, layer)
@@ -227,7 +125,7 @@ def forward_absorbed(q: torch.Tensor, layer: "AttentionLayer", metadata, kv_page
     r = dims.kv_lora_rank
     q_nope, q_rope = split_query(q, dims)
     if kernel is DecodeKernel.FLASHMLA:
-        return project_output(_flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, impl), w)
+        return project_output(_flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, impl), w)
     q_lat = absorb_query(q_nope, w)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
     o_lat = ops.flash_attn_with_kvcache(
@@ -240,10 +138,10 @@ def forward_absorbed(q: torch.Tensor, layer: "AttentionLayer", metadata, kv_page
     return project_output(o_lat, w)
 
 
-def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, impl) -> torch.Tensor:
+def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, impl) -> torch.Tensor:
     """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r]."""
-    if metadata.flashmla_schedule is None:
-        raise ValueError("metadata.flashmla_schedule is None: plan it once per step (MLABackend does) "
+    if schedule is None:
+        raise ValueError("schedule is None: plan FlashMLA's schedule once per step (the step plan does) "
                          "before running the FLASHMLA decode kernel")
     if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
         raise ValueError(f"layer {layer.layer_id}: FLASHMLA has no softcap / window / local attention; use FA3")
@@ -258,7 +156,7 @@ def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, impl) -> torch.T
     q_cat[..., r:].copy_(q_rope)
     o = ops.flash_mla_with_kvcache(
         q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table, metadata.cache_seqlens,
-        head_dim_v=r, schedule=metadata.flashmla_schedule, softmax_scale=layer.scaling, causal=True,
+        head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True,
         impl=impl,
     )
     return o.view(T, H, r)

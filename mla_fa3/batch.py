@@ -18,7 +18,7 @@ lengths, build the CPU copies once and copy each to the device once (host->devic
 
 Cross-attention: ``encoder_lens`` counts a request's encoder tokens; they live in the first
 ``ceil(encoder_len / page_size) * page_size`` columns of its ``req_to_token`` row and are not part of
-``seq_lens`` (which counts decoder tokens only). See :mod:`mla_fa3.kv_cache`.
+``seq_lens`` (which counts decoder tokens only). See :mod:`mla_fa3.kv`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["ForwardMode", "ForwardBatch", "to_device"]
+__all__ = ["ForwardMode", "ForwardBatch", "to_device", "queries_per_request"]
 
 IntsLike = Union[Sequence[int], Tensor]
 
@@ -66,6 +66,12 @@ class ForwardMode(enum.Enum):
 
     def is_draft_decode(self) -> bool:
         return self is ForwardMode.DRAFT_DECODE
+
+
+def queries_per_request(mode: ForwardMode, num_draft_tokens: int) -> int:
+    """Query tokens per request of a decode-like or verify step: ``num_draft_tokens`` for TARGET_VERIFY
+    (k draft tokens verified at once), else 1. Extend-like steps have per-request lengths instead."""
+    return num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
 
 
 def to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.explain import PathRecord
+from mla_fa3.plan import PathRecord
 
 __all__ = ["MultiStepDraftBackend"]
 

@@ -15,7 +15,7 @@ Per :meth:`Engine.generate` call, for ``n`` prompts of lengths ``L_b`` and ``N``
 4. the rows and pages are freed.
 
 The backend is planned once per step (``init_forward_metadata``) and run by every layer. With
-``use_cuda_graph=True`` the decode steps go through ``mla_fa3.graph_runner.GraphRunner`` (imported
+``use_cuda_graph=True`` the decode steps go through ``mla_fa3.graphs.runner.GraphRunner`` (imported
 lazily): one graph per captured batch size, a live batch padded up to the next size. The model runs
 wherever its weights are: CPU (reference ops) or CUDA (FA3).
 """
@@ -31,7 +31,9 @@ from torch import Tensor
 
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import MLATokenPool, PagedAllocator, ReqToTokenPool
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.allocator import PagedAllocator
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.models.deepseek import DeepseekForCausalLM
 
 __all__ = ["Engine", "GenerateResult"]
@@ -58,7 +60,7 @@ class Engine:
         max_context: longest prompt + new tokens of one request.
         num_pages: KV pages (default: enough for ``max_batch_size`` full contexts, plus page 0).
         max_prefill_tokens: most prompt tokens per prefill step (chunked prefill); None = no limit.
-        use_cuda_graph: decode through CUDA graphs (``mla_fa3.graph_runner``); batch sizes
+        use_cuda_graph: decode through CUDA graphs (``mla_fa3.graphs.runner``); batch sizes
             ``cuda_graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
         decode_kernel / prefill_path / impl: passed to :class:`MLABackend`.
     """
@@ -91,7 +93,8 @@ class Engine:
                                     cfg.qk_rope_head_dim, self.dtype, self.device)
         self.backend = MLABackend(req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                                   page_size=page_size, device=self.device, decode_kernel=decode_kernel,
-                                  num_heads=cfg.num_attention_heads, prefill_path=prefill_path, impl=impl)
+                                  num_heads=cfg.num_attention_heads, mla_dims=cfg.mla_dims, prefill_path=prefill_path,
+                                  impl=impl)
         self.graph_runner = None
         if use_cuda_graph:
             self.graph_runner = self._make_graph_runner(cuda_graph_batch_sizes)
@@ -99,9 +102,9 @@ class Engine:
     # ------------------------------------------------------------------ CUDA graphs
     def _make_graph_runner(self, batch_sizes: Sequence[int] | None):
         try:
-            from mla_fa3.graph_runner import GraphRunner
+            from mla_fa3.graphs.runner import GraphRunner
         except ImportError as exc:
-            raise ImportError(f"use_cuda_graph needs mla_fa3.graph_runner: {exc}") from exc
+            raise ImportError(f"use_cuda_graph needs mla_fa3.graphs.runner: {exc}") from exc
         if batch_sizes is None:
             batch_sizes = sorted({min(2 ** i, self.max_batch_size)
                                   for i in range(self.max_batch_size.bit_length() + 1)})

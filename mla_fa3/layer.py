@@ -17,7 +17,7 @@ rank; it holds no activations and no cache. The backend reads it on every ``forw
 - ``sliding_window``: left window in tokens, -1 = none; a query at position p sees keys
   ``p - sliding_window .. p`` (the kernels' ``window_size=(sliding_window, 0)``).
 - ``mla_weights``: the W_UK / W_UV matrices the absorbed path needs, derived once at load time by
-  :meth:`mla_fa3.absorb.MLAWeights.from_kv_b_proj` (see :mod:`mla_fa3.absorb` for the math).
+  :meth:`mla_fa3.MLAWeights.from_kv_b_proj` (see :mod:`mla_fa3.absorb` for the math).
 
 Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` / ``TypeError`` whose
 message starts with the field name.
@@ -29,9 +29,11 @@ import enum
 import math
 from dataclasses import dataclass
 
-from mla_fa3.absorb import MLAWeights
+import torch
 
-__all__ = ["LayerKind", "MLADims", "AttentionLayer"]
+from mla_fa3.checks import check_int
+
+__all__ = ["LayerKind", "MLADims", "MLAWeights", "AttentionLayer"]
 
 
 class LayerKind(enum.Enum):
@@ -42,11 +44,6 @@ class LayerKind(enum.Enum):
     CROSS = "cross"  # non-causal attention over encoder K/V (encoder-decoder models)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,7 @@ class MLADims:
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check_positive_int(name, getattr(self, name))
+            check_int(getattr(self, name), name)
 
     @property
     def qk_head_dim(self) -> int:
@@ -76,6 +73,100 @@ class MLADims:
     def kv_b_proj_shape(self) -> tuple[int, int]:
         """Per-head rows and columns of kv_b_proj: (d_nope + d_v, r); the weight is [H * rows, r]."""
         return self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """W_UK / W_UV of one MLA layer, derived ONCE from kv_b_proj (at load), in bmm-ready layouts."""
+
+    w_uk: torch.Tensor  # [H, d_nope, r], contiguous, model dtype, device of the model
+    w_uv: torch.Tensor  # [H, r, d_v], contiguous (W_UVᵀ per head), same dtype/device as w_uk
+
+    def __post_init__(self) -> None:
+        for name in ("w_uk", "w_uv"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(f"{name} must be 3-D [H, ., .], got shape {tuple(t.shape)}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        uk, uv = self.w_uk, self.w_uv
+        if uk.shape[0] != uv.shape[0] or uk.shape[2] != uv.shape[1]:
+            raise ValueError(
+                f"w_uv must be [H, r, d_v] matching w_uk [H, d_nope, r] = {tuple(uk.shape)}, got {tuple(uv.shape)}"
+            )
+        if uk.dtype != uv.dtype or uk.device != uv.device:
+            raise ValueError(f"w_uv must have w_uk's dtype/device ({uk.dtype}, {uk.device}), got ({uv.dtype}, {uv.device})")
+
+    @property
+    def num_heads(self) -> int:
+        return self.w_uk.shape[0]
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        return self.w_uk.shape[1]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.w_uk.shape[2]
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.w_uv.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w_uk.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w_uk.device
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, dims: MLADims, *, num_heads: int | None = None,
+                       dtype: torch.dtype | None = None) -> MLAWeights:
+        """Split a ``kv_b_proj`` weight ``[H·(d_nope + d_v), r]`` (nn.Linear layout) into W_UK / W_UV.
+
+        ``num_heads`` (optional) is checked against the weight's row count; ``dtype`` casts the result
+        (e.g. a bf16 model whose loader dequantized FP8 weights to fp32).
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if not weight.is_floating_point() or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"weight must be a dequantized float tensor (fp32/bf16/fp16), got {weight.dtype}")
+        rows_per_head, r = dims.kv_b_proj_shape
+        if weight.dim() != 2 or weight.shape[1] != r or weight.shape[0] % rows_per_head:
+            raise ValueError(
+                f"weight must be [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] = [H * {rows_per_head}, {r}], "
+                f"got {tuple(weight.shape)}"
+            )
+        heads = weight.shape[0] // rows_per_head
+        if num_heads is not None and heads != num_heads:
+            raise ValueError(f"weight has {heads} heads of {rows_per_head} rows, num_heads says {num_heads}")
+        w = weight.detach().view(heads, rows_per_head, r)
+        if dtype is not None:
+            w = w.to(dtype)
+        d_nope = dims.qk_nope_head_dim
+        w_uk = w[:, :d_nope, :].contiguous()  # [H, d_nope, r]
+        w_uv = w[:, d_nope:, :].transpose(1, 2).contiguous()  # [H, r, d_v]
+        return cls(w_uk=w_uk, w_uv=w_uv)
+
+    def check_matches(self, num_heads: int, dims: MLADims) -> None:
+        """Raise ValueError unless these weights fit a layer of ``num_heads`` heads with ``dims``."""
+        want_uk = (num_heads, dims.qk_nope_head_dim, dims.kv_lora_rank)
+        want_uv = (num_heads, dims.kv_lora_rank, dims.v_head_dim)
+        if tuple(self.w_uk.shape) != want_uk or tuple(self.w_uv.shape) != want_uv:
+            raise ValueError(
+                f"mla_weights must have w_uk {want_uk} and w_uv {want_uv} for this layer, got "
+                f"{tuple(self.w_uk.shape)} and {tuple(self.w_uv.shape)}"
+            )
+
+    def to(self, *args, **kwargs) -> MLAWeights:
+        """A copy moved/cast like ``Tensor.to`` (layouts kept contiguous)."""
+        return MLAWeights(w_uk=self.w_uk.to(*args, **kwargs).contiguous(),
+                          w_uv=self.w_uv.to(*args, **kwargs).contiguous())
+
 
 
 @dataclass
@@ -103,7 +194,7 @@ class AttentionLayer:
         if not isinstance(self.kind, LayerKind):
             raise TypeError(f"kind must be a LayerKind, got {self.kind!r}")
         for name in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim"):
-            _check_positive_int(name, getattr(self, name))
+            check_int(getattr(self, name), name)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads must be a multiple of num_kv_heads, got {self.num_heads} and {self.num_kv_heads}"
@@ -139,7 +230,7 @@ class AttentionLayer:
             raise ValueError(f"v_head_dim must equal mla.v_head_dim = {self.mla.v_head_dim}, got {self.v_head_dim}")
         if self.mla_weights is not None:
             if not isinstance(self.mla_weights, MLAWeights):
-                raise TypeError(f"mla_weights must be an absorb.MLAWeights, got {type(self.mla_weights).__name__}")
+                raise TypeError(f"mla_weights must be an MLAWeights, got {type(self.mla_weights).__name__}")
             self.mla_weights.check_matches(self.num_heads, self.mla)
 
     @property

@@ -14,37 +14,36 @@ step (prefix + new, every mode), ``n_b`` new tokens (queries), ``P_b = L_b - n_b
 
 Sliding window needs no metadata: FA3 takes ``window_size=(left, 0)`` per layer over the same page
 table, so the layer passes it (``AttentionLayer.sliding_window``). Local (chunked) attention does need
-its own virtual batch (:class:`LocalAttentionMetadata`, see ``metadata_pages``); cross-attention its
+its own virtual batch (:class:`LocalAttentionMetadata`, see :mod:`mla_fa3.pages`); cross-attention its
 own page table over the encoder region (:class:`EncoderMetadata`).
 
 Sync rules: ``build`` reads host ints only from the batch's CPU copies; on CUDA it launches small
 index kernels and host->device copies but never reads a device value (unless ``debug_checks=True``,
 which additionally compares the CPU copies with the device tensors and range-checks slot/page ids).
 Range checks of ``out_cache_loc`` / page ids / ``req_pool_indices`` run always for CPU tensors.
-``capture`` / ``replay`` (``metadata_capture``) follow the same rules and touch only the buffers
-allocated by ``init_capture_buffers``. Paths only read the metadata; they may attach per-step plans
-(``prefill_plan``, ``flashmla_schedule``) once, via :meth:`MetadataBuilder.add_hook` or directly.
+``capture`` / ``replay`` (``graphs.capture``) follow the same rules and touch only the buffers
+allocated by ``init_capture_buffers``. Paths only read the metadata; what a step runs on top of it
+(path, kernel, FlashMLA schedule, prefill chunks) is the step plan of :mod:`mla_fa3.plan`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import Tensor
 
-from .batch import ForwardBatch, ForwardMode, to_device
-from .kv_cache import ReqToTokenPool, check_page_size, same_device
-from .metadata_capture import CaptureBuffers, capture_views, replay_into
-from .metadata_pages import cumsum_padded, gather_page_table, local_layout
+from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request, to_device
+from mla_fa3.kv.req_to_token import ReqToTokenPool
+from mla_fa3.kv.pools import check_page_size, same_device
+from mla_fa3.graphs.capture import CaptureBuffers, capture_views, replay_into
+from mla_fa3.pages import cumsum_padded, gather_page_table, local_layout
 
 __all__ = ["AttentionMetadata", "LocalAttentionMetadata", "EncoderMetadata", "MetadataBuilder"]
 
 
 @dataclass
 class LocalAttentionMetadata:
-    """Local (chunked) attention as ``vb`` virtual requests (see ``metadata_pages``)."""
+    """Local (chunked) attention as ``vb`` virtual requests (see :mod:`mla_fa3.pages`)."""
 
     batch_size: int  # vb: virtual requests (host int)
     cu_seqlens_q: Tensor  # [vb+1] int32, device — queries per virtual request, cumulated
@@ -88,19 +87,13 @@ class AttentionMetadata:
     local: LocalAttentionMetadata | None = None  # when the builder has attention_chunk_size
     encoder: EncoderMetadata | None = None  # when the batch has encoder_lens
     is_capture: bool = False  # tensors are views of CUDA-graph buffers (updated by replay)
-    # per-step plans attached by paths (built once per step, read by every layer):
-    prefill_plan: object | None = None  # chunked_prefix.PrefillPlan
-    flashmla_schedule: object | None = None  # ops.FlashMLASchedule
 
     @property
     def num_tokens(self) -> int:
         """Total queries T = cu_seqlens_q[-1], from host values."""
         if self.extend_lens_cpu is not None:
             return int(self.extend_lens_cpu.sum())
-        return self.batch_size * (self.num_draft_tokens if self.mode is ForwardMode.TARGET_VERIFY else 1)
-
-
-Hook = Callable[[AttentionMetadata, ForwardBatch], None]
+        return self.batch_size * queries_per_request(self.mode, self.num_draft_tokens)
 
 
 class MetadataBuilder:
@@ -135,14 +128,10 @@ class MetadataBuilder:
         self.attention_chunk_size = attention_chunk_size
         self.debug_checks = bool(debug_checks)
         self.num_slots = num_slots
-        self.hooks: list[Hook] = []
         self.capture_buffers: CaptureBuffers | None = None
         self._col_index = torch.arange(-(-self.max_context // page_size), dtype=torch.int64, device=self.device)
         self._zero32 = torch.zeros(1, dtype=torch.int32, device=self.device)
 
-    def add_hook(self, hook: Hook) -> None:
-        """``hook(metadata, batch)`` runs at the end of every ``build``/``replay`` (attach plans there)."""
-        self.hooks.append(hook)
 
     # ------------------------------------------------------------------ validation
     def validate(self, batch: ForwardBatch, *, check_context: bool = True) -> None:
@@ -234,15 +223,13 @@ class MetadataBuilder:
             encoder=encoder)
         if self.attention_chunk_size is not None:
             md.local = self._build_local(batch, first_col)
-        for hook in self.hooks:
-            hook(md, batch)
         return md
 
     def new_tokens_cpu(self, batch: ForwardBatch) -> Tensor:
         """[bs] int32 CPU: queries per request (n_b) for any mode."""
         if batch.forward_mode.is_extend_like():
             return batch.extend_seq_lens_cpu
-        per = batch.num_draft_tokens if batch.forward_mode is ForwardMode.TARGET_VERIFY else 1
+        per = queries_per_request(batch.forward_mode, batch.num_draft_tokens)
         return torch.full_like(batch.seq_lens_cpu, per)
 
     def _build_encoder(self, batch: ForwardBatch) -> EncoderMetadata:
@@ -329,8 +316,6 @@ class MetadataBuilder:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
         if self.debug_checks:
             self._check_pages("page_table", metadata.page_table)
-        for hook in self.hooks:
-            hook(metadata, batch)
 
     def _buffers(self) -> CaptureBuffers:
         if self.capture_buffers is None:

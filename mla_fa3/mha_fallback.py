@@ -3,7 +3,7 @@
 Models mix MLA layers with ordinary attention layers, and encoder-decoder models need
 cross-attention; this module serves ``LayerKind.MHA`` and ``LayerKind.CROSS`` layers with the SAME
 per-step :class:`~mla_fa3.metadata.AttentionMetadata` the MLA paths read, through one kernel call:
-``ops.flash_attn_with_kvcache`` over the paged :class:`~mla_fa3.kv_cache.MHATokenPool`.
+``ops.flash_attn_with_kvcache`` over the paged :class:`~mla_fa3.kv.MHATokenPool`.
 
 Symbols (one layer): ``H`` query heads, ``H_kv`` KV heads (``H % H_kv == 0``; query head ``h`` reads
 KV head ``h // (H / H_kv)``: GQA, MQA when ``H_kv = 1``), ``d`` q/k head dim, ``d_v`` v head dim,
@@ -65,7 +65,7 @@ from torch import Tensor
 
 from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch
-from mla_fa3.kv_cache import FP8_E4M3_MAX, MHATokenPool, same_device
+from mla_fa3.kv.pools import FP8_E4M3_MAX, MHATokenPool, same_device
 from mla_fa3.layer import AttentionLayer, LayerKind
 from mla_fa3.metadata import AttentionMetadata
 

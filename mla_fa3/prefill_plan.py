@@ -7,12 +7,12 @@ tokens of the whole batch, concatenated request by request, are cut into chunks 
 
 Plan once per step, run per layer: :func:`build_prefill_plan` turns the step's host lengths into
 index tensors (chunk slot ids, cu_seqlens, host maxima) shared by every layer; the backend stores it
-on ``metadata.prefill_plan`` (:func:`plan_extend` first chooses the path with ``path_choice``). Not
+on ``metadata.prefill_plan`` (:func:`plan_extend` first chooses the path with ``policy.prefill_cost``). Not
 legal inside a CUDA graph (extend steps are never captured). Memory: the workspace
 (:class:`PrefillWorkspace`) is ``W`` tokens of latent rows and assembled K, allocated once and reused by
 every chunk, layer and step.
 
-Split steps (MIXED): decode rows (``n_b = 1``, ``p_b > 0``; see ``path_choice.decode_rows``) run the
+Split steps (MIXED): decode rows (``n_b = 1``, ``p_b > 0``; see ``prefill_cost.decode_rows``) run the
 absorbed path on a sub-metadata of their own while the other rows run MHA; :class:`RowSplit` holds
 the index tensors (built once in the plan) that split ``q`` and scatter the outputs back in batch order.
 """
@@ -25,7 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mla_fa3.path_choice import H200_COSTS, PathDecision, PrefillPath, choose_path, decode_rows
+from mla_fa3.checks import check_int
+from mla_fa3.metadata import AttentionMetadata
+from mla_fa3.policy.paths import AttentionPath
+from mla_fa3.policy.prefill_cost import H200_COSTS, PathDecision, choose_path, decode_rows
 
 __all__ = ["PrefixChunk", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend"]
 
@@ -103,7 +106,7 @@ class PrefillWorkspace:
 class PrefillPlan:
     """Everything the MHA prefill of one step needs, built once (host ints from CPU copies)."""
 
-    path: PrefillPath  # MHA_ONESHOT (no prefix among the MHA rows) or MHA_CHUNKED
+    path: AttentionPath  # MHA_ONESHOT (no prefix among the MHA rows) or MHA_CHUNKED
     page_size: int
     workspace_tokens: int  # W: prefix tokens per chunk, across the whole batch
     num_tokens: int  # T: rows of the whole step (MHA + absorbed decode rows)
@@ -123,17 +126,11 @@ class PrefillPlan:
 # plan
 
 
-def _int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _check_plan_inputs(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, seq_lens_cpu):
-    page_size = _int(page_size, "page_size", 1)
-    if _int(workspace_tokens, "workspace_tokens", 1) < page_size:
+    page_size = check_int(page_size, "page_size", 1)
+    if check_int(workspace_tokens, "workspace_tokens", 1) < page_size:
         raise ValueError(f"workspace_tokens must be at least one page ({page_size} tokens), got {workspace_tokens}")
     if getattr(metadata, "page_size", page_size) != page_size:
         raise ValueError(f"page_size {page_size} differs from metadata.page_size {metadata.page_size}")
@@ -220,8 +217,7 @@ def _absorbed_metadata(metadata, rows: Tensor):
         cu_seqlens_k=small[n + 1:], max_seqlen_q=1, max_seqlen_k=int(seq_cpu.max()),
         page_table=sub(metadata.page_table)[:, :pages], cache_seqlens_cpu=seq_cpu,
         prefix_lens=sub(metadata.prefix_lens), prefix_lens_cpu=metadata.prefix_lens_cpu[rows],
-        extend_lens_cpu=metadata.extend_lens_cpu[rows], local=None, encoder=None, prefill_plan=None,
-        flashmla_schedule=None)
+        extend_lens_cpu=metadata.extend_lens_cpu[rows], local=None, encoder=None)
 
 
 def build_prefill_plan(metadata, req_to_token: Tensor, req_pool_indices: Tensor, workspace_tokens: int,
@@ -296,7 +292,7 @@ def build_prefill_plan(metadata, req_to_token: Tensor, req_pool_indices: Tensor,
             max_seqlen_q=max(ext_l[lo:hi]), max_seqlen_k=max(keys)))
         pos += 2 * k
     return PrefillPlan(
-        path=PrefillPath.MHA_CHUNKED if P else PrefillPath.MHA_ONESHOT, page_size=page_size,
+        path=AttentionPath.MHA_CHUNKED if P else AttentionPath.MHA_ONESHOT, page_size=page_size,
         workspace_tokens=workspace_tokens, num_tokens=T, num_mha_tokens=N, cu_seqlens_q=cu[: len(cq)],
         max_seqlen_q=max(ext_l), new_slot_ids=new_slots, prefix_slot_ids=prefix_slots, chunks=tuple(chunks),
         split=split, workspace=workspace, prefix_lens_cpu=prefix.to(torch.int32),
@@ -314,7 +310,7 @@ def plan_extend(metadata, req_to_token: Tensor, req_pool_indices: Tensor, *, num
     _check_plan_inputs(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, None)
     decision = choose_path(metadata.prefix_lens_cpu, metadata.extend_lens_cpu, num_heads=num_heads, dims=dims,
                            workspace_tokens=workspace_tokens, prefill_path=prefill_path, constants=constants)
-    if not decision.path.is_mha:
+    if not decision.path.is_mha_prefill:
         return decision, None
     return decision, build_prefill_plan(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size,
                                         workspace=workspace)

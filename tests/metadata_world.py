@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import PagedAllocator, ReqToTokenPool
+from mla_fa3.kv.allocator import PagedAllocator
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 
 M = ForwardMode

@@ -25,7 +25,8 @@ import torch
 from oracle import dense_attention, mla_nonabsorbed
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import MLATokenPool, ReqToTokenPool
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 
 EXT, DEC, MIX, VER = ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY

@@ -14,7 +14,8 @@ import torch
 from specs import MLA_CONFIGS, SPECS, BatchSpec, make_mla_case, mla_oracle, rel_err
 
 from mla_fa3 import absorb
-from mla_fa3.absorb import DecodeKernel, MLAWeights
+from mla_fa3.policy.paths import DecodeKernel
+from mla_fa3.layer import MLAWeights
 from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import MetadataBuilder
 
@@ -106,11 +107,12 @@ def test_flashmla_kernel_equals_oracle(spec_name):
     case.pool.kv_buffer[case.layer.layer_id][case.batch.out_cache_loc] = case.new_latent
     md = _metadata(case)
     paged = case.pool.paged(case.layer.layer_id)
-    with pytest.raises(ValueError, match="flashmla_schedule"):
+    with pytest.raises(ValueError, match="schedule"):
         absorb.forward_absorbed(case.q, case.layer, md, paged, kernel=DecodeKernel.FLASHMLA, impl="reference")
     sq = md.max_seqlen_q
-    md.flashmla_schedule = ops.get_mla_decode_metadata(md.cache_seqlens, case.cfg.num_heads * sq, impl="reference")
-    out = absorb.forward_absorbed(case.q, case.layer, md, paged, kernel=DecodeKernel.FLASHMLA, impl="reference")
+    schedule = ops.get_mla_decode_metadata(md.cache_seqlens, case.cfg.num_heads * sq, impl="reference")
+    out = absorb.forward_absorbed(case.q, case.layer, md, paged, kernel=DecodeKernel.FLASHMLA, schedule=schedule,
+                                  impl="reference")
     assert rel_err(out, mla_oracle(case)) <= 1e-5
 
 
@@ -118,10 +120,10 @@ def test_flashmla_refuses_unequal_query_lengths():
     from mla_fa3 import ops
     case = make_mla_case(BatchSpec(SPECS["mixed_page64"].mode, (65, 10), (1, 3), page_size=64), "tiny")
     md = _metadata(case)
-    md.flashmla_schedule = ops.get_mla_decode_metadata(md.cache_seqlens, 4, impl="reference")
+    schedule = ops.get_mla_decode_metadata(md.cache_seqlens, 4, impl="reference")
     with pytest.raises(ValueError, match="equal query length"):
         absorb.forward_absorbed(case.q, case.layer, md, case.pool.paged(1), kernel=DecodeKernel.FLASHMLA,
-                                impl="reference")
+                                schedule=schedule, impl="reference")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ def test_layer_named_errors():
     with pytest.raises(ValueError, match="CROSS"):
         AttentionLayer(layer_id=0, kind=LayerKind.CROSS, num_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=8,
                        scaling=0.3, sliding_window=4)
-    with pytest.raises(ValueError, match="kv_lora_rank must be positive"):
+    with pytest.raises(ValueError, match="kv_lora_rank must be an int >= 1"):
         MLADims(0, 24, 8, 20)
     with pytest.raises(TypeError, match="qk_rope_head_dim must be an int"):
         MLADims(40, 24, 8.0, 20)

@@ -14,11 +14,11 @@ from specs import (MLA_CONFIGS, SPECS, BatchSpec, MLAConfig, follow_up, make_bat
                    mla_oracle, padded, rel_err)
 
 from mla_fa3 import ops
-from mla_fa3.absorb import DecodeKernel
+from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
-from mla_fa3.explain import AttentionPath
+from mla_fa3.plan import AttentionPath
 from mla_fa3.layer import MLADims
 
 TOL = 1e-5  # fp32 compute vs fp64 oracle
@@ -27,6 +27,8 @@ DEC, VER, DRAFT = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRA
 
 def backend_for(case, **kw) -> MLABackend:
     kw.setdefault("impl", "reference")
+    kw.setdefault("num_heads", case.cfg.num_heads)
+    kw.setdefault("mla_dims", case.cfg.dims)
     return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
                       page_size=case.spec.page_size, device=case.layout.device, **kw)
 
@@ -90,8 +92,7 @@ def test_random_configs_and_batches(seed):
 @pytest.mark.parametrize("spec_name", ["extend_no_prefix", "extend_with_prefix", "mixed_long_prefix",
                                        "extend_page64_cross_page", "draft_extend"])
 def test_extend_steps_through_the_mha_prefill_dispatch(spec_name, prefill_path):
-    """The path_choice / chunked_prefix wiring: whatever path runs, the output is the oracle's."""
-    pytest.importorskip("mla_fa3.chunked_prefix")
+    """The plan / chunked_prefix wiring: whatever path runs, the output is the oracle's."""
     case = make_mla_case(spec_name, "odd_small", seed=17)
     out, backend = run_step(case, prefill_path=prefill_path,
                             prefill_workspace_tokens=max(24, case.spec.page_size))  # splits mid-page
@@ -100,11 +101,11 @@ def test_extend_steps_through_the_mha_prefill_dispatch(spec_name, prefill_path):
     assert rec.decision is not None and rec.path.value == rec.decision.path.value
     if prefill_path == "mha":
         assert rec.path in (AttentionPath.MHA_ONESHOT, AttentionPath.MHA_CHUNKED)
-        assert backend.forward_metadata.prefill_plan is not None
-    # a second layer of the same step reuses the plan (decided once per step)
-    plan = backend.forward_metadata.prefill_plan
+        assert backend.step_plan.prefill is not None
+    # the plan is made once, in init_forward_metadata; a second layer of the same step only reads it
+    plan, prefill = backend.step_plan, backend.step_plan.prefill
     backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
-    assert backend.forward_metadata.prefill_plan is plan
+    assert backend.step_plan is plan and plan.prefill is prefill and backend.explain() is plan.record
 
 
 @pytest.mark.parametrize("spec_name", ["small_decode", "extend_with_prefix", "mixed_long_prefix", "verify_k4"])
@@ -240,7 +241,7 @@ def test_flashmla_decode_kernel_matches_oracle(spec_name):
     case = make_mla_case(spec, "tiny", seed=4)
     out, backend = run_step(case, decode_kernel="flashmla", num_heads=case.cfg.num_heads)
     assert backend.explain().kernel == "flashmla"
-    assert backend.forward_metadata.flashmla_schedule is not None
+    assert backend.step_plan.flashmla_schedule is not None
     assert rel_err(out, mla_oracle(case)) <= TOL
 
 
@@ -248,12 +249,12 @@ def test_flashmla_step_falls_back_to_fa3_for_a_softcapped_layer():
     spec = BatchSpec(DEC, (10, 70), (1, 1), page_size=64)
     case = make_mla_case(spec, "tiny", seed=4, logit_cap=4.0)
     out, backend = run_step(case, decode_kernel="flashmla", num_heads=case.cfg.num_heads)
-    assert "FA3 for layer" in backend.explain().reason
+    assert "FA3 for layers with softcap" in backend.explain().reason
     assert rel_err(out, mla_oracle(case)) <= TOL
 
 
 def test_auto_decode_kernel_uses_kernel_choice():
-    kc = pytest.importorskip("mla_fa3.kernel_choice")
+    kc = pytest.importorskip("mla_fa3.policy.decode_kernel")
     spec = BatchSpec(DEC, (10, 70), (1, 1), page_size=64)
     case = make_mla_case(spec, "tiny", seed=4)
     out, backend = run_step(case, decode_kernel="auto", num_heads=case.cfg.num_heads)
@@ -294,7 +295,7 @@ def test_cuda_graph_capture_then_replay_reads_captured_metadata(mode, k, kernel)
 def test_auto_graphs_capture_both_kernels_and_each_replay_picks_from_live_lengths():
     """decode_kernel='auto' on page 64: one graph per kernel per size; a replay picks the kernel that
     kernel_choice gives for the live lengths (skew included) and computes the right answer with it."""
-    kc = pytest.importorskip("mla_fa3.kernel_choice")
+    kc = pytest.importorskip("mla_fa3.policy.decode_kernel")
     spec = BatchSpec(DEC, (40, 3, 77), (1,) * 3, page_size=64)
     case = make_mla_case(spec, "deepseek_v3", seed=9)
     H = case.cfg.num_heads

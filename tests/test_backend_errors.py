@@ -12,11 +12,11 @@ import torch
 from specs import make_batch, make_layout, make_mla_case
 
 from mla_fa3 import ops
-from mla_fa3.absorb import DecodeKernel
+from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
-from mla_fa3.kv_cache import MLATokenPool
+from mla_fa3.kv.pools import MLATokenPool
 
 DEC = ForwardMode.DECODE
 
@@ -113,7 +113,7 @@ def test_constructor_named_errors():
 
 
 def test_pool_tuple_and_mha_layer_needs_an_mha_pool():
-    from mla_fa3.kv_cache import MHATokenPool
+    from mla_fa3.kv.pools import MHATokenPool
     from mla_fa3.layer import AttentionLayer, LayerKind
     case = make_mla_case("small_decode", "tiny")
     backend = backend_for(case)

@@ -18,11 +18,11 @@ from specs import EXT, MIX, BatchSpec, make_mla_case, mla_oracle, rel_err
 
 from mla_fa3 import absorb, ops
 from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill, plan_extend
-from mla_fa3.kv_cache import ReqToTokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer
 from mla_fa3.lse import Base2LSE, NaturalLSE, merge_states
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.path_choice import PrefillPath
+from mla_fa3.policy.paths import AttentionPath
 
 TOL = 2e-5  # fp32 compute vs the fp64 oracle (max abs error relative to max |ref|)
 
@@ -73,7 +73,7 @@ def test_mha_prefill_matches_oracle_and_absorbed(name):
     assert rel_err(_run(case, md, plan, latent=False), ref) < TOL
     # one-shot applies exactly when no MHA row has a prefix; chunks stay within the budget
     has_prefix = any(p > 0 for p, n in zip(spec.prefix_lens, spec.extend_lens) if not (n == 1 and p > 0))
-    assert plan.path is (PrefillPath.MHA_CHUNKED if has_prefix else PrefillPath.MHA_ONESHOT)
+    assert plan.path is (AttentionPath.MHA_CHUNKED if has_prefix else AttentionPath.MHA_ONESHOT)
     assert all(0 < ch.num_keys <= W for ch in plan.chunks)
     assert sum(ch.num_keys for ch in plan.chunks) == int(plan.prefix_lens_cpu.sum())
 
@@ -265,10 +265,10 @@ def test_plan_extend_chooses_then_plans():
     H, d = case.cfg.num_heads, case.cfg.dims
     decision, plan = plan_extend(md, r2t, rows, num_heads=H, dims=d, workspace_tokens=W, page_size=16,
                                  prefill_path="absorbed")
-    assert decision.path is PrefillPath.ABSORBED and plan is None
+    assert decision.path is AttentionPath.ABSORBED and plan is None
     decision, plan = plan_extend(md, r2t, rows, num_heads=H, dims=d, workspace_tokens=W, page_size=16,
                                  prefill_path="mha")
-    assert decision.path is plan.path is PrefillPath.MHA_CHUNKED
+    assert decision.path is plan.path is AttentionPath.MHA_CHUNKED
     assert decision.num_decode_rows == 2 and decision.split and plan.split is not None
     assert decision.num_chunks == len(plan.chunks)
     md.prefill_plan = plan  # how the backend stores it; forward then finds it on the metadata

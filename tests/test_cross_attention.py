@@ -1,6 +1,6 @@
 """Cross-attention (LayerKind.CROSS) through mha_fallback on CPU, against fp64 dense attention.
 
-Encoder-decoder layout (see ``mla_fa3.kv_cache``): request b's ``E_b`` encoder tokens occupy the first
+Encoder-decoder layout (see ``mla_fa3.kv``): request b's ``E_b`` encoder tokens occupy the first
 ``ceil(E_b / p) * p`` columns of its ``req_to_token`` row, its decoder tokens start right after. The
 layout here is built by hand over shuffled pages (``specs.make_layout`` over the whole row), every
 pool slot starts as NaN, and the oracle is, per request,
@@ -29,7 +29,7 @@ from test_mha_fallback import (
 
 from mla_fa3 import mha_fallback, ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import MHATokenPool
+from mla_fa3.kv.pools import MHATokenPool
 from mla_fa3.layer import AttentionLayer, LayerKind
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 

@@ -27,8 +27,10 @@ from test_metadata_capture import DeviceOpLog
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
-from mla_fa3.graph_runner import GraphRunner, InputSpec, StaticBuffers, fill_inputs, pad_batch, padded_size
-from mla_fa3.kv_cache import MLATokenPool, PagedAllocator, ReqToTokenPool
+from mla_fa3.graphs.runner import GraphRunner, InputSpec, StaticBuffers, fill_inputs, pad_batch, padded_size
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.allocator import PagedAllocator
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 
 TINY = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -379,7 +381,7 @@ def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks
     the kernel the backend chose from the live lengths, and the answer matches the fp64 oracle."""
     from specs import follow_up, make_mla_case, mla_oracle, rel_err, BatchSpec
 
-    from mla_fa3 import kernel_choice
+    from mla_fa3.policy import decode_kernel as kernel_choice
     from mla_fa3.absorb import DecodeKernel
 
     spec = BatchSpec(ForwardMode.DECODE, (40, 3, 77), (1, 1, 1), page_size=64)

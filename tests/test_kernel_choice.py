@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_fa3 import kernel_choice as kc
-from mla_fa3.absorb import DecodeKernel
+from mla_fa3.policy import decode_kernel as kc
+from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import h200_ceilings
 

@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
-from mla_fa3.kv_cache import (FP8_E4M3_MAX, MHATokenPool, MLATokenPool, OutOfSlotsError, PagedAllocator,
-                              ReqToTokenPool, encoder_region_columns)
+from mla_fa3.kv.pools import FP8_E4M3_MAX, MHATokenPool, MLATokenPool
+from mla_fa3.kv.req_to_token import OutOfSlotsError, ReqToTokenPool, encoder_region_columns
+from mla_fa3.kv.allocator import PagedAllocator
 
 
 # ---------------------------------------------------------------------------------- allocator

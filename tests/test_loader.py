@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_fa3.batch import ForwardBatch
-from mla_fa3.kv_cache import MLATokenPool, PagedAllocator, ReqToTokenPool
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.allocator import PagedAllocator
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.backend import MLABackend
 from mla_fa3.models.fp8 import dequantize_block_fp8
 from mla_fa3.models.loader import CheckpointError, load_model

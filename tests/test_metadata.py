@@ -16,7 +16,7 @@ from oracle import dense_attention
 from specs import SPECS
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import MHATokenPool
+from mla_fa3.kv.pools import MHATokenPool
 from mla_fa3.metadata import MetadataBuilder
 
 M = ForwardMode
@@ -55,15 +55,6 @@ def test_build_matches_lists(name: str, page_size: int, variant: str) -> None:
     check_against_lists(md, w, mode, new, list(range(len(seq))), chunk=chunk, with_encoder=with_encoder)
     if mode is M.TARGET_VERIFY:
         assert md.num_draft_tokens == new[0]
-
-
-def test_hooks_attach_plans_once_per_build() -> None:
-    w = make_world([5, 9], 16)
-    builder = MetadataBuilder(w.pool, 16, "cpu")
-    calls = []
-    builder.add_hook(lambda md, batch: (calls.append(batch.batch_size), setattr(md, "prefill_plan", "plan")))
-    md = builder.build(make_batch(w, M.EXTEND, [5, 2]))
-    assert calls == [2] and md.prefill_plan == "plan" and md.flashmla_schedule is None
 
 
 # ------------------------------------------------------------ the metadata drives the reference kernel

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 from metadata_world import check_against_lists, check_replay, expected_local, make_batch, make_world
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import ReqToTokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 
 M = ForwardMode

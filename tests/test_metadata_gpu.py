@@ -11,7 +11,7 @@ import torch
 from metadata_world import assert_same_metadata, check_replay, make_batch, make_world
 
 from mla_fa3.batch import ForwardMode
-from mla_fa3.kv_cache import ReqToTokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.metadata import MetadataBuilder
 
 pytestmark = pytest.mark.gpu

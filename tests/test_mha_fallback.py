@@ -31,7 +31,7 @@ from specs import DEC, EXT, MIX, SPECS, VER, BatchSpec, CacheLayout, make_batch,
 
 from mla_fa3 import mha_fallback, ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.kv_cache import MHATokenPool
+from mla_fa3.kv.pools import MHATokenPool
 from mla_fa3.layer import AttentionLayer, LayerKind
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 

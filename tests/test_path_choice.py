@@ -22,20 +22,9 @@ import pytest
 import torch
 
 from mla_fa3.layer import MLADims
-from mla_fa3.path_choice import (
-    FITTED_CONSTANTS,
-    H200_COSTS,
-    CostSample,
-    PrefillPath,
-    choose_path,
-    decode_rows,
-    estimate_costs_ms,
-    evaluate_choices,
-    evaluate_on_csv,
-    fit_cost_constants,
-    read_samples_csv,
-    summarize,
-)
+from mla_fa3.policy.prefill_fit import (FITTED_CONSTANTS, CostSample, evaluate_choices, evaluate_on_csv, fit_cost_constants, read_samples_csv, summarize)
+from mla_fa3.policy.prefill_cost import H200_COSTS, choose_path, decode_rows, estimate_costs_ms
+from mla_fa3.policy.paths import AttentionPath
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 W = 8192
@@ -51,9 +40,9 @@ def _recorded() -> dict[str, dict]:
     out = {}
     for r in rows:
         H, n, p = int(r["heads"]), int(r["new"]), int(r["prefix"])
-        mha = PrefillPath.MHA_CHUNKED if p else PrefillPath.MHA_ONESHOT
+        mha = AttentionPath.MHA_CHUNKED if p else AttentionPath.MHA_ONESHOT
         out[f"h{H}_n{n}_p{p}"] = dict(heads=H, new=n, prefix=p, workspace=int(r["workspace"]),
-                                      ms={PrefillPath.ABSORBED: float(r["absorbed_ms"]), mha: float(r["mha_ms"])})
+                                      ms={AttentionPath.ABSORBED: float(r["absorbed_ms"]), mha: float(r["mha_ms"])})
     return out
 
 
@@ -79,7 +68,7 @@ def test_auto_is_within_5pct_of_the_faster_recorded_path(name):
     assert d.path in row["ms"], f"{name}: picked {d.path.value}, which does not apply"
     assert row["ms"][d.path] / best <= WITHIN_BEST, f"{name}: {d.explain()}; measured {row['ms']}"
     assert d.requested == "auto" and d.path.value in d.reason
-    assert d.num_chunks == (-(-row["prefix"] // W) if d.path is PrefillPath.MHA_CHUNKED else 0)
+    assert d.num_chunks == (-(-row["prefix"] // W) if d.path is AttentionPath.MHA_CHUNKED else 0)
 
 
 def test_clear_wins_are_always_picked():
@@ -89,7 +78,7 @@ def test_clear_wins_are_always_picked():
         faster = min(row["ms"], key=row["ms"].get)
         assert _pick(row).path is faster, f"{name}: measured {row['ms']}"
     # both directions occur: long prompts go MHA, short ones over long prefixes stay absorbed
-    assert {min(r["ms"], key=r["ms"].get).is_mha for r in clear.values()} == {True, False}
+    assert {min(r["ms"], key=r["ms"].get).is_mha_prefill for r in clear.values()} == {True, False}
 
 
 def test_evaluate_on_csv_replays_each_recorded_row():
@@ -117,7 +106,7 @@ def test_model_tracks_the_kernel_bound_recorded_shapes():
             if ms >= 5.0:
                 assert model[path] == pytest.approx(ms, rel=0.10), f"{name} {path.value}"
                 checked += 1
-        assert model[PrefillPath.MHA_ONESHOT if row["prefix"] else PrefillPath.MHA_CHUNKED] == math.inf
+        assert model[AttentionPath.MHA_ONESHOT if row["prefix"] else AttentionPath.MHA_CHUNKED] == math.inf
     assert checked >= 25
 
 
@@ -134,8 +123,8 @@ def test_fit_on_half_the_sweep_picks_right_on_the_other_half(train):
     """Generalisation: constants fitted on half the recorded shapes stay within 5 % on the held-out half."""
     keep = {"heads_16": lambda r: r["heads"] == 16, "prefix_0_32k": lambda r: r["prefix"] in (0, 32768)}[train]
     def sample(r):
-        mha = next(ms for path, ms in r["ms"].items() if path.is_mha)
-        return CostSample(r["heads"], (r["prefix"],), (r["new"],), r["workspace"], r["ms"][PrefillPath.ABSORBED], mha)
+        mha = next(ms for path, ms in r["ms"].items() if path.is_mha_prefill)
+        return CostSample(r["heads"], (r["prefix"],), (r["new"],), r["workspace"], r["ms"][AttentionPath.ABSORBED], mha)
     fitted = fit_cost_constants([sample(r) for r in RECORDED.values() if keep(r)], V3)
     for name, row in RECORDED.items():
         if not keep(row):
@@ -144,11 +133,11 @@ def test_fit_on_half_the_sweep_picks_right_on_the_other_half(train):
 
 def test_override_is_respected():
     d = choose_path([32768], [4096], num_heads=128, dims=V3, workspace_tokens=W, prefill_path="absorbed")
-    assert d.path is PrefillPath.ABSORBED and "override" in d.reason
+    assert d.path is AttentionPath.ABSORBED and "override" in d.reason
     d = choose_path([65536], [512], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="mha")
-    assert d.path is PrefillPath.MHA_CHUNKED and "override" in d.reason and d.num_chunks == 8
+    assert d.path is AttentionPath.MHA_CHUNKED and "override" in d.reason and d.num_chunks == 8
     d = choose_path([0, 0], [64, 3], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="mha")
-    assert d.path is PrefillPath.MHA_ONESHOT and d.num_chunks == 0
+    assert d.path is AttentionPath.MHA_ONESHOT and d.num_chunks == 0
     with pytest.raises(ValueError, match="prefill_path must be one of"):
         choose_path([0], [4], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="fast")
 
@@ -156,29 +145,29 @@ def test_override_is_respected():
 def test_no_prefix_long_prompt_is_oneshot_mha():
     d = choose_path(torch.tensor([0, 0], dtype=torch.int32), torch.tensor([4096, 2048], dtype=torch.int32),
                     num_heads=128, dims=V3, workspace_tokens=W)
-    assert d.path is PrefillPath.MHA_ONESHOT
-    assert d.costs_ms[PrefillPath.MHA_CHUNKED] == math.inf
+    assert d.path is AttentionPath.MHA_ONESHOT
+    assert d.costs_ms[AttentionPath.MHA_CHUNKED] == math.inf
 
 
 def test_mixed_step_decode_rows_stay_absorbed():
     prefix, extend = [32768, 900, 0, 5000], [4096, 1, 7, 1]
     assert decode_rows(prefix, extend) == [False, True, False, True]
     d = choose_path(prefix, extend, num_heads=128, dims=V3, workspace_tokens=W)
-    assert d.path is PrefillPath.MHA_CHUNKED and d.num_decode_rows == 2 and d.split
+    assert d.path is AttentionPath.MHA_CHUNKED and d.num_decode_rows == 2 and d.split
     # the decode rows' absorbed cost is charged to the MHA option too
     alone = estimate_costs_ms([32768, 0], [4096, 7], num_heads=128, dims=V3, workspace_tokens=W)
-    assert d.costs_ms[PrefillPath.MHA_CHUNKED] > alone[PrefillPath.MHA_CHUNKED]
+    assert d.costs_ms[AttentionPath.MHA_CHUNKED] > alone[AttentionPath.MHA_CHUNKED]
     only_decode = choose_path([10, 20], [1, 1], num_heads=16, dims=V3, workspace_tokens=W, prefill_path="mha")
-    assert only_decode.path is PrefillPath.ABSORBED and not only_decode.split
+    assert only_decode.path is AttentionPath.ABSORBED and not only_decode.split
     verify = choose_path([100, 200], [4, 4], num_heads=16, dims=V3, workspace_tokens=W, decode_like=True)
-    assert verify.path is PrefillPath.ABSORBED and "decode-like" in verify.reason
+    assert verify.path is AttentionPath.ABSORBED and "decode-like" in verify.reason
 
 
 def test_smaller_workspace_costs_more_chunks():
     a = estimate_costs_ms([65536], [512], num_heads=16, dims=V3, workspace_tokens=65536)
     b = estimate_costs_ms([65536], [512], num_heads=16, dims=V3, workspace_tokens=1024)
-    assert b[PrefillPath.MHA_CHUNKED] > a[PrefillPath.MHA_CHUNKED]
-    assert b[PrefillPath.ABSORBED] == a[PrefillPath.ABSORBED]
+    assert b[AttentionPath.MHA_CHUNKED] > a[AttentionPath.MHA_CHUNKED]
+    assert b[AttentionPath.ABSORBED] == a[AttentionPath.ABSORBED]
 
 
 def test_host_overlap_bounds():
@@ -186,12 +175,12 @@ def test_host_overlap_bounds():
     shape = dict(num_heads=16, dims=V3, workspace_tokens=W)
     got = {p: estimate_costs_ms([8192], [512], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
            for p in (1.0, 2.0, 64.0)}
-    for path in (PrefillPath.ABSORBED, PrefillPath.MHA_CHUNKED):
+    for path in (AttentionPath.ABSORBED, AttentionPath.MHA_CHUNKED):
         assert got[1.0][path] > got[2.0][path] > got[64.0][path]
     # 64 new tokens, no prefix: ~1 us of device work under 231 us of launches -> ~ the host time for any p
     for p in (1.0, 2.0, 64.0):
         tiny = estimate_costs_ms([0], [64], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
-        assert tiny[PrefillPath.ABSORBED] == pytest.approx(H200_COSTS.absorbed_fixed_us * 1e-3, rel=0.02)
+        assert tiny[AttentionPath.ABSORBED] == pytest.approx(H200_COSTS.absorbed_fixed_us * 1e-3, rel=0.02)
 
 
 def test_bad_arguments_are_named(tmp_path):
@@ -201,9 +190,9 @@ def test_bad_arguments_are_named(tmp_path):
         choose_path([1], [-3], num_heads=16, dims=V3, workspace_tokens=W)
     with pytest.raises(TypeError, match="prefix_lens must be a 1-D integer tensor"):
         choose_path(torch.tensor([1.0]), [3], num_heads=16, dims=V3, workspace_tokens=W)
-    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1"):
         choose_path([1], [3], num_heads=0, dims=V3, workspace_tokens=W)
-    with pytest.raises(ValueError, match="workspace_tokens must be a positive int"):
+    with pytest.raises(ValueError, match="workspace_tokens must be an int >= 1"):
         choose_path([1], [3], num_heads=16, dims=V3, workspace_tokens=0)
     with pytest.raises(ValueError, match="copy_tbps must be > 0"):
         replace(H200_COSTS, copy_tbps=0.0)
@@ -234,10 +223,10 @@ def test_fit_recovers_a_different_machine():
     samples = []
     for H, p, n in shapes:
         c = estimate_costs_ms(p, n, num_heads=H, dims=V3, workspace_tokens=W, constants=truth)
-        mha = c[PrefillPath.MHA_CHUNKED] if any(p) else c[PrefillPath.MHA_ONESHOT]
-        samples.append(CostSample(H, tuple(p), tuple(n), W, absorbed_ms=c[PrefillPath.ABSORBED], mha_ms=mha))
+        mha = c[AttentionPath.MHA_CHUNKED] if any(p) else c[AttentionPath.MHA_ONESHOT]
+        samples.append(CostSample(H, tuple(p), tuple(n), W, absorbed_ms=c[AttentionPath.ABSORBED], mha_ms=mha))
     only_mha = estimate_costs_ms([2048], [1024], num_heads=16, dims=V3, workspace_tokens=W, constants=truth)
-    samples.append(CostSample(16, (2048,), (1024,), W, absorbed_ms=None, mha_ms=only_mha[PrefillPath.MHA_CHUNKED]))
+    samples.append(CostSample(16, (2048,), (1024,), W, absorbed_ms=None, mha_ms=only_mha[AttentionPath.MHA_CHUNKED]))
     fitted = fit_cost_constants(samples, V3)
     for name in FITTED_CONSTANTS:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.03), name

@@ -18,7 +18,7 @@ from mla_fa3 import absorb, ops
 from mla_fa3.chunked_prefix import build_prefill_plan, forward_mha_prefill
 from mla_fa3.lse import NaturalLSE, merge_states
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.path_choice import PrefillPath
+from mla_fa3.policy.paths import AttentionPath
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def test_fa3_mha_prefill_bf16(name):
     assert err <= 2 * err_base + BF16_STEP, (err, err_base)
     assert cosine(out, ref) >= 0.9999
     if plan.chunks:
-        assert plan.path is PrefillPath.MHA_CHUNKED
+        assert plan.path is AttentionPath.MHA_CHUNKED
     # the absorbed path on the same step agrees as well
     absorbed = absorb.forward_absorbed(case.q, case.layer, md, kv, impl="fa3")
     assert cosine(absorbed, ref) >= 0.9999

@@ -9,7 +9,7 @@ lengths (geometric from L down to L/16: ``L_b = L · 16^(-b/(bs-1))``), DeepSeek
     kernel + W_UV projection) replayed from a CUDA graph by ``GraphRunner``, plus the step's
     metadata replay update (``GraphRunner.prepare``: padding, page table, FlashMLA plan) divided by
     the 61 layers of DeepSeek-V3 that share it. The backend picks its kernel (``decode_kernel=auto``,
-    ``mla_fa3.kernel_choice``); the column ``backend_kernel`` says which.
+    ``mla_fa3.policy.decode_kernel``); the column ``backend_kernel`` says which.
 (b) ``fa3``: ``ops.flash_attn_with_kvcache`` alone (q_rope / k_rope, qv = q_lat / c_kv), graph replay.
 (c) ``flashmla``: ``ops.flash_mla_with_kvcache`` alone over the 576-wide rows (page 64 only), with
     the tile schedule planned outside the graph.
@@ -36,13 +36,14 @@ from typing import Sequence
 import torch
 
 from mla_fa3 import ops
-from mla_fa3.absorb import MLAWeights
+from mla_fa3.layer import MLAWeights
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import L2_BYTES_H200, Progress, h200_ceilings, time_cuda, time_graph
-from mla_fa3.graph_runner import GraphRunner, InputSpec
-from mla_fa3.kv_cache import MLATokenPool, ReqToTokenPool
+from mla_fa3.graphs.runner import GraphRunner, InputSpec
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 
 DIMS = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)  # DeepSeek-V3

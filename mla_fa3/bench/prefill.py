@@ -1,4 +1,4 @@
-"""Prefill benchmark on the H200: absorbed vs (chunked) MHA per shape, and what ``path_choice`` picks.
+"""Prefill benchmark on the H200: absorbed vs (chunked) MHA per shape, and what ``policy.prefill_cost`` picks.
 
 One MLA layer, DeepSeek-V3 dims (r 512, d_nope 128, d_rope 64, d_v 128), bf16, page 64, one request
 of ``new`` tokens over a cached ``prefix`` (shuffled pages), heads {16, 128} x new {128, 512, 4096,
@@ -8,7 +8,7 @@ way the backend runs extend steps):
 * ``absorbed_ms`` — ``absorb.forward_absorbed`` (q absorption, FA3 over the latent cache, W_UV projection);
 * ``mha_ms``      — ``chunked_prefix.forward_mha_prefill`` with the step's plan (one-shot without prefix;
   otherwise gather + decompression + varlen attention per workspace chunk + LSE merges);
-* ``auto``        — ``path_choice.choose_path`` on the host lengths; ``auto_over_best`` = time of the
+* ``auto``        — ``prefill_cost.choose_path`` on the host lengths; ``auto_over_best`` = time of the
   chosen path / the faster one (1.0 = auto chose right); ``mha_speedup`` = absorbed / MHA;
 * ``model_*_ms``  — the cost model's estimates (re-fit constants from this CSV with
   ``path_choice.fit_cost_constants``; the benchmark prints the re-fitted constants at the end);
@@ -36,11 +36,13 @@ from mla_fa3 import absorb
 from mla_fa3.batch import ForwardBatch
 from mla_fa3.bench.timing import Progress, time_cuda
 from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill
-from mla_fa3.kv_cache import MLATokenPool, ReqToTokenPool
+from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.path_choice import PrefillPath, choose_path, estimate_costs_ms
-from mla_fa3.path_choice_fit import CostSample, fit_cost_constants
+from mla_fa3.policy.paths import AttentionPath
+from mla_fa3.policy.prefill_cost import choose_path, estimate_costs_ms
+from mla_fa3.policy.prefill_fit import CostSample, fit_cost_constants
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
@@ -104,7 +106,7 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
 
     plan = plan_fn()
     model = estimate_costs_ms([prefix], [new], num_heads=H, dims=V3, workspace_tokens=workspace)
-    mha_key = PrefillPath.MHA_CHUNKED if prefix else PrefillPath.MHA_ONESHOT
+    mha_key = AttentionPath.MHA_CHUNKED if prefix else AttentionPath.MHA_ONESHOT
     absorbed = lambda: absorb.forward_absorbed(q, layer, md, kv, validate=False)  # noqa: E731
     mha = lambda: forward_mha_prefill(q, latent_new, layer, md, kv, plan)  # noqa: E731
     if device.type == "cuda":
@@ -112,18 +114,18 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
     a_out, m_out = absorbed(), mha()
     cos = float(torch.nn.functional.cosine_similarity(a_out.float().flatten(), m_out.float().flatten(), dim=0))
     del a_out, m_out
-    t_abs = time_cuda(absorbed, warmup=1, iters=_iters(model[PrefillPath.ABSORBED], budget_ms))
+    t_abs = time_cuda(absorbed, warmup=1, iters=_iters(model[AttentionPath.ABSORBED], budget_ms))
     t_mha = time_cuda(mha, warmup=1, iters=_iters(model[mha_key], budget_ms))
     t_plan = time_cuda(plan_fn, warmup=1, iters=5)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     auto = choose_path([prefix], [new], num_heads=H, dims=V3, workspace_tokens=workspace).path
-    times = {PrefillPath.ABSORBED: t_abs, mha_key: t_mha}
+    times = {AttentionPath.ABSORBED: t_abs, mha_key: t_mha}
     best = min(times, key=times.get)
     return PrefillRow(
         heads=H, new=new, prefix=prefix, page=page, workspace=workspace, chunks=len(plan.chunks),
         absorbed_ms=t_abs, mha_ms=t_mha, mha_path=mha_key.value, auto_path=auto.value, auto_ms=times[auto],
         best_path=best.value, auto_over_best=times[auto] / times[best], mha_speedup=t_abs / t_mha,
-        model_absorbed_ms=model[PrefillPath.ABSORBED], model_mha_ms=model[mha_key], plan_ms=t_plan,
+        model_absorbed_ms=model[AttentionPath.ABSORBED], model_mha_ms=model[mha_key], plan_ms=t_plan,
         cosine=cos, peak_gb=peak)
 
 

@@ -40,6 +40,7 @@ import torch
 
 from . import fa3, reference, validate
 from .types import (
+    FLASHMLA_PAGE_SIZE,
     LN2,
     LSE_BASE,
     FlashMLASchedule,
@@ -54,6 +55,7 @@ __all__ = [
     "KernelUnavailableError",
     "FlashMLASchedule",
     "LSE_BASE",
+    "FLASHMLA_PAGE_SIZE",
     "LN2",
     "lse_base2_to_natural",
     "lse_natural_to_base2",
@@ -61,6 +63,8 @@ __all__ = [
     "get_impl",
     "use_impl",
     "last_impl",
+    "coerce_impl",
+    "resolve_impl",
     "fa3_available",
     "flash_attn_with_kvcache",
     "flash_attn_varlen_func",
@@ -110,6 +114,16 @@ def use_impl(impl: ImplLike) -> Iterator[Impl]:
         yield new
     finally:
         _global_impl = old
+
+
+def coerce_impl(impl: Optional[ImplLike]) -> Optional[Impl]:
+    """``impl`` as an :class:`Impl` (None stays None: the global setting at call time); named error otherwise."""
+    return None if impl is None else _coerce_impl(impl)
+
+
+def resolve_impl(impl: Optional[ImplLike], device: Union[torch.device, str]) -> Impl:
+    """FA3 or REFERENCE: what an op on ``device`` runs with ``impl`` (None = the global setting, now)."""
+    return _resolve(impl, torch.device(device))
 
 
 def last_impl() -> Optional[Impl]:

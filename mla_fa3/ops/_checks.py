@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .types import FLASHMLA_PAGE_SIZE
+
 Tensor = torch.Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -19,7 +21,6 @@ MERGE_FA3_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FA3_MAX_HEAD_DIM = 256  # FA3's largest q/k (and plain v) head dim
 FA3_MAX_QV_HEAD_DIM = 512  # largest v head dim FA3 accepts (q/k head dim <= 64: absorbed MLA)
 FA3_MIN_QV_V_HEAD_DIM = 256  # FA3 runs qv (absorbed MLA) only for v head dims >= 256
-FLASHMLA_PAGE_SIZE = 64
 FLASHMLA_HEAD_DIM = 576  # r + d_rope, the only q/k head dim FlashMLA supports
 FLASHMLA_HEAD_DIM_V = 512  # r, the only v head dim FlashMLA supports
 FA3_HINT = "; use impl='reference' for this combination"

@@ -18,6 +18,7 @@ import torch
 
 LSE_BASE = "e"  # every LSE returned or accepted by mla_fa3.ops is a natural logarithm
 LN2 = math.log(2.0)
+FLASHMLA_PAGE_SIZE = 64  # FlashMLA's paged KV cache has a fixed block size of 64 tokens
 
 
 def lse_base2_to_natural(lse2: torch.Tensor) -> torch.Tensor:

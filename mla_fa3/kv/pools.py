@@ -3,7 +3,7 @@
 Symbols: ``P`` pages of ``p`` = ``page_size`` slots each (``p`` = 1 or a power of two), so ``S = P * p``
 slots; slot ``s`` lives on page ``s // p`` at offset ``s % p``. ``r`` = kv_lora_rank, ``d_rope`` =
 qk_rope_head_dim (MLA); ``h_kv``, ``d``, ``d_v`` the KV heads and head dims (regular MHA). Slots come
-from ``kv_cache`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every name here.
+from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every name here.
 
 - :class:`MLATokenPool` — the latent cache: per layer one ``[S, r + d_rope]`` buffer whose rows are
   ``[c_kv | k_rope]``; ``paged(layer)`` views it as ``[P, p, 1, r + d_rope]`` (one KV head) and
@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .batch import to_device
+from mla_fa3.batch import to_device
+from mla_fa3.checks import check_int
 
 __all__ = ["MLATokenPool", "MHATokenPool", "check_page_size", "same_device", "FP8_E4M3_MAX"]
 
@@ -50,10 +51,6 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.index == b.index
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class _TokenPoolBase:
@@ -61,8 +58,8 @@ class _TokenPoolBase:
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, device: torch.device | str,
                  debug_checks: bool):
-        self.num_layers = _positive_int(num_layers, "num_layers")
-        self.num_pages = _positive_int(num_pages, "num_pages")
+        self.num_layers = check_int(num_layers, "num_layers")
+        self.num_pages = check_int(num_pages, "num_pages")
         self.page_size = check_page_size(page_size)
         self.num_slots = num_pages * page_size
         self.device = torch.device(device)
@@ -134,8 +131,8 @@ class MLATokenPool(_TokenPoolBase):
         super().__init__(num_layers, num_pages, page_size, device, debug_checks)
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-        self.kv_lora_rank = _positive_int(kv_lora_rank, "kv_lora_rank")
-        self.qk_rope_head_dim = _positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+        self.kv_lora_rank = check_int(kv_lora_rank, "kv_lora_rank")
+        self.qk_rope_head_dim = check_int(qk_rope_head_dim, "qk_rope_head_dim")
         self.width = kv_lora_rank + qk_rope_head_dim
         self.dtype = dtype
         self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.device)
@@ -195,9 +192,9 @@ class MHATokenPool(_TokenPoolBase):
             raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
         if kv_dtype not in (None, torch.float8_e4m3fn, *_FLOAT_DTYPES):
             raise TypeError(f"kv_dtype must be None, torch.float8_e4m3fn or a float dtype, got {kv_dtype}")
-        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
-        self.head_dim = _positive_int(head_dim, "head_dim")
-        self.v_head_dim = _positive_int(v_head_dim, "v_head_dim")
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = check_int(head_dim, "head_dim")
+        self.v_head_dim = check_int(v_head_dim, "v_head_dim")
         self.dtype = dtype  # compute dtype (what set_kv receives, what dequantization gives)
         self.kv_dtype = kv_dtype or dtype  # storage dtype
         self.is_fp8 = self.kv_dtype == torch.float8_e4m3fn

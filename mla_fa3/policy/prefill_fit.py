@@ -1,12 +1,12 @@
-"""Calibration of the ``path_choice`` cost model: fit its constants to measured rows, replay a CSV through it.
+"""Calibration of the ``policy.prefill_cost`` cost model: fit its constants to measured rows, replay a CSV through it.
 
-:func:`fit_cost_constants` fits constants of a ``path_choice.CostConstants`` to measured
-:class:`CostSample` s (least squares of ``log(model / measured)``); ``path_choice.H200_COSTS`` was fitted
+:func:`fit_cost_constants` fits constants of a ``prefill_cost.CostConstants`` to measured
+:class:`CostSample` s (least squares of ``log(model / measured)``); ``prefill_cost.H200_COSTS`` was fitted
 this way to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv`` (H200, eager CUDA-event times of
 one layer, host overhead included, bf16, page 64, W = 8192). :func:`read_samples_csv` reads a
 ``mla_fa3.bench.prefill`` CSV; :func:`evaluate_on_csv` replays a benchmark CSV through the model: which
 path it picks per shape and picked / best measured time (:func:`summarize`: one line). Host arithmetic
-only. ``path_choice`` re-exports every public name of this module.
+only.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from mla_fa3.path_choice import (H200_COSTS, CostConstants, PrefillPath, _check_shape_args, _costs, choose_path,
-                                 decode_rows)
+from mla_fa3.policy.prefill_cost import H200_COSTS, CostConstants, check_shape_args, choose_path, decode_rows, path_costs
+from mla_fa3.policy.paths import AttentionPath
 
 __all__ = ["CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation", "read_samples_csv",
            "evaluate_choices", "evaluate_on_csv", "summarize"]
@@ -41,17 +41,17 @@ FITTED_CONSTANTS = ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops",
                     "chunk_overhead_us", "mha_fixed_us", "absorbed_fixed_us")
 
 
-def _sample_costs(s: CostSample, dims, c: CostConstants) -> dict[PrefillPath, float]:
-    return _costs(list(s.prefix_lens), list(s.extend_lens), decode_rows(s.prefix_lens, s.extend_lens),
+def _sample_costs(s: CostSample, dims, c: CostConstants) -> dict[AttentionPath, float]:
+    return path_costs(list(s.prefix_lens), list(s.extend_lens), decode_rows(s.prefix_lens, s.extend_lens),
                   s.num_heads, dims, c, s.workspace_tokens)
 
 
-def _measured(s: CostSample) -> dict[PrefillPath, float]:
+def _measured(s: CostSample) -> dict[AttentionPath, float]:
     """{path: measured ms} of a sample with new tokens (its MHA time is the one-shot or chunked path)."""
-    _check_shape_args(list(s.prefix_lens), list(s.extend_lens), s.num_heads, s.workspace_tokens)
+    check_shape_args(list(s.prefix_lens), list(s.extend_lens), s.num_heads, s.workspace_tokens)
     prefix = [p for p, d in zip(s.prefix_lens, decode_rows(s.prefix_lens, s.extend_lens)) if not d]
-    out = {PrefillPath.ABSORBED: s.absorbed_ms,
-           PrefillPath.MHA_CHUNKED if any(prefix) else PrefillPath.MHA_ONESHOT: s.mha_ms}
+    out = {AttentionPath.ABSORBED: s.absorbed_ms,
+           AttentionPath.MHA_CHUNKED if any(prefix) else AttentionPath.MHA_ONESHOT: s.mha_ms}
     return {k: v for k, v in out.items() if v is not None and v > 0} if sum(s.extend_lens) > 0 else {}
 
 
@@ -118,10 +118,10 @@ class PathEvaluation:
     """One measured shape replayed through the model: what auto picks and what that costs."""
 
     sample: CostSample
-    modelled_ms: Mapping[PrefillPath, float]  # the model's ms of each option (inf: not applicable)
-    measured_ms: Mapping[PrefillPath, float]  # the benchmark's ms of the measured options
-    chosen: PrefillPath  # what choose_path(..., "auto") picks with the constants
-    best: PrefillPath  # the measured faster path
+    modelled_ms: Mapping[AttentionPath, float]  # the model's ms of each option (inf: not applicable)
+    measured_ms: Mapping[AttentionPath, float]  # the benchmark's ms of the measured options
+    chosen: AttentionPath  # what choose_path(..., "auto") picks with the constants
+    best: AttentionPath  # the measured faster path
 
     @property
     def chosen_over_best(self) -> float:

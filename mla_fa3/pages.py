@@ -6,7 +6,7 @@ cross-attention) and holds ``L`` tokens, its page table is
 
     page_table[j] = R[r, c0 + j * p] // p      for j < ceil(L / p),   else 0 (the padding page),
 
-valid because a request's tokens ``i*p .. (i+1)*p - 1`` share one page (see ``kv_cache``).
+valid because a request's tokens ``i*p .. (i+1)*p - 1`` share one page (see ``kv``).
 
 Local (chunked) attention with chunk ``C`` (a multiple of ``p``): query at absolute position ``t``
 sees keys ``floor(t / C) * C .. t``. A request with ``q`` new tokens over ``L`` KV tokens (queries at

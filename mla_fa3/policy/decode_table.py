@@ -1,35 +1,24 @@
-"""The measurements behind ``kernel_choice``: the :class:`Measured` record and the recorded H200 table.
+"""The measurements behind ``policy.decode_kernel``: the :class:`Measured` record and the recorded H200 table.
 
 ``MEASURED`` is generated: per shape (heads, batch, longest context, skew = mean / max KV length) the
 per-layer FA3 and FlashMLA decode times of the full H200 sweep ``docs/perf/decode_2026-12-02_run1.csv``
 (page 64, heads 16-128, bs 1-128, context 1k-128k, equal and skewed lengths). Regenerate it from a
 decode-benchmark CSV (``mla-fa3 bench decode --out DIR``)::
 
-    python -m mla_fa3.kernel_choice --from-csv DIR/decode.csv      # prints the MEASURED literal
+    python -m mla_fa3.policy.decode_kernel --from-csv DIR/decode.csv      # prints the MEASURED literal
 
 and paste the printed literal over ``MEASURED`` below (it needs only ``Measured`` in scope). Data only:
-the choice (``explain_decode_kernel``), the CSV reader and the evaluation live in ``kernel_choice``,
+the choice (``explain_decode_kernel``), the CSV reader and the evaluation live in ``policy.decode_kernel``,
 which re-exports ``Measured`` and ``MEASURED``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
+from mla_fa3.checks import check_int, is_real
+
 __all__ = ["Measured", "MEASURED"]
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -46,11 +35,11 @@ class Measured:
 
     def __post_init__(self):
         for name in ("num_heads", "batch_size", "context"):
-            _check_positive_int(name, getattr(self, name))
+            check_int(getattr(self, name), name)
         for name in ("fa3_ms", "flashmla_ms"):
-            if not (_is_real(getattr(self, name)) and getattr(self, name) > 0):
+            if not (is_real(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
-        if not (_is_real(self.skew) and 0 < self.skew <= 1):
+        if not (is_real(self.skew) and 0 < self.skew <= 1):
             raise ValueError(f"skew must be a number in (0, 1], got {self.skew!r}")
 
     @property
@@ -63,7 +52,7 @@ class Measured:
 
 
 # The measured table (H200, sgl-kernel 0.4.5, bf16, page 64, CUDA-graph replay, per layer), from
-# ``python -m mla_fa3.kernel_choice --from-csv docs/perf/decode_2026-12-02_run1.csv``
+# ``python -m mla_fa3.policy.decode_kernel --from-csv docs/perf/decode_2026-12-02_run1.csv``
 
 MEASURED: tuple[Measured, ...] = (
     *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,

@@ -27,47 +27,28 @@ the decode rows' absorbed ``g`` and ``h`` are added to the MHA options' (one spl
 Decode-like modes (one query per request) are ABSORBED by definition.
 
 :class:`CostConstants` holds every constant in one place. :data:`H200_COSTS` is fitted with
-``path_choice_fit.fit_cost_constants`` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv``
+``prefill_fit.fit_cost_constants`` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv``
 (H200, eager CUDA-event times of one layer, host overhead included, bf16, page 64, W = 8192). The rates
 are *effective* rates of the code as it runs, not hardware peaks. Pure host arithmetic on CPU lengths:
 no tensor is read from a device, so choosing a path never syncs.
 
-The calibration (fitting the constants, replaying a benchmark CSV: ``path_choice_fit.py``) is
+The calibration (fitting the constants, replaying a benchmark CSV: ``prefill_fit.py``) is
 re-exported here on first use (``CostSample``, ``fit_cost_constants``, ``evaluate_on_csv``, ...).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # re-exported lazily by __getattr__ below: path_choice_fit imports this module
-    from mla_fa3.path_choice_fit import (FITTED_CONSTANTS, CostSample, PathEvaluation, evaluate_choices,
-                                         evaluate_on_csv, fit_cost_constants, read_samples_csv, summarize)
+from mla_fa3.checks import check_int
+from mla_fa3.policy.paths import AttentionPath, PrefillOverride
 
-__all__ = [
-    "PrefillPath", "PREFILL_PATH_OVERRIDES", "CostConstants", "H200_COSTS", "PathDecision", "decode_rows",
-    "estimate_costs_ms", "choose_path", "CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation",
-    "read_samples_csv", "evaluate_choices", "evaluate_on_csv", "summarize",
-]
-
-PREFILL_PATH_OVERRIDES = ("auto", "absorbed", "mha")
-
-
-class PrefillPath(enum.Enum):
-    """The MLA compute path of an extend step's rows."""
-
-    ABSORBED = "absorbed"  # attention over the latent cache with absorbed W_UK / W_UV (absorb.py)
-    MHA_ONESHOT = "mha_oneshot"  # decompressed K/V of the new tokens, one causal varlen call
-    MHA_CHUNKED = "mha_chunked"  # + the cached prefix decompressed chunk by chunk, merged by LSE
-
-    @property
-    def is_mha(self) -> bool:
-        return self is not PrefillPath.ABSORBED
+__all__ = ["CostConstants", "H200_COSTS", "PathDecision", "decode_rows", "estimate_costs_ms", "choose_path",
+           "path_costs", "check_shape_args"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +97,8 @@ H200_COSTS = CostConstants(
 class PathDecision:
     """What ran and why: the explain record of one step's path choice."""
 
-    path: PrefillPath  # the path of the step's non-decode rows (ABSORBED: every row absorbed)
-    costs_ms: Mapping[PrefillPath, float]  # modelled ms per layer of each path (inf: not applicable)
+    path: AttentionPath  # the path of the step's non-decode rows (ABSORBED: every row absorbed)
+    costs_ms: Mapping[AttentionPath, float]  # modelled ms per layer of each path (inf: not applicable)
     reason: str  # human-readable: override or the comparison that decided
     requested: str  # the override asked for: "auto" | "absorbed" | "mha"
     num_decode_rows: int  # rows with n = 1 over a prefix; absorbed even when path is MHA (split step)
@@ -126,7 +107,7 @@ class PathDecision:
     @property
     def split(self) -> bool:
         """True when the step runs both paths: MHA rows and absorbed decode rows."""
-        return self.path.is_mha and self.num_decode_rows > 0
+        return self.path.is_mha_prefill and self.num_decode_rows > 0
 
     def explain(self) -> str:
         costs = ", ".join(f"{p.value} {ms:.3f} ms" for p, ms in self.costs_ms.items() if math.isfinite(ms))
@@ -201,7 +182,7 @@ def _overlap(device_ms: float, host_ms: float, c: CostConstants) -> float:
     return top * ((device_ms / top) ** k + (host_ms / top) ** k) ** (1.0 / k) if top > 0 else 0.0
 
 
-def _costs(prefix, extend, is_decode, H, dims, c: CostConstants, workspace_tokens: int) -> dict[PrefillPath, float]:
+def path_costs(prefix, extend, is_decode, H, dims, c: CostConstants, workspace_tokens: int) -> dict[AttentionPath, float]:
     """Modelled ms of each option; decode rows (``is_decode``) stay absorbed under the MHA options."""
     rest_p = [p for p, d in zip(prefix, is_decode) if not d]
     rest_n = [n for n, d in zip(extend, is_decode) if not d]
@@ -212,14 +193,14 @@ def _costs(prefix, extend, is_decode, H, dims, c: CostConstants, workspace_token
     mha = _overlap(mha_g + dec_g, mha_h + dec_h, c)
     has_prefix = any(p > 0 for p in rest_p)
     return {
-        PrefillPath.ABSORBED: _overlap(*_absorbed_parts(prefix, extend, H, dims, c), c),
-        PrefillPath.MHA_ONESHOT: math.inf if has_prefix else mha,
-        PrefillPath.MHA_CHUNKED: mha if has_prefix else math.inf,
+        AttentionPath.ABSORBED: _overlap(*_absorbed_parts(prefix, extend, H, dims, c), c),
+        AttentionPath.MHA_ONESHOT: math.inf if has_prefix else mha,
+        AttentionPath.MHA_CHUNKED: mha if has_prefix else math.inf,
     }
 
 
 def estimate_costs_ms(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tokens: int,
-                      constants: CostConstants = H200_COSTS) -> dict[PrefillPath, float]:
+                      constants: CostConstants = H200_COSTS) -> dict[AttentionPath, float]:
     """Modelled ms per layer of each path for these rows (no decode-row split; inf: not applicable).
 
     ``dims``: an ``MLADims`` (any object with kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
@@ -227,17 +208,15 @@ def estimate_costs_ms(prefix_lens, extend_lens, *, num_heads: int, dims, workspa
     """
     prefix = _host_lengths(prefix_lens, "prefix_lens")
     extend = _host_lengths(extend_lens, "extend_lens")
-    _check_shape_args(prefix, extend, num_heads, workspace_tokens)
-    return _costs(prefix, extend, [False] * len(prefix), num_heads, dims, constants, workspace_tokens)
+    check_shape_args(prefix, extend, num_heads, workspace_tokens)
+    return path_costs(prefix, extend, [False] * len(prefix), num_heads, dims, constants, workspace_tokens)
 
 
-def _check_shape_args(prefix, extend, num_heads, workspace_tokens) -> None:
+def check_shape_args(prefix, extend, num_heads, workspace_tokens) -> None:
     if len(prefix) != len(extend):
         raise ValueError(f"prefix_lens and extend_lens must have the same length, got {len(prefix)} and {len(extend)}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    if isinstance(workspace_tokens, bool) or not isinstance(workspace_tokens, int) or workspace_tokens < 1:
-        raise ValueError(f"workspace_tokens must be a positive int, got {workspace_tokens!r}")
+    check_int(num_heads, "num_heads")
+    check_int(workspace_tokens, "workspace_tokens")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,7 +224,7 @@ def _check_shape_args(prefix, extend, num_heads, workspace_tokens) -> None:
 
 
 def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tokens: int,
-                prefill_path: str = "auto", constants: CostConstants = H200_COSTS,
+                prefill_path: PrefillOverride | str = "auto", constants: CostConstants = H200_COSTS,
                 decode_like: bool = False) -> PathDecision:
     """Choose the path of one step's rows from CPU lengths; ``prefill_path`` overrides the model.
 
@@ -254,57 +233,38 @@ def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tok
     (absorbed by definition). ``prefill_path``: "auto" (cheapest modelled path), "absorbed" (every
     row) or "mha" (the MHA path for every non-decode row; decode rows stay absorbed).
     """
-    if prefill_path not in PREFILL_PATH_OVERRIDES:
-        raise ValueError(f"prefill_path must be one of {PREFILL_PATH_OVERRIDES}, got {prefill_path!r}")
+    override = PrefillOverride.coerce(prefill_path)
     if not isinstance(constants, CostConstants):
         raise TypeError(f"constants must be a CostConstants, got {type(constants).__name__}")
     prefix = _host_lengths(prefix_lens, "prefix_lens")
     extend = _host_lengths(extend_lens, "extend_lens")
-    _check_shape_args(prefix, extend, num_heads, workspace_tokens)
+    check_shape_args(prefix, extend, num_heads, workspace_tokens)
     is_decode = [True] * len(prefix) if decode_like else decode_rows(prefix, extend)
-    costs = _costs(prefix, extend, is_decode, num_heads, dims, constants, workspace_tokens)
+    costs = path_costs(prefix, extend, is_decode, num_heads, dims, constants, workspace_tokens)
     rest_p = [p for p, d in zip(prefix, is_decode) if not d]
     rest_n = [n for n, d in zip(extend, is_decode) if not d]
     n_dec = sum(is_decode)
     has_prefix = any(p > 0 for p in rest_p)
-    mha_path = PrefillPath.MHA_CHUNKED if has_prefix else PrefillPath.MHA_ONESHOT
+    mha_path = AttentionPath.MHA_CHUNKED if has_prefix else AttentionPath.MHA_ONESHOT
     chunks = -(-sum(rest_p) // workspace_tokens) if has_prefix else 0
 
-    def decision(path: PrefillPath, reason: str) -> PathDecision:
-        return PathDecision(path=path, costs_ms=costs, reason=reason, requested=prefill_path,
-                            num_decode_rows=n_dec if path.is_mha else 0,
-                            num_chunks=chunks if path is PrefillPath.MHA_CHUNKED else 0)
+    def decision(path: AttentionPath, reason: str) -> PathDecision:
+        return PathDecision(path=path, costs_ms=costs, reason=reason, requested=override.value,
+                            num_decode_rows=n_dec if path.is_mha_prefill else 0,
+                            num_chunks=chunks if path is AttentionPath.MHA_CHUNKED else 0)
 
     if decode_like:
-        return decision(PrefillPath.ABSORBED, "decode-like step: one query per request")
+        return decision(AttentionPath.ABSORBED, "decode-like step: one query per request")
     if not rest_n or sum(rest_n) == 0:
-        return decision(PrefillPath.ABSORBED, f"every row is a decode row ({n_dec}): nothing to decompress for")
-    if prefill_path == "absorbed":
-        return decision(PrefillPath.ABSORBED, "override prefill_path='absorbed'")
+        return decision(AttentionPath.ABSORBED, f"every row is a decode row ({n_dec}): nothing to decompress for")
+    if override is PrefillOverride.ABSORBED:
+        return decision(AttentionPath.ABSORBED, "override prefill_path='absorbed'")
     shape = (f"{len(rest_n)} extend rows, {sum(rest_n)} new tokens over {sum(rest_p)} prefix tokens, "
              f"{num_heads} heads" + (f", {chunks} chunks of <= {workspace_tokens}" if chunks else "")
              + (f"; {n_dec} decode rows absorbed" if n_dec else ""))
-    if prefill_path == "mha":
+    if override is PrefillOverride.MHA:
         return decision(mha_path, f"override prefill_path='mha' ({shape})")
-    a, m = costs[PrefillPath.ABSORBED], costs[mha_path]
+    a, m = costs[AttentionPath.ABSORBED], costs[mha_path]
     if m < a:
         return decision(mha_path, f"auto: {mha_path.value} {m:.3f} ms < absorbed {a:.3f} ms ({shape})")
-    return decision(PrefillPath.ABSORBED, f"auto: absorbed {a:.3f} ms <= {mha_path.value} {m:.3f} ms ({shape})")
-
-
-# ---------------------------------------------------------------------------------------------------
-# the calibration's names (path_choice_fit), re-exported on first use
-
-
-_FIT_NAMES = frozenset({"CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation",
-                        "read_samples_csv", "evaluate_choices", "evaluate_on_csv", "summarize"})
-
-
-def __getattr__(name: str):
-    """``path_choice.<name>`` for the names that moved to ``path_choice_fit`` (imported on first use)."""
-    if name in _FIT_NAMES:
-        from mla_fa3 import path_choice_fit
-
-        value = globals()[name] = getattr(path_choice_fit, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return decision(AttentionPath.ABSORBED, f"auto: absorbed {a:.3f} ms <= {mha_path.value} {m:.3f} ms ({shape})")

@@ -1,22 +1,12 @@
-"""KV memory: the request-to-token table and the paged slot allocator (the per-layer pools: ``kv_pools``).
+"""The paged slot allocator: pages of ``page_size`` slots handed to request rows.
 
 Symbols: ``P`` pages of ``p`` = ``page_size`` slots each (``p`` = 1 or a power of two), so ``S = P * p``
 slots; slot ``s`` lives on page ``s // p`` at offset ``s % p``.
 
-- :class:`ReqToTokenPool` — ``req_to_token[req, j]`` (int32) is the slot of request ``req``'s token
-  ``j``. Unused entries are 0 (the padding slot).
-- :class:`PagedAllocator` — hands out pages ``1 .. P-1``; page 0 (slots ``0 .. p-1``) is the padding
-  page that CUDA-graph padding rows write to and read from, and is never handed out. Token ``j`` of a
-  request lives on the request's page ``j // p`` at offset ``j % p``: a request's tokens
-  ``i*p .. (i+1)*p - 1`` share one page, so ``req_to_token[req, ::p] // p`` is its page table.
-- :class:`MLATokenPool`, :class:`MHATokenPool` — the per-layer KV buffers those slots index: in
-  ``kv_pools.py`` (with ``check_page_size``, ``same_device``, ``FP8_E4M3_MAX``), re-exported here.
-
-Cross-attention layout: a request's encoder tokens occupy the first
-``encoder_region_columns(encoder_len, p) = ceil(encoder_len / p) * p`` columns of its
-``req_to_token`` row; its decoder tokens start at that column, so both regions start on a page
-border (allocate them with ``alloc_for_request(..., start=0, n=encoder_len)`` then
-``start=encoder_region_columns(...)``).
+:class:`PagedAllocator` hands out pages ``1 .. P-1``; page 0 (slots ``0 .. p-1``) is the padding
+page that CUDA-graph padding rows write to and read from, and is never handed out. Token ``j`` of a
+request lives on the request's page ``j // p`` at offset ``j % p``: a request's tokens
+``i*p .. (i+1)*p - 1`` share one page, so ``req_to_token[req, ::p] // p`` is its page table.
 
 Hot-path rule: nothing here reads a CUDA tensor's value; the bookkeeping is host-side.
 """
@@ -29,59 +19,11 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from .batch import to_device
-from .kv_pools import FP8_E4M3_MAX, MHATokenPool, MLATokenPool, _positive_int, check_page_size, same_device
+from mla_fa3.batch import to_device
+from mla_fa3.kv.pools import check_page_size
+from mla_fa3.kv.req_to_token import OutOfSlotsError, ReqToTokenPool
 
-__all__ = [
-    "OutOfSlotsError", "ReqToTokenPool", "PagedAllocator", "MLATokenPool", "MHATokenPool",
-    "encoder_region_columns", "check_page_size", "same_device", "FP8_E4M3_MAX",
-]
-
-
-class OutOfSlotsError(ValueError):
-    """The pool has too few free pages / rows; nothing was changed."""
-
-
-def encoder_region_columns(encoder_len: int, page_size: int) -> int:
-    """Columns of a request's row taken by its encoder tokens: ``ceil(encoder_len / p) * p``."""
-    return -(-encoder_len // page_size) * page_size
-
-
-class ReqToTokenPool:
-    """``req_to_token`` [size, max_context] int32 on ``device``: token slots per request row."""
-
-    def __init__(self, size: int, max_context: int, device: torch.device | str):
-        self.size = _positive_int(size, "size")
-        self.max_context = _positive_int(max_context, "max_context")
-        self.device = torch.device(device)
-        self.req_to_token = torch.zeros(size, max_context, dtype=torch.int32, device=self.device)
-        self._free: deque[int] = deque(range(size))
-        self._used: set[int] = set()
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        """``n`` free rows (their entries are 0); OutOfSlotsError, changing nothing, if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        if n > len(self._free):
-            raise OutOfSlotsError(f"n = {n} request rows asked, only {len(self._free)} of {self.size} free")
-        rows = [self._free.popleft() for _ in range(n)]
-        self._used.update(rows)
-        return rows
-
-    def free(self, idx: int | Iterable[int]) -> None:
-        """Return rows; their entries are reset to 0 (the padding slot)."""
-        rows = [idx] if isinstance(idx, int) else list(idx)
-        for row in rows:
-            if row not in self._used:
-                raise ValueError(f"idx {row} is not an allocated request row")
-        for row in rows:
-            self._used.discard(row)
-            self._free.append(row)
-        if rows:
-            self.req_to_token[to_device(torch.tensor(rows, dtype=torch.int64), self.device)] = 0
+__all__ = ["PagedAllocator"]
 
 
 class PagedAllocator:
@@ -172,7 +114,7 @@ class PagedAllocator:
     def truncate_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int, num_tokens: int) -> list[int]:
         """Keep the first ``num_tokens`` tokens of the request; free the pages past them.
 
-        Returns the freed page ids, for the pools' :meth:`kv_pools._TokenPoolBase.clear_pages` (as ``free_request``).
+        Returns the freed page ids, for the pools' :meth:`kv.pools._TokenPoolBase.clear_pages` (as ``free_request``).
         """
         pages = self._req_pages.get(req_idx, [])
         keep = -(-num_tokens // self.page_size)
@@ -187,7 +129,7 @@ class PagedAllocator:
     def free_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int) -> list[int]:
         """Free every page of request row ``req_idx`` and zero its row (the row itself stays allocated).
 
-        Returns the freed page ids, for the pools' :meth:`kv_pools._TokenPoolBase.clear_pages`.
+        Returns the freed page ids, for the pools' :meth:`kv.pools._TokenPoolBase.clear_pages`.
         """
         pages = self._req_pages.pop(req_idx, [])
         self.free_pages(pages)

@@ -32,13 +32,13 @@ kernel time, 180 page-64 rows): the fitted table picks within 2 % everywhere (wo
 each row out of the table and predict it from its neighbours: 172/180 within 5 %, 177/180 within
 15 %, worst 1.215x. The skew-blind table the sweep ran with: 106/180 within 5 %, worst 2.10x.
 
-The table (``Measured``, ``MEASURED``) lives in ``kernel_choice_table.py`` and is re-exported here.
+The table (``Measured``, ``MEASURED``) lives in ``policy/decode_table.py`` and is re-exported here.
 Regenerate it from a decode-benchmark CSV (``mla-fa3 bench decode --out DIR``)::
 
-    python -m mla_fa3.kernel_choice --from-csv DIR/decode.csv      # prints the MEASURED literal
-    python -m mla_fa3.kernel_choice --evaluate DIR/decode.csv      # the summary above for that CSV
+    python -m mla_fa3.policy.decode_kernel --from-csv DIR/decode.csv      # prints the MEASURED literal
+    python -m mla_fa3.policy.decode_kernel --evaluate DIR/decode.csv      # the summary above for that CSV
 
-and paste the literal over ``MEASURED`` in ``kernel_choice_table.py``, or load it at run time with
+and paste the literal over ``MEASURED`` in ``policy/decode_table.py``, or load it at run time with
 ``table_from_csv(path)`` and pass ``table=`` to the functions.
 """
 
@@ -50,14 +50,12 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-from mla_fa3.kernel_choice_table import MEASURED, Measured, _check_positive_int, _is_real
+from mla_fa3.checks import check_int, is_real
+from mla_fa3.policy.decode_table import MEASURED, Measured
+from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
-if TYPE_CHECKING:  # absorb imports this module's caller chain; resolve the enum lazily at run time
-    from mla_fa3.absorb import DecodeKernel
-
-FLASHMLA_PAGE_SIZE = 64  # FlashMLA's paged KV cache has a fixed block size of 64 tokens
 MIN_GAIN = 1.02  # FlashMLA must be measured at least 2 % faster to be worth its scheduling step
 HEADS_WEIGHT = 2.0  # heads move the memory/compute bound: a heads mismatch counts double
 SKEW_WEIGHT = 2.0  # per log2 unit of mean/max length: equal vs skewed outweighs one grid step of shape
@@ -70,14 +68,8 @@ MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 
 class KernelChoice:
     """The chosen decode kernel and why (for ``MLABackend.explain()``)."""
 
-    kernel: "DecodeKernel"
+    kernel: DecodeKernel
     reason: str
-
-
-def _decode_kernel_enum():
-    from mla_fa3.absorb import DecodeKernel  # lazy: absorb/backend may import this module
-
-    return DecodeKernel
 
 
 def _query_skew(max_seqlen_k: int, mean_seqlen_k) -> float:
@@ -129,17 +121,16 @@ def explain_decode_kernel(
         ("max_seqlen_k", max_seqlen_k),
         ("page_size", page_size),
     ):
-        _check_positive_int(name, value)
+        check_int(value, name)
     skew = _query_skew(max_seqlen_k, mean_seqlen_k)
-    if not (_is_real(min_gain) and min_gain > 0):
+    if not (is_real(min_gain) and min_gain > 0):
         raise ValueError(f"min_gain must be a positive number, got {min_gain!r}")
-    kernels = _decode_kernel_enum()
     if page_size != FLASHMLA_PAGE_SIZE:
-        return KernelChoice(kernels.FA3,
+        return KernelChoice(DecodeKernel.FA3,
                             f"page_size {page_size} != {FLASHMLA_PAGE_SIZE} (FlashMLA's block size) -> FA3")
     table = MEASURED if table is None else tuple(table)
     if not table:
-        return KernelChoice(kernels.FA3, "no measured shapes -> FA3 (default)")
+        return KernelChoice(DecodeKernel.FA3, "no measured shapes -> FA3 (default)")
     coords, least_skew = _log_coords(table)
     skew = max(skew, least_skew)  # more skewed than measured: counts as the most skewed measurement
     qh, qb, qc, qs = (HEADS_WEIGHT * math.log2(num_heads), math.log2(batch_size), math.log2(max_seqlen_k),
@@ -148,7 +139,7 @@ def explain_decode_kernel(
     best = min(dists)
     near = [m for m, d in zip(table, dists) if d <= best + TIE_DISTANCE]
     if best > MAX_DISTANCE:
-        return KernelChoice(kernels.FA3, f"no measured shape within {MAX_DISTANCE:g} log2 units (nearest: "
+        return KernelChoice(DecodeKernel.FA3, f"no measured shape within {MAX_DISTANCE:g} log2 units (nearest: "
                                          f"{near[0].shape()}) -> FA3 (default)")
     gain = math.exp(sum(math.log(m.flashmla_gain) for m in near) / len(near))
     where = "; ".join(f"{m.shape()}: FA3 {m.fa3_ms:.4g} ms, FlashMLA {m.flashmla_ms:.4g} ms" for m in near[:4])
@@ -157,10 +148,10 @@ def explain_decode_kernel(
     where = f"nearest measured shape{'s' if len(near) > 1 else ''} ({', '.join(sources)}) {where}"
     what = "gain" if len(near) == 1 else "geometric-mean gain"
     if gain >= min_gain:
-        return KernelChoice(kernels.FLASHMLA, f"{where} -> FlashMLA {what} {gain:.3f}x")
+        return KernelChoice(DecodeKernel.FLASHMLA, f"{where} -> FlashMLA {what} {gain:.3f}x")
     if gain >= 1.0:
-        return KernelChoice(kernels.FA3, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
-    return KernelChoice(kernels.FA3, f"{where} -> FA3 {1 / gain:.3f}x faster")
+        return KernelChoice(DecodeKernel.FA3, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
+    return KernelChoice(DecodeKernel.FA3, f"{where} -> FA3 {1 / gain:.3f}x faster")
 
 
 def choose_decode_kernel(
@@ -225,7 +216,7 @@ def table_from_csv(path: str) -> tuple[Measured, ...]:
 
 
 def format_table(table: Sequence[Measured]) -> str:
-    """Python source of a ``MEASURED`` literal for ``table`` (to paste into ``kernel_choice_table.py``).
+    """Python source of a ``MEASURED`` literal for ``table`` (to paste into ``policy/decode_table.py``).
 
     Two shapes per line as (heads, batch, context, skew, fa3_ms, flashmla_ms); floats are printed
     with ``repr`` so that the literal reproduces ``table`` exactly. Needs only ``Measured`` in scope.
@@ -308,11 +299,10 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
     if not data:
         raise ValueError(f"path {path!r} has no page-64 rows with both fa3_ms and flashmla_ms")
     full = table_from_rows(row for _, row in data)
-    kernels = _decode_kernel_enum()
 
     def picks_flashmla(m: Measured, row: dict, tab) -> bool:
         mean = int(row["kv_tokens"]) / m.batch_size if row.get("kv_tokens") else m.context
-        return kernels.FLASHMLA is explain_decode_kernel(m.num_heads, m.batch_size, m.context, FLASHMLA_PAGE_SIZE,
+        return DecodeKernel.FLASHMLA is explain_decode_kernel(m.num_heads, m.batch_size, m.context, FLASHMLA_PAGE_SIZE,
                                                          mean_seqlen_k=min(mean, m.context), table=tab,
                                                          min_gain=min_gain).kernel
 
@@ -328,7 +318,7 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m mla_fa3.kernel_choice",
+        prog="python -m mla_fa3.policy.decode_kernel",
         description="Print the measured FA3-vs-FlashMLA decode table, regenerate it from a bench CSV (the "
                     "MEASURED literal to paste into mla_fa3/kernel_choice_table.py), or evaluate the choice "
                     "on a bench CSV.",

@@ -47,9 +47,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.graph_buffers import (InputSpec, StaticBuffers, copy_all, fill_inputs, pad_batch, padded_size,
-                                   static_batch)
+from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.graphs.static import (InputSpec, StaticBuffers, copy_all, fill_inputs, pad_batch, padded_size, static_batch)
 
 __all__ = ["InputSpec", "StaticBuffers", "GraphRunner", "padded_size", "pad_batch", "fill_inputs",
            "copy_all", "static_batch", "DEFAULT_INPUTS"]
@@ -57,9 +56,6 @@ __all__ = ["InputSpec", "StaticBuffers", "GraphRunner", "padded_size", "pad_batc
 
 DEFAULT_INPUTS: dict[str, InputSpec] = {"input_ids": InputSpec((), torch.int64)}
 
-
-def _tokens_per_request(mode: ForwardMode, num_draft_tokens: int) -> int:
-    return num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
 
 
 def _slice_rows(out: Any, rows: int) -> Any:
@@ -118,10 +114,10 @@ class GraphRunner:
                 raise TypeError(f"input_specs[{name!r}] must be an InputSpec, got {type(spec).__name__}")
         self.backend, self.forward_fn, self.mode = backend, forward_fn, mode
         self.batch_sizes = sizes
-        self.num_draft_tokens = num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
+        self.num_draft_tokens = queries_per_request(mode, num_draft_tokens)
         self.num_draft_steps = num_draft_steps if mode is ForwardMode.DRAFT_DECODE else 1
         self.max_context = max_context
-        self.tokens_per_request = _tokens_per_request(mode, self.num_draft_tokens)
+        self.tokens_per_request = self.num_draft_tokens
         if max_context < self.tokens_per_request:
             raise ValueError(f"max_context must be >= {self.tokens_per_request} tokens per request, got {max_context}")
         self.device = torch.device(device if device is not None else getattr(backend, "device", "cuda"))

@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import ForwardBatch, ForwardMode
-from .metadata_pages import gather_page_table, local_layout_np, max_local_rows
+from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.checks import check_int
+from mla_fa3.pages import gather_page_table, local_layout_np, max_local_rows
 
 __all__ = ["CaptureBuffers", "capture_views", "replay_into"]
 
@@ -121,22 +122,19 @@ class CaptureBuffers:
         return buf
 
 
-def _queries_per_request(buf: CaptureBuffers, mode: ForwardMode, num_draft_tokens: int) -> int:
+def _graph_queries_per_request(buf: CaptureBuffers, mode: ForwardMode, num_draft_tokens: int) -> int:
     if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
         raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE for a CUDA graph, got {mode!r}")
-    if mode is not ForwardMode.TARGET_VERIFY:
-        return 1
-    if not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= buf.max_num_draft_tokens:
-        raise ValueError(f"num_draft_tokens must be an int in [1, {buf.max_num_draft_tokens}] "
-                         f"(max_num_draft_tokens of the buffers), got {num_draft_tokens!r}")
-    return num_draft_tokens
+    if mode is ForwardMode.TARGET_VERIFY:
+        check_int(num_draft_tokens, "num_draft_tokens", 1, buf.max_num_draft_tokens)
+    return queries_per_request(mode, num_draft_tokens)
 
 
 def capture_views(buf: CaptureBuffers, bs: int, mode: ForwardMode, num_draft_tokens: int) -> dict:
     """Views ``[:bs]`` of the buffers, reset to the all-padding state (what the graph is captured on)."""
     if not isinstance(bs, int) or not 1 <= bs <= buf.max_bs:
         raise ValueError(f"bs must be an int in [1, {buf.max_bs}] (max_bs of the buffers), got {bs!r}")
-    q = _queries_per_request(buf, mode, num_draft_tokens)
+    q = _graph_queries_per_request(buf, mode, num_draft_tokens)
     _write(buf, bs, q, None, None, None)
     views = dict(cache_seqlens=buf.cache_seqlens[:bs], cu_seqlens_q=buf.cu_seqlens_q_table[q - 1, : bs + 1],
                  cu_seqlens_k=buf.cu_seqlens_k[: bs + 1], page_table=buf.page_table[:bs], max_seqlen_q=q)
@@ -160,7 +158,7 @@ def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs:
     """
     if batch.forward_mode is not mode:
         raise ValueError(f"batch.forward_mode must be {mode.name} (the captured mode), got {batch.forward_mode.name}")
-    q = _queries_per_request(buf, mode, num_draft_tokens)
+    q = _graph_queries_per_request(buf, mode, num_draft_tokens)
     if mode is ForwardMode.TARGET_VERIFY and batch.num_draft_tokens != num_draft_tokens:
         raise ValueError(f"batch.num_draft_tokens must be {num_draft_tokens} (captured), got {batch.num_draft_tokens}")
     n = batch.batch_size
