@@ -4,7 +4,7 @@ Commands::
 
     mla-fa3 validate [--checkpoint DIR] [--page-size N] [--dtype D] [--steps N] [--device D]
         Our DeepSeek model on the MLA backend vs transformers' model: prefill logits, step-by-step
-        paged decode logits, greedy tokens (see mla_fa3.models.hf_compare). Without --checkpoint, a
+        paged decode logits, greedy tokens (see mla_fa3.hf_compare). Without --checkpoint, a
         tiny DeepSeek-V3 (q_lora, grouped MoE, YaRN) with random weights is built and saved to a temp
         dir first (no downloads; --config picks another embedded config, and on cuda the default is
         v3_mla_dims: FA3 implements the real MLA head dims only). Prints a table; exit status 1 when
@@ -21,7 +21,6 @@ Progress goes to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -101,7 +100,7 @@ def _setup(args):
 
 
 def _validate(args) -> int:
-    from mla_fa3.models.hf_compare import format_report, report_json, run_validate
+    from mla_fa3.hf_compare import format_report, report_json, run_validate
 
     dtype = _setup(args)
     report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
@@ -130,20 +129,12 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
-    name = f"mla_fa3.bench.{args.which}"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name not in (name, "mla_fa3.bench"):
-            raise
-        print(f"mla-fa3 bench {args.which}: {name} is not installed in this build", file=sys.stderr)
-        return 2
-    entry = getattr(module, "main", None)
-    if not callable(entry):
-        print(f"mla-fa3 bench {args.which}: {name} has no main(argv)", file=sys.stderr)
-        return 2
-    rc = entry(list(args.args))
-    return int(rc or 0)
+    """``mla-fa3 bench NAME ARGS...``: the benchmark module's ``main(argv)`` (plain imports, one per bench)."""
+    if args.which == "decode":
+        from mla_fa3.bench.decode import main as entry
+    else:
+        from mla_fa3.bench.prefill import main as entry
+    return int(entry(list(args.args)) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

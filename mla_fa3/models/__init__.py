@@ -6,7 +6,6 @@
 - :mod:`mla_fa3.models.loader` — checkpoint dir -> model (shards, HF names, FP8 block dequant via
   :mod:`mla_fa3.models.fp8`); ``CheckpointError`` names the offending tensor.
 - :mod:`mla_fa3.models.tiny` — tiny configs and seeded random transformers checkpoints (no downloads).
-- :mod:`mla_fa3.models.hf_compare` — the comparison with transformers behind ``mla-fa3 validate``.
 """
 
 from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
