@@ -262,7 +262,7 @@ class MetadataBuilder:
     def init_capture_buffers(self, max_bs: int, max_context: int | None = None, *,
                              max_num_draft_tokens: int = 1, with_encoder: bool = False,
                              pad_seqlen: int = 1) -> CaptureBuffers:
-        """Allocate, once, every tensor a captured graph will read (see ``metadata_capture``).
+        """Allocate, once, every tensor a captured graph will read (see ``graphs.capture``).
 
         ``pad_seqlen`` is the ``cache_seqlens`` of padding rows: 1 (default: every kernel, FlashMLA
         included, accepts it; the row reads slot 0 of padding page 0, so its output is finite) or 0

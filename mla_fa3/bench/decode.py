@@ -21,7 +21,7 @@ a long-running server. One latent pool per (page, bs, L) is shared by every H an
 patterns; shapes whose pool exceeds ``--mem-cap-gb`` are skipped.
 
 Outputs: a progress line per shape on stderr, the markdown table on stdout, and with ``--out DIR``
-``decode.csv`` (``kernel_choice --from-csv`` reads it), ``decode.md`` and ``decode_roofline.png``.
+``decode.csv`` (``python -m mla_fa3.policy.decode_kernel --from-csv`` reads it), ``decode.md`` and ``decode_roofline.png``.
 """
 
 from __future__ import annotations

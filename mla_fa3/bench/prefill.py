@@ -11,7 +11,7 @@ way the backend runs extend steps):
 * ``auto``        — ``prefill_cost.choose_path`` on the host lengths; ``auto_over_best`` = time of the
   chosen path / the faster one (1.0 = auto chose right); ``mha_speedup`` = absorbed / MHA;
 * ``model_*_ms``  — the cost model's estimates (re-fit constants from this CSV with
-  ``path_choice.fit_cost_constants``; the benchmark prints the re-fitted constants at the end);
+  ``policy.prefill_fit.fit_cost_constants``; the benchmark prints the re-fitted constants at the end);
 * ``plan_ms``     — host + device time of ``build_prefill_plan`` (once per step, shared by all layers);
 * ``cosine``      — cosine similarity of the two paths' outputs (a correctness smoke check).
 
@@ -60,7 +60,7 @@ class PrefillRow:
     absorbed_ms: float
     mha_ms: float
     mha_path: str  # mha_oneshot / mha_chunked
-    auto_path: str  # what path_choice picked
+    auto_path: str  # what the prefill cost model picked
     auto_ms: float  # measured time of the picked path
     best_path: str
     auto_over_best: float  # >= 1; 1.0 when auto picked the faster path
@@ -85,7 +85,7 @@ def _layout(pool_pages: int, tokens: int, page: int, gen: torch.Generator) -> to
 
 def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool: MLATokenPool,
               device: torch.device, budget_ms: float, gen: torch.Generator) -> PrefillRow:
-    """Set up one request over a random latent pool, time both paths, ask path_choice."""
+    """Set up one request over a random latent pool, time both paths, ask the prefill cost model."""
     dtype = pool.dtype
     total = prefix + new
     r2t = ReqToTokenPool(2, total + page, device)
@@ -157,7 +157,7 @@ def write_csv(rows: Sequence[PrefillRow], path: str) -> None:
 
 
 def samples(rows: Sequence[PrefillRow]) -> list[CostSample]:
-    """The rows as cost-model samples (for ``path_choice.fit_cost_constants``)."""
+    """The rows as cost-model samples (for ``policy.prefill_fit.fit_cost_constants``)."""
     return [CostSample(r.heads, (r.prefix,), (r.new,), r.workspace, r.absorbed_ms, r.mha_ms) for r in rows]
 
 

@@ -23,7 +23,7 @@ Host cost (the point of this layout; each torch op on CUDA costs ~5-10 us of hos
 table is a slice of ONE int32 device buffer ``packed``. A replay computes all of them on the host
 with NumPy from the batch's ``*_cpu`` copies into a staging buffer of the same layout and lands them
 with ONE ``copy_``; the page tables then take one gather + compare + divide + mask each (see
-``metadata_pages.gather_page_table``), written straight into the captured buffers. On CUDA the
+``pages.gather_page_table``), written straight into the captured buffers. On CUDA the
 staging buffer is pinned and comes fresh from PyTorch's caching host allocator each replay: the
 non-blocking copy records an event on its block, so the block is not handed out again (and never
 overwritten) while the copy may still be in flight. No device value is ever read on the host.

@@ -5,19 +5,19 @@ runner's mode (1 for DECODE and DRAFT_DECODE, ``k = num_draft_tokens`` for TARGE
 live batch's requests and ``b = min{b_i ∈ B : b_i >= n}`` the padded size it replays at.
 
 A ``torch.cuda.CUDAGraph`` replays fixed device addresses, so everything the step reads lives in
-:class:`StaticBuffers` (``graph_buffers``), allocated once for ``b_m`` requests (``b_m · q`` tokens).
+:class:`StaticBuffers` (``graphs.static``), allocated once for ``b_m`` requests (``b_m · q`` tokens).
 One graph is captured per size (and per draft step), all in ONE memory pool, largest first, each over
 views ``[:b]`` / ``[:b·q]`` of the same buffers. Per run (``GraphRunner.run``):
 
 1. checks (host only): the mode / draft tokens / draft step match, ``n <= b_m``, and
    ``max(seq_lens_cpu) <= max_context`` — otherwise ``ValueError``, before anything is written;
-2. ``fill_inputs`` and ``pad_batch`` (``graph_buffers``) copy the live inputs and batch into rows
+2. ``fill_inputs`` and ``pad_batch`` (``graphs.static``) copy the live inputs and batch into rows
    ``[:n·q]`` / ``[:n]`` of the static buffers and reset the padding rows ``[n·q:b·q]`` / ``[n:b]``
    (slot 0, position 0, ``pad_req_index``, ``seq_len_fill``); all live-row copies go in one
    ``torch._foreach_copy_``;
 3. the backend's ``init_forward_metadata_replay_cuda_graph(live batch, bs=b)`` rewrites the captured
    metadata in place: the live rows ``[:n]`` and its own padding tail ``[n:b]`` (``cache_seqlens``
-   0 or 1 over padding page 0, see ``metadata_capture``); host ints come from ``seq_lens_cpu``;
+   0 or 1 over padding page 0, see ``graphs.capture``); host ints come from ``seq_lens_cpu``;
 4. ``graph.replay()``; the result is the captured output's first ``n·q`` rows — views into the
    graph's output, valid until the next run of this runner (clone what must survive it).
 
@@ -87,7 +87,7 @@ class GraphRunner:
         device: where the static buffers live (default: the backend's ``device``, else CUDA).
         use_graphs: capture real CUDA graphs (default: when ``device`` is CUDA).
         seq_len_fill: ``seq_lens`` of the static batch's padding rows (raised to ``q``); the
-            kernels' padding lengths are the metadata builder's (``metadata_capture``).
+            kernels' padding lengths are the metadata builder's (``graphs.capture``).
         capture_now: capture in the constructor (default) or later through :meth:`capture`.
     """
 

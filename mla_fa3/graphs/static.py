@@ -1,6 +1,6 @@
-"""The static buffers of captured steps (``graph_runner``) and the per-run copies that pad a live batch into them.
+"""The static buffers of captured steps (``graphs.runner``) and the per-run copies that pad a live batch into them.
 
-Symbols as in ``graph_runner``: ``B = {b_1 < … < b_m}`` the captured batch sizes, ``q`` the query tokens
+Symbols as in ``graphs.runner``: ``B = {b_1 < … < b_m}`` the captured batch sizes, ``q`` the query tokens
 per request, ``n`` the live batch's requests and ``b = min{b_i ∈ B : b_i >= n}`` the padded size it
 replays at (:func:`padded_size`).
 

@@ -320,12 +320,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m mla_fa3.policy.decode_kernel",
         description="Print the measured FA3-vs-FlashMLA decode table, regenerate it from a bench CSV (the "
-                    "MEASURED literal to paste into mla_fa3/kernel_choice_table.py), or evaluate the choice "
+                    "MEASURED literal to paste into mla_fa3/policy/decode_table.py), or evaluate the choice "
                     "on a bench CSV.",
     )
     p.add_argument("--from-csv", metavar="CSV",
                    help="decode-benchmark CSV (mla-fa3 bench decode --out DIR); prints its table as the MEASURED "
-                        "literal to paste into mla_fa3/kernel_choice_table.py")
+                        "literal to paste into mla_fa3/policy/decode_table.py")
     p.add_argument("--evaluate", metavar="CSV",
                    help="score the choice (table: --from-csv's, else the built-in) on this CSV's page-64 rows")
     args = p.parse_args(argv)

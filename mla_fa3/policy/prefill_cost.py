@@ -85,7 +85,7 @@ class CostConstants:
 # docs/perf/prefill_2026-12-02_run1.csv (bench run of 2026-12-02; heads {16,128} x new {128,512,4096,8192}
 # x prefix {0,8k,32k,64k}; eager CUDA-event times, so the host launch costs are part of what is fitted).
 # On those shapes auto picks the faster path on 31/32 and is within 2.5 % of it on all 32 (the one miss:
-# 16 heads, 4096 new, no prefix, a 2.5 % tie); tests/test_path_choice.py replays the CSV. k = 2 had the
+# 16 heads, 4096 new, no prefix, a 2.5 % tie); tests/test_prefill_cost.py replays the CSV. k = 2 had the
 # best leave-one-out error (each shape predicted from the other 31: 31/32 right, worst 1.025); k = 1
 # (host + device) fits worse and wants a 1017 TFLOP/s GEMM, above the ~790 the H200 reaches.
 H200_COSTS = CostConstants(
