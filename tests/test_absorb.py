@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from specs import MLA_CONFIGS, SPECS, BatchSpec, make_mla_case, mla_oracle, rel_err
+from mla_cases import make_mla_case, mla_oracle, rel_err
+from specs import MLA_CONFIGS, SPECS, BatchSpec
 
 from mla_fa3 import absorb
 from mla_fa3.policy.paths import DecodeKernel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specs import make_batch, make_layout, make_mla_case
+from mla_cases import make_batch, make_layout, make_mla_case
 
 from mla_fa3 import ops
 from mla_fa3.policy.paths import DecodeKernel

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specs import SPECS, BatchSpec, follow_up, make_batch, make_mla_case, mla_oracle, padded
+from mla_cases import follow_up, make_batch, make_mla_case, mla_oracle, padded
+from specs import NONIDLE_SPECS, SPECS, BatchSpec
 
 from mla_fa3 import ops
 from mla_fa3.backend import MLABackend
@@ -69,10 +70,7 @@ def run_step(case, **kw):
     return out, backend
 
 
-GPU_SPECS = [name for name in SPECS if name != "idle"]
-
-
-@pytest.mark.parametrize("spec_name", GPU_SPECS)
+@pytest.mark.parametrize("spec_name", NONIDLE_SPECS)
 @pytest.mark.parametrize("cfg_name", ["deepseek_v3", "deepseek_v3_h128"])
 def test_fa3_every_mode_vs_oracle(spec_name, cfg_name):
     case = make_mla_case(spec_name, cfg_name, dtype=BF16, device=DEV, seed=len(spec_name))

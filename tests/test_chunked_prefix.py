@@ -1,6 +1,6 @@
 """MHA prefill over decompressed KV (chunked_prefix) and the LSE merge (lse), on CPU with the torch reference.
 
-Every output is compared with the NON-absorbed fp64 oracle (tests/oracle.py through specs.mla_oracle)
+Every output is compared with the NON-absorbed fp64 oracle (tests/oracle.py through mla_cases.mla_oracle)
 on adversarial caches (shuffled pages, NaN in every slot that no sequence owns, stale slot ids past
 each sequence in req_to_token), and with the absorbed path on the same inputs.
 """
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from oracle import dense_attention
-from specs import EXT, MIX, BatchSpec, make_mla_case, mla_oracle, rel_err
+from mla_cases import make_mla_case, mla_oracle, rel_err
+from specs import EXT, MIX, PREFILL_RUNS, PREFILL_SPECS, BatchSpec
 
 from mla_fa3 import absorb, ops
 from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill, plan_extend
@@ -25,21 +26,6 @@ from mla_fa3.metadata import MetadataBuilder
 from mla_fa3.policy.paths import AttentionPath
 
 TOL = 2e-5  # fp32 compute vs the fp64 oracle (max abs error relative to max |ref|)
-
-# name: (spec, workspace_tokens, mla config)
-CASES = {
-    "oneshot_no_prefix": (BatchSpec(EXT, (0, 0, 0), (7, 1, 12)), 16, "tiny"),
-    "prefix_page_border_chunks": (BatchSpec(EXT, (32, 48), (4, 3)), 16, "tiny"),
-    "budget_splits_mid_page": (BatchSpec(EXT, (37, 0, 50), (3, 4, 6)), 24, "tiny"),
-    "chunk_spans_requests": (BatchSpec(EXT, (5, 3, 0, 7, 2), (2, 1, 3, 4, 2)), 16, "odd_small"),
-    "page1_many_chunks": (BatchSpec(EXT, (9, 13), (2, 5), page_size=1), 4, "tiny"),
-    "page64_cross_page": (BatchSpec(EXT, (60, 130), (9, 70), page_size=64), 64, "tiny"),
-    "page64_budget_mid_page": (BatchSpec(EXT, (100, 30), (3, 2), page_size=64), 96, "tiny"),
-    "budget_covers_all": (BatchSpec(EXT, (20, 33), (5, 9)), 1024, "tiny"),
-    "mixed_decode_rows_split": (BatchSpec(MIX, (70, 3, 40, 0), (6, 1, 1, 5)), 32, "tiny"),
-    "mixed_page64": (BatchSpec(MIX, (65, 10, 90), (1, 3, 1), page_size=64), 64, "odd_small"),
-    "deepseek_v3_dims": (BatchSpec(EXT, (21, 0), (3, 2)), 16, "deepseek_v3"),
-}
 
 
 def _setup(spec, cfg, workspace_tokens, *, seed=0, store_new=True):
@@ -58,9 +44,9 @@ def _run(case, md, plan, *, latent=True):
                                impl="reference")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(PREFILL_SPECS))
 def test_mha_prefill_matches_oracle_and_absorbed(name):
-    spec, W, cfg = CASES[name]
+    spec, (W, cfg) = PREFILL_SPECS[name], PREFILL_RUNS[name]
     case, md, plan = _setup(spec, cfg, W)
     ref = mla_oracle(case)
     out = _run(case, md, plan)
@@ -81,7 +67,7 @@ def test_mha_prefill_matches_oracle_and_absorbed(name):
 @pytest.mark.parametrize("name", ["prefix_page_border_chunks", "chunk_spans_requests", "mixed_decode_rows_split"])
 def test_chunk_budget_does_not_change_the_result(name):
     """chunked (small budgets, mid-page and on page borders) == one chunk over the whole prefix."""
-    spec, _, cfg = CASES[name]
+    spec, (_, cfg) = PREFILL_SPECS[name], PREFILL_RUNS[name]
     case, md, whole = _setup(spec, cfg, 4096)
     assert len(whole.chunks) == 1
     ref = mla_oracle(case)
@@ -108,7 +94,7 @@ def test_random_batches(seed):
 
 
 def test_split_scatters_back_in_batch_order():
-    spec, W, cfg = CASES["mixed_decode_rows_split"]
+    spec, (W, cfg) = PREFILL_SPECS["mixed_decode_rows_split"], PREFILL_RUNS["mixed_decode_rows_split"]
     case, md, plan = _setup(spec, cfg, W)
     split = plan.split
     assert split is not None
@@ -124,7 +110,7 @@ def test_split_scatters_back_in_batch_order():
 
 
 def test_workspace_is_bounded_and_reused():
-    spec, W, cfg = CASES["budget_splits_mid_page"]
+    spec, (W, cfg) = PREFILL_SPECS["budget_splits_mid_page"], PREFILL_RUNS["budget_splits_mid_page"]
     case, md, plan = _setup(spec, cfg, W)
     _run(case, md, plan)
     ws = plan.workspace
@@ -198,7 +184,7 @@ def test_lse_base_misuse_is_caught():
 
 
 def _plan_args(name="budget_splits_mid_page"):
-    spec, W, cfg = CASES[name]
+    spec, (W, cfg) = PREFILL_SPECS[name], PREFILL_RUNS[name]
     case, md, _ = _setup(spec, cfg, W)
     return case, md, case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices, spec.page_size
 
@@ -230,7 +216,7 @@ def test_prefix_disagrees_with_seq_lens():
 
 
 def test_bad_forward_inputs():
-    spec, W, cfg = CASES["budget_splits_mid_page"]
+    spec, (W, cfg) = PREFILL_SPECS["budget_splits_mid_page"], PREFILL_RUNS["budget_splits_mid_page"]
     case, md, plan = _setup(spec, cfg, W)
     kv = case.pool.paged(case.layer.layer_id)
     with pytest.raises(ValueError, match="q must be"):
@@ -259,7 +245,7 @@ def test_plan_needs_an_mha_row():
 
 
 def test_plan_extend_chooses_then_plans():
-    spec, W, cfg = CASES["mixed_decode_rows_split"]
+    spec, (W, cfg) = PREFILL_SPECS["mixed_decode_rows_split"], PREFILL_RUNS["mixed_decode_rows_split"]
     case, md, _ = _setup(spec, cfg, W)
     r2t, rows = case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices
     H, d = case.cfg.num_heads, case.cfg.dims

@@ -9,221 +9,26 @@ slots, the padding slot 0) holds NaN, and compares with
 * the same step run eagerly (``init_forward_metadata`` + the step on the live batch), and
 * the fp64 non-absorbed MLA oracle of ``tests/oracle.py`` (independent of the library).
 
-``World`` is shared with ``test_graphs_gpu.py`` (same cases, real CUDA graphs).
+``World`` (``graph_world.py``) is shared with ``test_graph_runner_gpu.py`` (real CUDA graphs).
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections import Counter
 
 import pytest
 import torch
 
-from oracle import mla_nonabsorbed
-from test_metadata_capture import DeviceOpLog
+from graph_world import World, run_round
+from op_log import DeviceOpLog
+from specs import GRAPH_CPU, GRAPH_SPECS, MLA_CONFIGS
 
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.draft_backend import MultiStepDraftBackend
 from mla_fa3.graphs.runner import GraphRunner, InputSpec, StaticBuffers, fill_inputs, pad_batch, padded_size
 from mla_fa3.kv.pools import MLATokenPool
-from mla_fa3.kv.allocator import PagedAllocator
 from mla_fa3.kv.req_to_token import ReqToTokenPool
-from mla_fa3.layer import AttentionLayer, MLADims
-
-TINY = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-
-# name -> case: mode, page size, draft tokens k (verify) / draft steps (draft), captured sizes, live
-# batch size of the second round, dims, heads
-SPECS = {
-    "decode_p1": dict(mode=ForwardMode.DECODE, page=1, sizes=(2, 4, 8), live=3),
-    "decode_p16": dict(mode=ForwardMode.DECODE, page=16, sizes=(2, 4, 8), live=3),
-    "decode_p64": dict(mode=ForwardMode.DECODE, page=64, sizes=(4, 8), live=1),
-    "verify_k3_p16": dict(mode=ForwardMode.TARGET_VERIFY, page=16, k=3, sizes=(2, 4, 8), live=3),
-    "verify_k4_p1": dict(mode=ForwardMode.TARGET_VERIFY, page=1, k=4, sizes=(4, 8), live=2),
-    "draft_3steps_p16": dict(mode=ForwardMode.DRAFT_DECODE, page=16, steps=3, sizes=(2, 4, 8), live=3),
-    "draft_2steps_p64": dict(mode=ForwardMode.DRAFT_DECODE, page=64, steps=2, sizes=(4, 8), live=3),
-    "v3_dims_decode_p64": dict(mode=ForwardMode.DECODE, page=64, sizes=(2, 4), live=3, dims=V3, heads=16),
-}
-
-
-class World:
-    """Pools, backend, layers and a per-request history of the latent rows written, for one case."""
-
-    def __init__(self, spec: dict, device, dtype, *, seed: int = 0, max_context: int = 160, num_layers: int = 2,
-                 decode_kernel: str = "fa3", impl=None):
-        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
-        self.gen = torch.Generator().manual_seed(seed)
-        self.dims: MLADims = spec.get("dims", TINY)
-        self.heads: int = spec.get("heads", 4)
-        self.mode: ForwardMode = spec["mode"]
-        self.k = spec.get("k", 1) if self.mode is ForwardMode.TARGET_VERIFY else 1
-        self.steps = spec.get("steps", 1) if self.mode is ForwardMode.DRAFT_DECODE else 1
-        page, max_bs = spec["page"], max(spec["sizes"])
-        self.max_context = max_context
-        num_pages = 2 + max_bs * -(-max_context // page)  # enough for one full round: rounds reuse pages
-        self.req_pool = ReqToTokenPool(max_bs + 1, max_context, self.device)
-        self.alloc = PagedAllocator(num_pages, page, self.device)
-        self.pool = MLATokenPool(num_layers, num_pages, page, self.dims.kv_lora_rank, self.dims.qk_rope_head_dim,
-                                 dtype, self.device)
-        kw = dict(req_to_token_pool=self.req_pool, kv_pool=self.pool, page_size=page, device=self.device,
-                  decode_kernel=decode_kernel, num_heads=self.heads, impl=impl)
-        self.backend = MultiStepDraftBackend(self.steps, **kw) if self.mode is ForwardMode.DRAFT_DECODE \
-            else MLABackend(**kw)
-        d = self.dims
-        self.scale = 1.0 / math.sqrt(d.qk_head_dim)
-        self.kv_b = [self._randn(self.heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank)
-                     / math.sqrt(d.kv_lora_rank) for _ in range(num_layers)]
-        self.layers = [AttentionLayer.mla_layer(i, self.heads, d, self.scale, kv_b_proj_weight=w.to(self.device, dtype))
-                       for i, w in enumerate(self.kv_b)]
-        self.history: dict[int, list[torch.Tensor]] = {}  # row -> per layer [len, width] fp32 cpu
-
-    # ------------------------------------------------------------------ data
-    def _randn(self, *shape) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen)
-
-    def input_specs(self) -> dict[str, InputSpec]:
-        d = self.dims
-        return {"q": InputSpec((self.heads, d.qk_head_dim), self.dtype),
-                "latent": InputSpec((d.latent_dim,), self.dtype)}
-
-    def forward_fn(self, batch: ForwardBatch, inputs: dict) -> torch.Tensor:
-        """The captured step: every layer on the same q / new latent rows; out [T, layers, H, d_v]."""
-        outs = [self.backend.forward(inputs["q"], inputs["latent"], None, layer, batch) for layer in self.layers]
-        return torch.stack(outs, dim=1)
-
-    def start(self, prefix_lens: list[int]) -> list[int]:
-        """New requests with cached prefixes of random latent rows (every layer)."""
-        rows = self.req_pool.alloc(len(prefix_lens))
-        for row, n in zip(rows, prefix_lens):
-            slots = self.alloc.alloc_for_request(self.req_pool, row, 0, n)
-            self.history[row] = []
-            for layer in range(len(self.layers)):
-                lat = self._randn(n, self.dims.latent_dim).to(self.dtype).float()
-                self.pool.set_latent(layer, slots, lat.to(self.device, self.dtype))
-                self.history[row].append(lat)
-        return rows
-
-    def finish(self, rows: list[int]) -> None:
-        for row in rows:
-            self.alloc.free_request(self.req_pool, row)
-            self.history.pop(row)
-        self.req_pool.free(rows)
-
-    def length(self, row: int) -> int:
-        return self.history[row][0].shape[0]
-
-    def make_step(self, rows: list[int], step: int = 0):
-        """(batch, inputs, new latents) of this world's mode over ``rows``; slots allocated, latents not written."""
-        n_new = self.k
-        locs, seq = [], []
-        for row in rows:
-            start = self.length(row)
-            locs.append(self.alloc.alloc_for_request(self.req_pool, row, start, n_new))
-            seq.append(start + n_new)
-        loc = torch.cat(locs)
-        if self.mode is ForwardMode.TARGET_VERIFY:
-            batch = ForwardBatch.verify(rows, seq, loc, self.device, num_draft_tokens=self.k)
-        elif self.mode is ForwardMode.DRAFT_DECODE:
-            batch = ForwardBatch.draft_decode(rows, seq, loc, self.device, step=step)
-        else:
-            batch = ForwardBatch.decode(rows, seq, loc, self.device)
-        T, d = loc.shape[0], self.dims
-        q = self._randn(T, self.heads, d.qk_head_dim).to(self.dtype)
-        latent = self._randn(T, d.latent_dim).to(self.dtype)
-        inputs = {"q": q.to(self.device), "latent": latent.to(self.device)}
-        return batch, inputs, latent.float()
-
-    def commit(self, rows: list[int], latent: torch.Tensor) -> None:
-        """Record the step's new latent rows (the step wrote them into every layer)."""
-        for i, row in enumerate(rows):
-            new = latent[i * self.k:(i + 1) * self.k]
-            self.history[row] = [torch.cat([h, new]) for h in self.history[row]]
-
-    def poison_stale(self, live_rows: list[int]) -> None:
-        """NaN into every slot that is not a cached token of ``live_rows`` (page tails, freed slots, slot 0)."""
-        keep = torch.zeros(self.pool.num_slots, dtype=torch.bool)
-        table = self.req_pool.req_to_token.cpu()
-        for row in live_rows:
-            keep[table[row, : self.length(row)].long()] = True
-        for buf in self.pool.kv_buffer:
-            buf[~keep.to(self.device)] = float("nan")
-        if self.device.type == "cuda":
-            # The kernels read whole pages and weight the slots past a sequence's end by a zero
-            # probability (0 * NaN = NaN): on a GPU that tail holds large finite garbage instead, as
-            # the pools guarantee finite stale rows (zeroed when freed).
-            p = self.pool.page_size
-            for row in live_rows:
-                n = self.length(row)
-                if n % p:
-                    page = int(table[row, n - 1]) // p
-                    tail = torch.arange(page * p + n % p, (page + 1) * p, device=self.device)
-                    for buf in self.pool.kv_buffer:
-                        buf[tail] = 3.0e3
-
-    def oracle(self, rows: list[int], q: torch.Tensor) -> torch.Tensor:
-        """fp64 non-absorbed MLA per request and layer, after commit: [T, layers, H, d_v]."""
-        d, outs = self.dims, []
-        for i, row in enumerate(rows):
-            qi = q[i * self.k:(i + 1) * self.k]
-            per_layer = []
-            for layer, w in enumerate(self.kv_b):
-                lat = self.history[row][layer].to(self.device)  # fp64 on the device (fast on a GPU)
-                o, _ = mla_nonabsorbed(qi, lat[:, : d.kv_lora_rank], lat[:, d.kv_lora_rank:],
-                                       w.to(self.dtype).to(self.device), qk_nope_head_dim=d.qk_nope_head_dim,
-                                       v_head_dim=d.v_head_dim, scale=self.scale, causal=True)
-                per_layer.append(o)
-            outs.append(torch.stack(per_layer, dim=1))
-        return torch.cat(outs).to(self.device)
-
-    def eager(self, batch: ForwardBatch, inputs: dict) -> torch.Tensor:
-        """The same step without the runner: plan for the live batch, run the step on it."""
-        target = self.backend.step(batch.draft_step) if self.mode is ForwardMode.DRAFT_DECODE else self.backend
-        target.init_forward_metadata(batch)
-        return self.forward_fn(batch, inputs)
-
-    def runner(self, **kw) -> GraphRunner:
-        return GraphRunner(self.backend, self.forward_fn, batch_sizes=self.spec["sizes"], mode=self.mode,
-                           num_draft_tokens=self.k, num_draft_steps=self.steps, max_context=self.max_context,
-                           input_specs=self.input_specs(), device=self.device, **kw)
-
-    def prefix_lens(self, n: int) -> list[int]:
-        """Random cached prefix lengths leaving room for every step of the round."""
-        hi = self.max_context - self.k * self.steps
-        return torch.randint(1, hi + 1, (n,), generator=self.gen).tolist()
-
-
-def run_round(world: World, runner: GraphRunner, n: int, *, poison: bool, check, longest: bool = False,
-              run=None):
-    """One round of ``n`` requests: every draft step (or the one decode / verify step), checked by ``check``.
-
-    Also checks that the run wrote the pool only at the batch's slots and the padding slot 0.
-    ``longest``: prefixes as long as the round allows (uses most pages, so the next round reuses them).
-    ``run(batch, inputs)``: how to run the step (default ``runner.run``).
-    """
-    run = run or runner.run
-    hi = world.max_context - world.k * world.steps
-    rows = world.start([hi] * n if longest else world.prefix_lens(n))
-    for step in range(world.steps):
-        batch, inputs, latent = world.make_step(rows, step)
-        if poison:
-            world.poison_stale(rows)
-        before = [buf.clone() for buf in world.pool.kv_buffer]
-        out = run(batch, inputs)
-        out = out.clone()  # the runner's output buffer is reused by the eager run below
-        allowed = torch.zeros(world.pool.num_slots, dtype=torch.bool, device=world.device)
-        allowed[batch.out_cache_loc] = True
-        allowed[0] = True
-        for old, new in zip(before, world.pool.kv_buffer):
-            changed = ~((old == new) | (old.isnan() & new.isnan())).all(dim=1)
-            assert not (changed & ~allowed).any(), "the run wrote outside out_cache_loc and the padding slot"
-        eager = world.eager(batch, inputs)
-        world.commit(rows, latent)
-        check(out, eager, world.oracle(rows, inputs["q"]), batch)
-    world.finish(rows)
 
 
 def _check_cpu(out, eager, ref, batch):
@@ -233,19 +38,19 @@ def _check_cpu(out, eager, ref, batch):
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", GRAPH_CPU)
 def test_replay_smaller_batch_after_pool_reuse_equals_eager_and_oracle(name):
-    world = World(SPECS[name], "cpu", torch.float32, seed=zlib.crc32(name.encode()))
+    world = World(GRAPH_SPECS[name], "cpu", torch.float32, seed=zlib.crc32(name.encode()))
     runner = world.runner()
-    sizes = SPECS[name]["sizes"]
+    sizes = GRAPH_SPECS[name].sizes
     run_round(world, runner, max(sizes), poison=False, check=_check_cpu, longest=True)  # fills pool, rows, buffers
-    run_round(world, runner, SPECS[name]["live"], poison=True, check=_check_cpu)
-    assert padded_size(SPECS[name]["live"], sizes) >= SPECS[name]["live"]
+    run_round(world, runner, GRAPH_SPECS[name].live, poison=True, check=_check_cpu)
+    assert padded_size(GRAPH_SPECS[name].live, sizes) >= GRAPH_SPECS[name].live
 
 
 def test_step_sees_padded_static_buffers():
     """The captured step reads the static views: padding rows write slot 0 and carry zero inputs."""
-    spec = SPECS["decode_p16"]
+    spec = GRAPH_SPECS["decode_p16"]
     world = World(spec, "cpu", torch.float32)
     seen = {}
 
@@ -254,7 +59,7 @@ def test_step_sees_padded_static_buffers():
                     loc_ptr=batch.out_cache_loc.data_ptr())
         return world.forward_fn(batch, inputs)
 
-    runner = GraphRunner(world.backend, step, batch_sizes=spec["sizes"], mode=world.mode, max_context=160,
+    runner = GraphRunner(world.backend, step, batch_sizes=spec.sizes, mode=world.mode, max_context=160,
                          input_specs=world.input_specs(), device="cpu")
     full = world.start([9, 3, 30, 2])
     runner.run(*world.make_step(full)[:2])  # leaves non-zero rows 3 in every static buffer
@@ -311,7 +116,7 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
     """Steady-state decode prepare on the ``meta`` device (the CUDA path, no data: a host read of a device
     value raises): one batched copy of the live rows, one host->device copy of the metadata, four
     page-table ops — no padding reset, no other device op."""
-    dims, heads, page, ctx = TINY, 4, 16, 256
+    dims, heads, page, ctx = MLA_CONFIGS["tiny"].dims, 4, 16, 256
     req_pool = ReqToTokenPool(9, ctx, "meta")
     pool = MLATokenPool(1, 2 + 8 * ctx // page, page, dims.kv_lora_rank, dims.qk_rope_head_dim, torch.float32, "meta")
     backend = MLABackend(req_to_token_pool=req_pool, kv_pool=pool, page_size=page, device="meta",
@@ -331,7 +136,7 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
 
 
 def test_oversize_batch_and_overlong_context_raise_before_writing():
-    spec = SPECS["decode_p16"]
+    spec = GRAPH_SPECS["decode_p16"]
     world = World(spec, "cpu", torch.float32)
     runner = world.runner()
     before = {k: getattr(runner.buffers, k).clone() for k in ("out_cache_loc", "seq_lens", "req_pool_indices")}
@@ -362,7 +167,7 @@ def test_oversize_batch_and_overlong_context_raise_before_writing():
 
 
 def test_constructor_rejects_bad_arguments():
-    world = World(SPECS["decode_p1"], "cpu", torch.float32)
+    world = World(GRAPH_SPECS["decode_p1"], "cpu", torch.float32)
     common = dict(max_context=64, device="cpu", input_specs=world.input_specs())
     with pytest.raises(ValueError, match="mode must be"):
         GraphRunner(world.backend, world.forward_fn, batch_sizes=[2], mode=ForwardMode.EXTEND, **common)
@@ -379,7 +184,8 @@ def test_constructor_rejects_bad_arguments():
 def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks():
     """decode_kernel='auto' on page 64: the runner captures FA3 and FlashMLA per size; each run replays
     the kernel the backend chose from the live lengths, and the answer matches the fp64 oracle."""
-    from specs import follow_up, make_mla_case, mla_oracle, rel_err, BatchSpec
+    from mla_cases import follow_up, make_mla_case, mla_oracle, rel_err
+    from specs import BatchSpec
 
     from mla_fa3.policy import decode_kernel as kernel_choice
     from mla_fa3.absorb import DecodeKernel

@@ -1,6 +1,6 @@
 """FA3 / FlashMLA / merge_state_v2 (sgl-kernel, H200) against the fp64 oracle and the torch reference.
 
-Same named case table as ``tests/test_ops.py`` (shuffled pages, NaN past every sequence, 2**30 in unused
+Same named case table as ``tests/test_ops.py`` (``ops_cases.py``) (shuffled pages, NaN past every sequence, 2**30 in unused
 page-table entries), run in bf16. Tolerances come from precision, as in FA3's own tests:
     err(FA3 vs fp64 oracle) <= 2 · err(plain torch bf16 attention vs fp64 oracle) + 1e-4
 plus cosine similarity >= 0.9999 against the reference on the same inputs (0.999 for fp8, whose
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from oracle import dense_attention, visible_mask
-from test_ops import FLASHMLA, SPECS, Spec, build_case, build_flashmla, flashmla_oracle, oracle
+from ops_cases import FLASHMLA, OP_SPECS, Spec, build_case, build_flashmla, flashmla_oracle, oracle
 
 from mla_fa3 import ops
 from mla_fa3.ops import Impl
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BF16 = torch.bfloat16
 # FA3 runs qv (absorbed MLA) only for v head dims >= 256; smaller ones are rejected by validation.
-GPU_SPECS = [name for name, spec in SPECS.items() if not spec.fp8 and not (spec.mla and spec.dv < 256)]
+GPU_SPECS = [name for name, spec in OP_SPECS.items() if not spec.fp8 and not (spec.mla and spec.dv < 256)]
 LSE_ATOL = 2e-3
 
 
@@ -73,7 +73,7 @@ def _lowp_case(case):
 
 @pytest.mark.parametrize("name", GPU_SPECS)
 def test_fa3_kvcache_matches_oracle(name):
-    case = build_case(SPECS[name], device=DEV, dtype=BF16)
+    case = build_case(OP_SPECS[name], device=DEV, dtype=BF16)
     args = (case.q, case.k_cache, case.v_cache)
     out, lse = ops.flash_attn_with_kvcache(*args, **case.kwargs, return_lse=True, impl="fa3")
     assert ops.last_impl() is Impl.FA3
@@ -85,7 +85,7 @@ def test_fa3_kvcache_matches_oracle(name):
 
 def test_auto_picks_fa3_on_h200():
     assert ops.fa3_available()
-    case = build_case(SPECS["decode_bs1"], device=DEV, dtype=BF16)
+    case = build_case(OP_SPECS["decode_bs1"], device=DEV, dtype=BF16)
     ops.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs)
     assert ops.last_impl() is Impl.FA3
 
@@ -193,7 +193,7 @@ def test_flashmla_fp8_page64():
 
 
 def test_fa3_rejects_fp8_latent_cache_with_qv_before_kernel():
-    spec = SPECS["mla_deepseek_dims"]
+    spec = OP_SPECS["mla_deepseek_dims"]
     case = build_case(spec, device=DEV, dtype=BF16)
     f8 = torch.float8_e4m3fn
     kw = dict(case.kwargs, qv=case.kwargs["qv"].to(f8), k_descale=torch.ones(2, 1, device=DEV),

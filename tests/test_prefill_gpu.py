@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specs import EXT, MIX, BatchSpec, cosine, make_mla_case, mla_oracle, rel_err
+from mla_cases import cosine, make_mla_case, mla_oracle, rel_err
+from specs import PREFILL_GPU_SPECS, PREFILL_RUNS
 
 from mla_fa3 import absorb, ops
 from mla_fa3.chunked_prefix import build_prefill_plan, forward_mha_prefill
@@ -24,20 +25,9 @@ pytestmark = pytest.mark.gpu
 
 BF16_STEP = 2.0 ** -7
 
-# name: (spec, workspace_tokens, mla config). FA3 needs head dims that are multiples of 8 and runs the
-# absorbed path (qv) only for kv_lora_rank >= 256, so every GPU case uses DeepSeek-V3 dims.
-GPU_CASES = {
-    "oneshot_v3": (BatchSpec(EXT, (0, 0, 0), (300, 17, 129), page_size=64), 256, "deepseek_v3"),
-    "chunked_page64_v3": (BatchSpec(EXT, (1000, 0, 2100), (130, 64, 200), page_size=64), 512, "deepseek_v3"),
-    "chunked_mid_page_v3": (BatchSpec(EXT, (700, 5, 0, 333), (33, 7, 12, 90), page_size=64), 200, "deepseek_v3"),
-    "page1_v3": (BatchSpec(EXT, (90, 47), (20, 9), page_size=1), 32, "deepseek_v3"),
-    "page16_v3_h128": (BatchSpec(EXT, (150, 3), (11, 40), page_size=16), 48, "deepseek_v3_h128"),
-    "mixed_v3": (BatchSpec(MIX, (800, 1500, 0, 333), (64, 1, 48, 1), page_size=64), 384, "deepseek_v3"),
-}
-
 
 def _case(name, seed=0):
-    spec, W, cfg = GPU_CASES[name]
+    spec, (W, cfg) = PREFILL_GPU_SPECS[name], PREFILL_RUNS[name]
     case = make_mla_case(spec, cfg, dtype=torch.bfloat16, device="cuda", seed=seed)
     case.pool.kv_buffer[case.layer.layer_id][case.batch.out_cache_loc] = case.new_latent
     md = MetadataBuilder(case.layout.req_to_token_pool, spec.page_size, "cuda").build(case.batch)
@@ -46,7 +36,7 @@ def _case(name, seed=0):
     return case, md, plan
 
 
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", list(PREFILL_GPU_SPECS))
 def test_fa3_mha_prefill_bf16(name):
     case, md, plan = _case(name)
     kv = case.pool.paged(case.layer.layer_id)

@@ -13,10 +13,9 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from metadata_world import check_against_lists, check_replay, expected_local, make_batch, make_world
+from op_log import DeviceOpLog
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.kv.req_to_token import ReqToTokenPool
@@ -152,31 +151,6 @@ def test_capture_named_errors() -> None:
 
 
 # ---------------------------------------------------------------------------------------- host cost
-VIEW_OPS = {"slice", "alias", "detach", "unsqueeze", "expand", "view", "select", "as_strided", "squeeze",
-            "t", "reshape", "_reshape_alias"}
-
-
-class DeviceOpLog(TorchDispatchMode):
-    """Records every torch op with the device types of its tensor arguments (``device`` = meta here)."""
-
-    def __init__(self, device: str = "meta"):
-        super().__init__()
-        self.device, self.ops = device, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        self.ops.append((func.overloadpacket.__name__, [a.device.type for a in flat if isinstance(a, torch.Tensor)]))
-        return func(*args, **kwargs)
-
-    def device_ops(self) -> Counter:
-        """Ops (views excluded) touching a device tensor: the kernel launches on a GPU."""
-        return Counter(name for name, devs in self.ops if self.device in devs and name not in VIEW_OPS)
-
-    def host_to_device_copies(self) -> int:
-        return sum(name == "copy_" and devs == [self.device, "cpu"] for name, devs in self.ops)
-
-
 # case -> (mode, k, attention chunk, with encoder, device ops of one replay of 3 live rows into bs 4)
 TABLE_OPS = Counter(index_select=1, lt=1, floor_divide_=1, mul=1)  # one page table: gather, compare, divide, mask
 OFFSET_TABLE_OPS = TABLE_OPS - Counter(index_select=1) + Counter(add=1, clamp=1, index=1)  # + first column

@@ -1,6 +1,6 @@
 """mha_fallback on the H200 through FA3 (sgl-kernel): bf16 and FP8 (e4m3) KV, self- and cross-attention.
 
-Same cases as the CPU tests (``test_mha_fallback`` / ``test_cross_attention`` fixtures, moved to CUDA),
+Same cases as the CPU tests (``test_mha_fallback`` / ``test_mha_fallback_cross``, ``mha_cases`` moved to CUDA),
 with FA3 head dims. Tolerances come from precision:
 
 * bf16: FA3's max error vs the fp64 oracle (on the bf16-rounded inputs) is at most twice the error of
@@ -18,11 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specs import DEC, BatchSpec
-from test_cross_attention import CROSS_SPECS, cross_oracle, make_cross_case
-from test_mha_fallback import (
-    E4M3, FP8_CASES, LOCAL_SPECS, MHAConfig, fp8_query, make_mha_case, mha_oracle, pin_amax, visible,
-)
+from mha_cases import (E4M3, FP8_CASES, MHAConfig, cross_oracle, fp8_query, make_cross_case, make_mha_case,
+                       mha_oracle, pin_amax, visible)
+from specs import CROSS_SPECS, DEC, LOCAL_CHUNKS, LOCAL_SPECS, NONIDLE_SPECS, BatchSpec
 
 from mla_fa3 import mha_fallback, ops
 
@@ -37,10 +35,6 @@ GPU_CONFIGS = {
     "mha_192_128": MHAConfig(16, 16, 192, 128),  # DeepSeek-V3's MHA head dims (d != d_v)
     "gqa_d256": MHAConfig(4, 2, 256, 256),
 }
-
-GPU_SPECS = ["small_decode", "decode_first_token", "decode_page1", "decode_page64_long", "extend_no_prefix",
-             "extend_with_prefix", "extend_page1", "extend_page64_cross_page", "mixed_long_prefix", "mixed_page64",
-             "verify_k4", "verify_k3_page1", "verify_k2_page64", "draft_decode", "draft_extend"]
 
 GPU_FEATURES = {  # name -> (config, layer options)
     "gqa": ("gqa_8_2_d128", {}),
@@ -113,7 +107,7 @@ def _fa3_self(case, **kw) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("feature", GPU_FEATURES)
-@pytest.mark.parametrize("spec_name", GPU_SPECS)
+@pytest.mark.parametrize("spec_name", NONIDLE_SPECS)
 def test_bf16_matches_oracle(spec_name, feature):
     cfg, opts = GPU_FEATURES[feature]
     case = make_mha_case(spec_name, GPU_CONFIGS[cfg], dtype=BF16, device=DEV, **opts)
@@ -125,7 +119,7 @@ def test_bf16_matches_oracle(spec_name, feature):
 @pytest.mark.parametrize("window", [-1, 3])
 @pytest.mark.parametrize("local_name", LOCAL_SPECS)
 def test_bf16_local_attention(local_name, window):
-    spec, chunk = LOCAL_SPECS[local_name]
+    spec, chunk = LOCAL_SPECS[local_name], LOCAL_CHUNKS[local_name]
     case = make_mha_case(spec, GPU_CONFIGS["gqa_8_2_d128"], dtype=BF16, device=DEV, chunk=chunk,
                          sliding_window=window)
     assert_bf16_close(_fa3_self(case), mha_oracle(case), torch_bf16_self(case))

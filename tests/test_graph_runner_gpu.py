@@ -1,6 +1,6 @@
 """CUDA-graph replay on the H200: a smaller live batch than captured equals eager and the fp64 oracle.
 
-Same cases as ``test_graph_runner.py`` (its ``World``), with real CUDA graphs, bf16, DeepSeek-V3 latent
+The cases of ``test_graph_runner.py`` (``graph_world.World``), with real CUDA graphs, bf16, DeepSeek-V3 latent
 dims (FA3's absorbed kernel exists for d_rope 64 / r 512 only), FA3 through sgl-kernel and FlashMLA at
 page 64. Each case: a full round at the largest captured size, the requests freed (pool reuse), then
 a smaller live batch over a pool whose stale slots (and the padding slot) hold NaN, replayed with the
@@ -20,29 +20,11 @@ import zlib
 import pytest
 import torch
 
-from test_graph_runner import V3, World, run_round
-
-from mla_fa3.batch import ForwardMode
+from graph_world import World, run_round
+from specs import GRAPH_FLASHMLA, GRAPH_GPU, GRAPH_SPECS, GraphSpec
 
 pytestmark = pytest.mark.gpu
 
-_V3 = dict(dims=V3, heads=16)
-SPECS = {
-    "decode_p1": dict(mode=ForwardMode.DECODE, page=1, sizes=(2, 4, 8), live=3, **_V3),
-    "decode_p16": dict(mode=ForwardMode.DECODE, page=16, sizes=(2, 4, 8), live=3, **_V3),
-    "decode_p64": dict(mode=ForwardMode.DECODE, page=64, sizes=(4, 8), live=1, **_V3),
-    "verify_k3_p1": dict(mode=ForwardMode.TARGET_VERIFY, page=1, k=3, sizes=(2, 4, 8), live=3, **_V3),
-    "verify_k3_p16": dict(mode=ForwardMode.TARGET_VERIFY, page=16, k=3, sizes=(2, 4, 8), live=3, **_V3),
-    "verify_k4_p64": dict(mode=ForwardMode.TARGET_VERIFY, page=64, k=4, sizes=(4, 8), live=2, **_V3),
-    "draft_3steps_p1": dict(mode=ForwardMode.DRAFT_DECODE, page=1, steps=3, sizes=(2, 4, 8), live=3, **_V3),
-    "draft_3steps_p16": dict(mode=ForwardMode.DRAFT_DECODE, page=16, steps=3, sizes=(2, 4, 8), live=3, **_V3),
-    "draft_2steps_p64": dict(mode=ForwardMode.DRAFT_DECODE, page=64, steps=2, sizes=(4, 8), live=3, **_V3),
-}
-FLASHMLA_SPECS = {
-    "flashmla_decode_p64": dict(mode=ForwardMode.DECODE, page=64, sizes=(2, 4, 8), live=3, **_V3),
-    "flashmla_verify_k2_p64": dict(mode=ForwardMode.TARGET_VERIFY, page=64, k=2, sizes=(4, 8), live=3, **_V3),
-    "flashmla_128heads_p64": dict(mode=ForwardMode.DECODE, page=64, sizes=(4, 8), live=2, dims=V3, heads=128),
-}
 MAX_CONTEXT = 320
 
 
@@ -73,36 +55,36 @@ def _checked_run(runner):
     return run
 
 
-def _run_case(spec: dict, name: str, decode_kernel: str):
+def _run_case(spec: GraphSpec, name: str, decode_kernel: str):
     torch.manual_seed(0)
-    world = World(spec, "cuda", torch.bfloat16, seed=zlib.crc32(name.encode()), max_context=MAX_CONTEXT,
-                  decode_kernel=decode_kernel, impl="fa3")
+    world = World(spec, "cuda", torch.bfloat16, cfg="deepseek_v3", seed=zlib.crc32(name.encode()),
+                  max_context=MAX_CONTEXT, decode_kernel=decode_kernel, impl="fa3")
     runner = world.runner()
     assert runner.use_graphs
-    for bs in spec["sizes"]:
+    for bs in spec.sizes:
         for step in range(world.steps):
             runner.graph(bs, step)  # one graph per (size, draft step)
     run = _checked_run(runner)
-    run_round(world, runner, max(spec["sizes"]), poison=False, check=_check_gpu, longest=True, run=run)
-    run_round(world, runner, spec["live"], poison=True, check=_check_gpu, run=run)
+    run_round(world, runner, max(spec.sizes), poison=False, check=_check_gpu, longest=True, run=run)
+    run_round(world, runner, spec.live, poison=True, check=_check_gpu, run=run)
     return world
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", GRAPH_GPU)
 def test_fa3_replay_smaller_batch_equals_eager_and_oracle(name):
-    _run_case(SPECS[name], name, "fa3")
+    _run_case(GRAPH_SPECS[name], name, "fa3")
 
 
-@pytest.mark.parametrize("name", list(FLASHMLA_SPECS))
+@pytest.mark.parametrize("name", GRAPH_FLASHMLA)
 def test_flashmla_replay_smaller_batch_equals_eager_and_oracle(name):
-    world = _run_case(FLASHMLA_SPECS[name], name, "flashmla")
+    world = _run_case(GRAPH_SPECS[name], name, "flashmla")
     assert world.backend.explain().kernel == "flashmla"
 
 
 def test_replay_tracks_new_lengths_without_recapture():
     """Consecutive replays of one graph at growing lengths follow the metadata (no stale page table)."""
-    spec = SPECS["decode_p16"]
-    world = World(spec, "cuda", torch.bfloat16, seed=7, max_context=MAX_CONTEXT, impl="fa3")
+    spec = GRAPH_SPECS["decode_p16"]
+    world = World(spec, "cuda", torch.bfloat16, cfg="deepseek_v3", seed=7, max_context=MAX_CONTEXT, impl="fa3")
     runner = world.runner()
     rows = world.start([3, 40, 17])
     for _ in range(20):  # 20 decode steps, crossing page borders
