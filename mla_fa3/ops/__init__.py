@@ -366,15 +366,15 @@ def get_splitkv_schedule(
     """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
 
     seqlens: the host copy of cache_seqlens (CPU int tensor or ints; a CUDA tensor is refused).
-    num_sms defaults to ``device``'s SM count (132 without CUDA). With ``max_batch`` the buffers fit
+    num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
     any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
     waves). Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
     """
     from . import splitkv_plan
 
     device = torch.device(device)
-    if num_sms is None and device.type == "cuda" and torch.cuda.is_available():
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
+        num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
     return splitkv_plan.plan_schedule(
         seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
         num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch,
