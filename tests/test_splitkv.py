@@ -172,10 +172,10 @@ def test_schedule_bad_arguments_are_named(name):
         ops.get_splitkv_schedule(kw.pop("seqlens"), **kw)
 
 
-def _op_args(heads=4, sq=1, lens=(9, 40), page=8, r=32, d_rope=16, dtype=torch.float32, fp8=False):
+def _op_args(heads=4, sq=1, lens=(9, 40), page=8, r=32, d_rope=16, dtype=torch.float32, fp8=False, num_sms=4):
     c = dict(lens=lens, sq=sq, heads=heads, r=r, d_rope=d_rope, page=page, fp8=fp8)
     q, kv, table, seqlens, dense, extra = build_flashmla(c, dtype=dtype)
-    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=4,
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=num_sms,
                                      min_split_tokens=8)
     kw = dict(head_dim_v=r, schedule=sched, softmax_scale=0.2, **extra)
     return c, [q, kv, table, seqlens], kw, dense
@@ -266,12 +266,13 @@ def test_op_reference_matches_fp64_oracle(name):
 
 # ------------------------------------------------------------------------------------------ Triton interpreter
 
-INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded graph-style schedule)
+INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded graph-style schedule[, num_sms])
     "fp32_page8_empty_and_one": ((9, 40, 0, 1), 1, 4, 8, "float32", False, False),
     "fp16_page1_verify_sq2": ((1, 17, 33), 2, 4, 1, "float16", False, False),
     "fp16_two_head_tiles_sq4": ((15, 16, 17, 3), 4, 20, 16, "float16", False, False),
     "fp32_page64_pm1_padded": ((63, 65, 129), 1, 4, 64, "float32", False, True),
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
+    "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_SPLITS
 }
 
 
@@ -285,9 +286,9 @@ def _env():
 def _interpreter_run() -> dict:
     """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
     failures = {}
-    for name, (lens, sq, heads, page, dtype, fp8, padded) in INTERPRETER_CASES.items():
+    for name, (lens, sq, heads, page, dtype, fp8, padded, *sms) in INTERPRETER_CASES.items():
         dt = getattr(torch, dtype)
-        c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8)
+        c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8, num_sms=(sms or [4])[0])
         if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request
             big = ops.get_splitkv_schedule([1], num_heads=heads, page_size=page, num_sms=4, max_batch=len(lens) + 1)
             kw["schedule"] = big.copy_(kw["schedule"])

@@ -26,8 +26,9 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
             m_new = max(m, rowmax(s2)); alpha = 2^(m - m_new); p = 2^(s2 - m_new)
             l = l·alpha + rowsum(p);  acc = acc·alpha + p @ kv_blk[:, :r];  m = m_new
         part_o[slot] = acc / l;  part_lse2[slot] = m + log2 l         (empty row: 0, -inf)
-    # phase 2 (fused combine): one program per (request·query, head block, r block)
-    for (b·i, hb, vb) in grid(bs·sq, ..., ...):
+    # phase 2 (fused combine): one program per (request, query, head) and block of r columns;
+    # it loads COMBINE_SPLITS splits at a time (a [splits, columns] tile), two passes over the LSEs
+    for (b·i·h, vb) in grid(bs·sq·H, r / COMBINE_DV):
         S = slots split_offsets[b] .. split_offsets[b+1]
         M = max_s part_lse2[s];  w_s = 2^(part_lse2[s] - M);  W = Σ_s w_s
         out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
@@ -54,8 +55,8 @@ from .splitkv_plan import SplitKVSchedule, _next_pow2, head_block
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
-COMBINE_HEADS = 16  # heads per combine program
-COMBINE_DV = 128  # latent columns per combine program
+COMBINE_SPLITS = 16  # splits a combine program loads at once
+COMBINE_DV = 64  # latent columns per combine program (bs 1, 16 heads: 128 programs)
 
 
 @dataclass(frozen=True)
@@ -163,42 +164,45 @@ def _splitkv_combine_kernel(
     stride_outb, stride_outs, stride_outh,
     stride_lseb, stride_lses,
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
 ):
-    bi = tl.program_id(0)
-    hb = tl.program_id(1)
-    vb = tl.program_id(2)
-    b = bi // SQ
-    i = bi % SQ
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = tl.program_id(0)  # (b, i, h) of the output
+    vb = tl.program_id(1)
+    b = row // (SQ * H)
+    i = (row // H) % SQ
+    h = row % H
     cols = vb * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    h_ok = heads < H
     c_ok = cols < DV
     s0 = tl.load(SplitOffsets + b)
     s1 = tl.load(SplitOffsets + b + 1)
+    lse_base = PartLse2 + i * stride_ls + h
+    o_base = PartO + i * stride_os + h * stride_oh
 
-    lse_base = PartLse2 + i * stride_ls + heads
-    big = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(s0, s1):
-        big = tl.maximum(big, tl.load(lse_base + s * stride_lw, mask=h_ok, other=float("-inf")))
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    o_base = PartO + i * stride_os + heads[:, None] * stride_oh + cols[None, :]
-    for s in range(s0, s1):
-        wgt = tl.exp2(tl.load(lse_base + s * stride_lw, mask=h_ok, other=float("-inf")) - big_safe)
-        part = tl.load(o_base + s * stride_ow, mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    big = tl.full([BLOCK_S], float("-inf"), tl.float32)  # pass 1: the largest split LSE
+    for c in range(s0, s1, BLOCK_S):
+        slots = c + tl.arange(0, BLOCK_S)
+        big = tl.maximum(big, tl.load(lse_base + slots * stride_lw, mask=slots < s1, other=float("-inf")))
+    top = tl.max(big, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_S], tl.float32)  # pass 2: weights 2^(lse2_s - top), weighted sum of o_s
+    acc = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+    for c in range(s0, s1, BLOCK_S):
+        slots = c + tl.arange(0, BLOCK_S)
+        ok = slots < s1
+        wgt = tl.exp2(tl.load(lse_base + slots * stride_lw, mask=ok, other=float("-inf")) - top)
+        part = tl.load(o_base + slots[:, None] * stride_ow + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
         acc += wgt[:, None] * part
         total += wgt
-    live = total > 0.0
-    out = acc / tl.where(live, total, 1.0)[:, None]
+    denom = tl.sum(total, 0)
+    live = denom > 0.0
+    out = tl.sum(acc, 0) / tl.where(live, denom, 1.0)
     if FP8:
         out = out * tl.load(DescaleK)
-    out_ptr = Out + b.to(tl.int64) * stride_outb + i * stride_outs + heads[:, None] * stride_outh + cols[None, :]
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+    out_ptr = Out + b.to(tl.int64) * stride_outb + i * stride_outs + h * stride_outh + cols
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=c_ok)
     if vb == 0:
-        lse = tl.where(live, (big_safe + tl.log2(tl.where(live, total, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + heads, lse, mask=h_ok)
+        lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
 
 
 def splitkv_mla_with_kvcache(
@@ -236,15 +240,14 @@ def splitkv_mla_with_kvcache(
         BLOCK_N=config.block_n, CAUSAL=call.causal, FP8=fp8, IEEE=q.dtype == torch.float32,
         num_warps=warps, num_stages=config.num_stages,
     )
-    ch = min(COMBINE_HEADS, _next_pow2(H))
     cdv = min(COMBINE_DV, _next_pow2(dv))
-    _splitkv_combine_kernel[(bs * sq, -(-H // ch), -(-dv // cdv))](
+    _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
         part_o, part_lse2, schedule.split_offsets, out, lse, one,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        H=H, SQ=sq, DV=dv, BLOCK_H=ch, BLOCK_DV=cdv, FP8=fp8,
+        H=H, SQ=sq, DV=dv, BLOCK_S=COMBINE_SPLITS, BLOCK_DV=cdv, FP8=fp8,
         num_warps=4,
     )
     return out, lse
