@@ -327,7 +327,6 @@ def flash_mla_with_kvcache(
     return _run_attention(chosen, "flash_mla_with_kvcache", args, return_lse)
 
 
-
 # ------------------------------------------------------------------ split-KV decode (our Triton kernel)
 # TRITON (``splitkv_triton.py``, the only module importing triton) on CUDA — or on CPU under
 # TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
