@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
 from . import fa3, reference, validate
+from .splitkv_plan import SplitKVSchedule
 from .types import (
     FLASHMLA_PAGE_SIZE,
     LN2,
@@ -71,6 +73,9 @@ __all__ = [
     "merge_state",
     "get_mla_decode_metadata",
     "flash_mla_with_kvcache",
+    "SplitKVSchedule",
+    "get_splitkv_schedule",
+    "splitkv_mla_with_kvcache",
 ]
 
 Tensor = torch.Tensor
@@ -152,6 +157,8 @@ def fa3_available() -> bool:
 
 def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
     chosen = _global_impl if impl is None else _coerce_impl(impl)
+    if chosen is Impl.TRITON:
+        raise ValueError("impl='triton' runs only the split-KV ops (splitkv_mla_with_kvcache); use fa3/reference/auto")
     if chosen is Impl.AUTO:
         if _fa3_usable_on(device):
             return Impl.FA3
@@ -333,3 +340,82 @@ def flash_mla_with_kvcache(
     )
     return _run_attention(chosen, "flash_mla_with_kvcache", args, return_lse)
 
+
+# ------------------------------------------------------------------ split-KV decode (our Triton kernel)
+# TRITON (``splitkv_triton.py``, the only module importing triton) on CUDA — or on CPU under
+# TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
+# e.g. set_impl('fa3')) means TRITON here.
+
+
+@functools.lru_cache(maxsize=None)
+def _splitkv_kernels():
+    """The kernel module, or why it does not import (str)."""
+    try:
+        from . import splitkv_triton
+    except Exception as exc:  # ImportError (no triton) or a broken triton install
+        return f"{type(exc).__name__}: {exc}"
+    return splitkv_triton
+
+
+def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
+    chosen = _global_impl if impl is None else _coerce_impl(impl)
+    chosen = Impl.TRITON if chosen is Impl.FA3 else chosen
+    here = device.type == "cuda" and torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    usable = here and not isinstance(_splitkv_kernels(), str)
+    if chosen is Impl.AUTO:
+        if not usable and device.type == "cuda":
+            _warn_reference_on_cuda(device)
+        return Impl.TRITON if usable else Impl.REFERENCE
+    if chosen is Impl.TRITON and not usable:
+        why = _splitkv_kernels() if here else f"the tensors are on {device}, it needs a CUDA device"
+        raise KernelUnavailableError(f"split-KV Triton kernel unavailable: {why}; pass impl='reference'")
+    return chosen
+
+
+def get_splitkv_schedule(
+    seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
+    num_sms: Optional[int] = None, waves: float = 1.0, min_split_tokens: int = 128, max_batch: Optional[int] = None,
+) -> SplitKVSchedule:
+    """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
+
+    seqlens: the host copy of cache_seqlens (CPU int tensor or ints; a CUDA tensor is refused).
+    num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
+    any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
+    waves). Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
+    """
+    from . import splitkv_plan
+
+    device = torch.device(device)
+    if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
+        num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
+    return splitkv_plan.plan_schedule(
+        seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
+        num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch,
+    )
+
+
+def splitkv_mla_with_kvcache(
+    q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
+    schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
+    descale_k: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
+
+    q ``[bs, sq, H, D]`` (q_lat | q_rope), kv_cache ``[num_pages, page_size, 1, D]`` read in place,
+    page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``, schedule from
+    ``get_splitkv_schedule`` planned from the same lengths (the kernel never reads past
+    cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
+    with descale_q / descale_k (1,) float32, output bf16. Always returns (out ``[bs, sq, H,
+    head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
+    """
+    chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
+    call = validate.check_splitkv(
+        q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
+        softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
+    )
+    if chosen is Impl.TRITON:
+        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule)
+    else:
+        out, lse = reference.flash_mla_with_kvcache(call)
+    _ran(chosen)
+    return out, lse

@@ -32,11 +32,15 @@ def lse_natural_to_base2(lse: torch.Tensor) -> torch.Tensor:
 
 
 class Impl(enum.Enum):
-    """Which implementation runs an op. AUTO picks FA3 on a CUDA sm90 device with sgl_kernel, else REFERENCE."""
+    """Which implementation runs an op. AUTO picks FA3 on a CUDA sm90 device with sgl_kernel, else REFERENCE.
+
+    TRITON runs only the split-KV ops (AUTO picks it there on CUDA when triton imports).
+    """
 
     AUTO = "auto"
     FA3 = "fa3"
     REFERENCE = "reference"
+    TRITON = "triton"  # our own Triton kernels (split-KV decode only)
 
 
 class KernelUnavailableError(RuntimeError):

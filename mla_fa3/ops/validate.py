@@ -287,3 +287,36 @@ def check_flash_mla(
         schedule=schedule, softmax_scale=scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
         is_fp8=fp8, out_dtype=chk.out_dtype(q.dtype),
     )
+
+
+SPLITKV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def check_splitkv(
+    q, kv_cache, page_table, cache_seqlens, *, head_dim_v, schedule, softmax_scale, causal, descale_q, descale_k,
+    impl: Impl,
+) -> FlashMLACall:
+    """Validate ``splitkv_mla_with_kvcache``: the FlashMLA contract (any page size) plus the schedule's fit."""
+    from .splitkv_plan import SplitKVSchedule
+
+    if not isinstance(schedule, SplitKVSchedule):
+        raise TypeError(
+            f"schedule must be a SplitKVSchedule (from get_splitkv_schedule), got {type(schedule).__name__}"
+        )
+    marker = FlashMLASchedule(impl=Impl.REFERENCE, is_fp8=getattr(q, "dtype", None) in FP8_DTYPES)
+    call = check_flash_mla(
+        q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=marker,
+        softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=Impl.REFERENCE,
+    )
+    if impl is Impl.TRITON:
+        if q.dtype not in SPLITKV_DTYPES:
+            raise ValueError(f"q dtype {q.dtype} is not supported by the split-KV kernel (bf16, fp16, fp32, e4m3)")
+        if head_dim_v == q.shape[3]:
+            raise ValueError(f"head_dim_v must be < q's head dim {q.shape[3]} for the split-KV kernel (rope part)")
+        for x, name in ((q, "q"), (kv_cache, "kv_cache"), (page_table, "page_table")):
+            chk.last_dim_contiguous(x, name)
+        if schedule.device != q.device:
+            raise ValueError(f"schedule must be on q's device {q.device}, got {schedule.device}")
+        if q.shape[0] > schedule.max_batch:
+            raise ValueError(f"schedule holds at most max_batch={schedule.max_batch} requests, q has {q.shape[0]}")
+    return call

@@ -1,0 +1,279 @@
+"""Split-KV Triton MLA decode vs FA3 (qv) vs FlashMLA vs the roofline: kernels alone, CUDA-graph replay.
+
+``python -m mla_fa3.bench.splitkv --out DIR`` on the H200 (``--quick``: four shapes; ``--sweep``: kernel
+configs on the quick shapes, to pick the defaults). Per shape (heads H, batch bs, context L, page 64,
+bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
+
+    splitkv   ops.splitkv_mla_with_kvcache's kernels (schedule planned once, outside the graph)
+    fa3       ops.flash_attn_with_kvcache(q_rope, k_rope view, c_kv view, qv = q_lat)
+    flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
+    roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
+
+Each kernel runs R times per replay over R disjoint copies of the cache (R·bytes > 3x the 50 MiB L2,
+``timing.rotating_inputs``); times are per copy, median of replays (``timing.time_graph``). Pages are
+scattered (a random permutation). Before timing, the split-KV kernel is checked against the torch
+reference at one shape (cosine >= 0.9999, else exit 1), and every timed shape records its cosine
+against FA3. Outputs: the markdown table on stdout; with ``--out DIR`` ``splitkv.csv`` / ``splitkv.md``
+(and ``splitkv_sweep.csv`` / ``splitkv_sweep.md`` with ``--sweep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from mla_fa3 import ops
+from mla_fa3.bench import roofline
+from mla_fa3.bench.timing import Progress, h200_ceilings, rotating_inputs, time_graph
+from mla_fa3.ops import validate
+
+R, D_ROPE, PAGE = 512, 64, 64
+D = R + D_ROPE
+SCALE = (128 + D_ROPE) ** -0.5
+FULL = dict(heads=(16, 128), batch=(1, 2, 4, 8), context=(16384, 32768, 65536, 131072))
+QUICK_SHAPES = ((16, 1, 65536), (16, 4, 32768), (128, 1, 16384), (128, 4, 65536))  # (H, bs, L)
+SWEEP = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1.0, 2.0), max_rows=(32, 64))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One split-KV configuration: kernel launch parameters plus the planner's waves."""
+
+    block_n: int = 64
+    num_warps: Optional[int] = None
+    num_stages: int = 2
+    waves: float = 1.0
+    max_rows: int = 64  # heads x query tokens per program (128 heads: 2 tiles at 64, 4 at 32)
+    min_split_tokens: int = 128
+
+    def label(self) -> str:
+        return f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
+
+
+@dataclass
+class Row:
+    heads: int
+    batch: int
+    context: int
+    page: int
+    variant: str
+    splits: int
+    roofline_us: float
+    splitkv_us: Optional[float]
+    fa3_us: Optional[float]
+    flashmla_us: Optional[float]
+    best_peer_us: Optional[float]
+    speedup_vs_best_peer: Optional[float]  # best peer / splitkv (> 1: split-KV faster)
+    splitkv_over_roofline: Optional[float]  # splitkv / roofline (1.0 = at the roofline)
+    cos_vs_fa3: Optional[float]
+    error: str = ""
+
+
+class Shape:
+    """bs requests of L tokens on page-64 latent pools: ``copies`` disjoint (pool, page table) pairs."""
+
+    def __init__(self, bs: int, ctx: int, device: torch.device):
+        self.bs, self.ctx, self.device = bs, ctx, device
+        pages = -(-ctx // PAGE)
+        self.nbytes = bs * ctx * D * 2
+
+        def make(_):
+            kv = torch.randn(bs * pages + 1, PAGE, 1, D, device=device).to(torch.bfloat16)
+            table = (torch.randperm(bs * pages, device=device) + 1).view(bs, pages).to(torch.int32)
+            return kv, table
+
+        self.copies = rotating_inputs(make, self.nbytes) if device.type == "cuda" else [make(0)]
+        self.seqlens = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+
+    def queries(self, heads: int) -> torch.Tensor:
+        return (torch.randn(self.bs, 1, heads, D, device=self.device) * 0.5).to(torch.bfloat16)
+
+
+def splitkv_fn(shape: Shape, q: torch.Tensor, variant: Variant):
+    """(fn over every copy, schedule) for the split-KV kernels with ``variant``."""
+    from mla_fa3.ops import splitkv_triton as kt
+
+    sched = ops.get_splitkv_schedule([shape.ctx] * shape.bs, num_heads=q.shape[2], page_size=PAGE,
+                                     device=shape.device, waves=variant.waves,
+                                     min_split_tokens=variant.min_split_tokens)
+    cfg = kt.KernelConfig(block_n=variant.block_n, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                          max_rows=variant.max_rows)
+    calls = [validate.check_splitkv(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                    causal=True, descale_q=None, descale_k=None, impl=ops.Impl.TRITON)
+             for kv, table in shape.copies]
+    return (lambda: [kt.splitkv_mla_with_kvcache(c, sched, cfg) for c in calls]), sched
+
+
+def fa3_fn(shape: Shape, q: torch.Tensor):
+    q_lat, q_rope = q[..., :R].contiguous(), q[..., R:].contiguous()
+    return lambda: [ops.flash_attn_with_kvcache(q_rope, kv[..., R:], kv[..., :R], qv=q_lat, page_table=table,
+                                                cache_seqlens=shape.seqlens, softmax_scale=SCALE, causal=True,
+                                                return_lse=True, impl="fa3") for kv, table in shape.copies]
+
+
+def flashmla_fn(shape: Shape, q: torch.Tensor):
+    sched = ops.get_mla_decode_metadata(shape.seqlens, q.shape[2], impl="fa3")
+    return lambda: [ops.flash_mla_with_kvcache(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched,
+                                               softmax_scale=SCALE, causal=True, return_lse=True, impl="fa3")
+                    for kv, table in shape.copies]
+
+
+def _time_us(fn: Callable, copies: int, iters: int) -> float:
+    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters) / copies
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def check_correctness(device: torch.device) -> float:
+    """Split-KV vs the torch reference at bs 2 (L 8191 and 70), 16 heads, page 64: the cosine."""
+    lens = [8191, 70]
+    shape = Shape(2, 8191, device)
+    shape.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+    kv, table = shape.copies[0]
+    q = shape.queries(16)
+    sched = ops.get_splitkv_schedule(lens, num_heads=16, page_size=PAGE, device=device)
+    kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True)
+    out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="triton")
+    ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="reference")
+    lse_err = (lse - ref_lse).abs().max().item()
+    print(f"check: cosine {_cos(out, ref):.6f}, max |out - ref| {(out.float() - ref.float()).abs().max().item():.3g}, "
+          f"max |lse - ref| {lse_err:.3g}", file=sys.stderr)
+    return min(_cos(out, ref), 1.0 if lse_err < 2e-3 else 0.0)
+
+
+def measure(shape: Shape, heads: int, variant: Variant, iters: int, peers: bool) -> Row:
+    ceil = h200_ceilings()
+    tokens = shape.bs * shape.ctx
+    roof_us = 1e3 * ceil.time_ms(roofline.decode_bytes(tokens), roofline.decode_flops(heads, tokens))
+    q = shape.queries(heads)
+    n = len(shape.copies)
+    row = Row(heads, shape.bs, shape.ctx, PAGE, variant.label(), 0, roof_us, None, None, None, None, None, None, None)
+    try:
+        fn, sched = splitkv_fn(shape, q, variant)
+        row.splits = sched.planned_work
+        row.splitkv_us = _time_us(fn, n, iters)
+        row.splitkv_over_roofline = row.splitkv_us / roof_us
+    except Exception as exc:  # e.g. out of shared memory for a sweep config: record, go on
+        row.error = f"splitkv: {type(exc).__name__}: {str(exc)[:120]}"
+        return row
+    if not peers:
+        return row
+    for name, make in (("fa3", fa3_fn), ("flashmla", flashmla_fn)):
+        try:
+            setattr(row, f"{name}_us", _time_us(make(shape, q), n, iters))
+        except Exception as exc:
+            row.error += f" {name}: {type(exc).__name__}: {str(exc)[:80]}"
+    peers_us = [t for t in (row.fa3_us, row.flashmla_us) if t]
+    if peers_us:
+        row.best_peer_us = min(peers_us)
+        row.speedup_vs_best_peer = row.best_peer_us / row.splitkv_us
+    if row.fa3_us:
+        out = fn()[0][0]
+        row.cos_vs_fa3 = _cos(out, fa3_fn(shape, q)()[0][0])
+    return row
+
+
+def _f(v, digits=1):
+    return "" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    head = ("| H | bs | ctx | variant | splits | splitkv µs | FA3 µs | FlashMLA µs | roofline µs | best peer / splitkv "
+            "| splitkv / roofline | cos vs FA3 |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r.heads} | {r.batch} | {r.context // 1024}k | {r.variant} | {r.splits} | {_f(r.splitkv_us)} | "
+        f"{_f(r.fa3_us)} | {_f(r.flashmla_us)} | {_f(r.roofline_us)} | {_f(r.speedup_vs_best_peer, 2)} | "
+        f"{_f(r.splitkv_over_roofline, 2)} | {_f(r.cos_vs_fa3, 5)} |{' ' + r.error if r.error else ''}\n"
+        for r in rows)
+
+
+def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(asdict(rows[0])))
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
+        fh.write(markdown(rows))
+
+
+def run(shapes: Sequence[tuple], variants: Sequence[Variant], *, device, iters: int, peers: bool,
+        quiet: bool = False) -> list:
+    """Time every (H, bs, L) of ``shapes`` with every variant; pools built once per (bs, L)."""
+    rows = []
+    by_cell = {}
+    for h, bs, ctx in shapes:
+        by_cell.setdefault((bs, ctx), []).append(h)
+    with Progress(len(shapes) * len(variants), quiet=quiet) as prog:
+        for (bs, ctx), heads in by_cell.items():
+            shape = Shape(bs, ctx, device)
+            for h, v in itertools.product(heads, variants):
+                rows.append(measure(shape, h, v, iters, peers))
+                r = rows[-1]
+                prog.step(f"H {h} bs {bs} ctx {ctx} {v.label()}: splitkv {_f(r.splitkv_us)} µs, "
+                          f"fa3 {_f(r.fa3_us)}, flashmla {_f(r.flashmla_us)} {r.error}")
+            del shape
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="directory for splitkv.csv / splitkv.md")
+    p.add_argument("--quick", action="store_true", help=f"only {QUICK_SHAPES} (H, bs, L)")
+    p.add_argument("--sweep", action="store_true", help=f"time the configs {SWEEP} on the quick shapes (split-KV only)")
+    p.add_argument("--heads", type=int, nargs="+", default=FULL["heads"])
+    p.add_argument("--batch", type=int, nargs="+", default=FULL["batch"])
+    p.add_argument("--context", type=int, nargs="+", default=FULL["context"])
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--waves", type=float, default=1.0)
+    p.add_argument("--max-rows", type=int, default=64)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("splitkv bench: needs a CUDA GPU (the Triton kernel and FA3 run only there)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    if not a.no_check and check_correctness(device) < 0.9999:
+        print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
+        return 1
+    shapes = list(QUICK_SHAPES) if (a.quick or a.sweep) else [
+        (h, bs, ctx) for h in a.heads for bs in a.batch for ctx in a.context]
+    base = Variant(a.block_n, a.num_warps, a.num_stages, a.waves, a.max_rows)
+    if a.sweep:
+        variants = [Variant(*v) for v in itertools.product(*SWEEP.values())]
+        rows = run(shapes, variants, device=device, iters=a.iters, peers=False, quiet=a.quiet)
+        best = {}
+        for r in rows:
+            key = (r.heads, r.batch, r.context)
+            if r.splitkv_us is not None and (key not in best or r.splitkv_us < best[key].splitkv_us):
+                best[key] = r
+        print(markdown(rows))
+        print("best per shape:\n" + markdown(list(best.values())))
+        if a.out:
+            write(rows, a.out, "splitkv_sweep")
+        return 0
+    rows = run(shapes, [base], device=device, iters=a.iters, peers=True, quiet=a.quiet)
+    print(markdown(rows))
+    if a.out:
+        write(rows, a.out, "splitkv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

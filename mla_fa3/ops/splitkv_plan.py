@@ -1,0 +1,224 @@
+"""Split schedule of the split-KV MLA decode kernel: a pure-host planner and its graph-safe buffers.
+
+The kernel (``splitkv_triton.py``) cuts the KV of every request into *splits* (contiguous token ranges)
+and runs one program per (split, head tile), so that one request at long context still fills every
+SM. This module decides the cut from the **host copy** of the lengths (no device->host sync):
+
+    total   = Σ_b L_b                                        (KV tokens of the step)
+    target  = max(1, floor(num_sms · waves / head_tiles))    (splits that fill the GPU once)
+    chunk   = round_up(max(min_split_tokens, ceil(total / target)), granule)
+    n_b     = ceil(L_b / chunk)                              (0 for an empty request)
+    size_b  = round_up(ceil(L_b / n_b), granule)             (<= chunk: near-equal splits)
+    splits of b = [s, min(L_b, s + size_b)) for s = 0, size_b, 2·size_b, ...
+
+``granule`` = max(page_size, ``SPLIT_GRANULE``): split starts fall on whole pages and whole key blocks.
+Every token of every request lies in exactly one split, every split holds at most ``chunk`` tokens,
+and the number of splits is at most ``target + bs`` (Σ ceil(L_b/chunk) <= total/chunk + bs), which
+is the capacity a CUDA-graph schedule reserves for a batch of ``max_batch`` requests.
+
+Worked example (granule 64, min_split_tokens 128, target 8): lens = [1000, 0, 70]
+    total 1070 -> ceil(1070/8) = 134 -> chunk 192
+    b=0: n 6, size round_up(167, 64) = 192 -> [0,192) [192,384) [384,576) [576,768) [768,960) [960,1000)
+    b=1: no split;  b=2: n 1, size 128 -> [0,70)
+    work = [(0,0,192,0) … (0,960,1000,5), (2,0,70,6)], split_offsets = [0, 6, 6, 7]
+
+Device layout (``SplitKVSchedule``): ``work [capacity, 4] int32`` rows (request, token_start, token_end,
+slot) — ``slot`` is the row of the partial-result workspace the split writes, contiguous per request;
+``num_work [1] int32`` the live rows; ``split_offsets [max_batch + 1] int32`` the slots of request b
+are ``split_offsets[b] : split_offsets[b + 1]``. Rows past ``num_work`` are (0, 0, 0, own index): an
+empty range writing a slot nobody reads; offsets past the planned batch repeat ``num_work`` (those
+requests have no split: output 0, lse -inf). The kernels read the counts from these buffers, so a
+captured graph replays any schedule ``copy_``-ed into them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+SPLIT_GRANULE = 64  # tokens: split boundaries are multiples of this and of the page size
+MIN_SPLIT_TOKENS = 128  # no split shorter than this unless the request itself is
+DEFAULT_WAVES = 1.0  # splits per SM (per head tile) the planner aims for
+DEFAULT_NUM_SMS = 132  # H200; used when the schedule is planned without a CUDA device
+MAX_BLOCK_ROWS = 64  # head rows x query tokens one program holds (tl.dot M dimension)
+MIN_BLOCK_ROWS = 16  # tl.dot needs M >= 16
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def head_block(num_heads: int, num_q_tokens: int, max_rows: int = MAX_BLOCK_ROWS) -> int:
+    """Heads per program: a power of two with ``head_block · next_pow2(sq)`` rows in [16, max_rows] (when possible)."""
+    sq_pad = _next_pow2(num_q_tokens)
+    block = min(_next_pow2(num_heads), max(1, max_rows // sq_pad))
+    return max(block, max(1, MIN_BLOCK_ROWS // sq_pad))
+
+
+def head_tiles(num_heads: int, num_q_tokens: int, max_rows: int = MAX_BLOCK_ROWS) -> int:
+    """Programs per split: ``ceil(H / head_block)``."""
+    return -(-num_heads // head_block(num_heads, num_q_tokens, max_rows))
+
+
+def target_splits(num_sms: int, tiles: int, waves: float = DEFAULT_WAVES) -> int:
+    """Splits that give every SM ``waves`` programs: ``max(1, floor(num_sms · waves / tiles))``."""
+    return max(1, int(num_sms * waves) // max(1, tiles))
+
+
+def plan_splits(
+    lens: Sequence[int], *, target: int, granule: int, min_split_tokens: int = MIN_SPLIT_TOKENS
+) -> Tuple[List[Tuple[int, int, int, int]], List[int], int]:
+    """Cut requests of ``lens`` tokens into splits (pure host; see the module docstring).
+
+    Returns (work rows (request, start, end, slot), split_offsets [bs + 1], chunk).
+    """
+    if target < 1:
+        raise ValueError(f"target must be >= 1, got {target}")
+    if granule < 1:
+        raise ValueError(f"granule must be >= 1, got {granule}")
+    total = sum(lens)
+    chunk = -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule
+    work: List[Tuple[int, int, int, int]] = []
+    offsets = [0]
+    for b, L in enumerate(lens):
+        if L < 0:
+            raise ValueError(f"seqlens[{b}] must be >= 0, got {L}")
+        if L:
+            n = -(-L // chunk)
+            size = -(-(-(-L // n)) // granule) * granule
+            for s in range(0, L, size):
+                work.append((b, s, min(L, s + size), len(work)))
+        offsets.append(len(work))
+    return work, offsets, chunk
+
+
+def capacity_for(max_batch: int, target: int) -> int:
+    """Work rows a schedule needs for any batch of <= ``max_batch`` requests planned with ``target``."""
+    return max(1, target + max_batch)
+
+
+@dataclass
+class SplitKVSchedule:
+    """The split schedule of one decode step, in buffers the kernels read (see the module docstring).
+
+    Plan once per step (``ops.get_splitkv_schedule``), reuse in every layer. For CUDA graphs allocate
+    one schedule with ``max_batch`` / capacity for the largest batch, capture with it, and before each
+    replay ``copy_`` a freshly planned schedule into it (host->device copies only, no sync).
+    """
+
+    work: Tensor  # [capacity, 4] int32 (request, token_start, token_end, slot), kernel device
+    num_work: Tensor  # [1] int32, live rows of ``work``
+    split_offsets: Tensor  # [max_batch + 1] int32, slots of request b: [off[b], off[b+1])
+    chunk: int  # host: the most tokens one split holds (planning record)
+    planned_work: int  # host: live rows (the last plan written)
+    planned_batch: int  # host: requests of the last plan written
+
+    @property
+    def capacity(self) -> int:
+        return self.work.shape[0]
+
+    @property
+    def max_batch(self) -> int:
+        return self.split_offsets.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.work.device
+
+    @classmethod
+    def empty(cls, *, max_batch: int, capacity: int, device: Union[str, torch.device] = "cpu") -> "SplitKVSchedule":
+        """An all-idle schedule (no split) with room for ``capacity`` work rows and ``max_batch`` requests."""
+        if max_batch < 0 or capacity < 1:
+            raise ValueError(f"max_batch must be >= 0 and capacity >= 1, got {max_batch}, {capacity}")
+        work = torch.zeros(capacity, 4, dtype=torch.int32, device=device)
+        work[:, 3] = torch.arange(capacity, dtype=torch.int32, device=device)
+        return cls(
+            work=work, num_work=torch.zeros(1, dtype=torch.int32, device=device),
+            split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
+            chunk=0, planned_work=0, planned_batch=0,
+        )
+
+    @classmethod
+    def from_plan(
+        cls, work: Sequence[Tuple[int, int, int, int]], offsets: Sequence[int], chunk: int, *,
+        device: Union[str, torch.device] = "cpu", max_batch: Optional[int] = None, capacity: Optional[int] = None,
+    ) -> "SplitKVSchedule":
+        """Buffers holding a host plan (``plan_splits``), sized exactly or for ``max_batch`` / ``capacity``."""
+        bs, n = len(offsets) - 1, len(work)
+        host = cls.empty(max_batch=bs, capacity=max(1, n), device="cpu")
+        if n:
+            host.work[:n] = torch.tensor(work, dtype=torch.int32)
+        host.num_work.fill_(n)
+        host.split_offsets.copy_(torch.tensor(offsets, dtype=torch.int32))
+        host.chunk, host.planned_work, host.planned_batch = chunk, n, bs
+        if max_batch is None and capacity is None:
+            return host.to(device)
+        out = cls.empty(max_batch=bs if max_batch is None else max_batch, capacity=capacity or max(1, n), device=device)
+        return out.copy_(host)
+
+    def to(self, device: Union[str, torch.device]) -> "SplitKVSchedule":
+        return SplitKVSchedule(
+            work=self.work.to(device), num_work=self.num_work.to(device),
+            split_offsets=self.split_offsets.to(device), chunk=self.chunk, planned_work=self.planned_work,
+            planned_batch=self.planned_batch,
+        )
+
+    def copy_(self, other: "SplitKVSchedule") -> "SplitKVSchedule":
+        """Write ``other``'s plan into these buffers in place (graph-safe replay update); refuse what does not fit."""
+        if not isinstance(other, SplitKVSchedule):
+            raise TypeError(f"other must be a SplitKVSchedule, got {type(other).__name__}")
+        n, bs = other.planned_work, other.planned_batch
+        if n > self.capacity:
+            raise ValueError(
+                f"other has {n} splits but this schedule holds at most {self.capacity}; allocate it for a larger "
+                "batch (capacity = target splits + max_batch) or plan with fewer waves"
+            )
+        if bs > self.max_batch:
+            raise ValueError(f"other plans {bs} requests but this schedule holds at most max_batch={self.max_batch}")
+        self.work[:n].copy_(other.work[:n], non_blocking=True)
+        if n < self.capacity:
+            self.work[n:, :3].zero_()
+            self.work[n:, 3].copy_(torch.arange(n, self.capacity, dtype=torch.int32), non_blocking=True)
+        self.num_work.fill_(n)
+        self.split_offsets[: bs + 1].copy_(other.split_offsets[: bs + 1], non_blocking=True)
+        self.split_offsets[bs + 1 :].fill_(n)
+        self.chunk, self.planned_work, self.planned_batch = other.chunk, n, bs
+        return self
+
+
+def plan_schedule(
+    seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
+    num_sms: Optional[int] = None, waves: float = DEFAULT_WAVES, min_split_tokens: int = MIN_SPLIT_TOKENS,
+    max_batch: Optional[int] = None,
+) -> SplitKVSchedule:
+    """Validate the host arguments, plan (``plan_splits``) and build the schedule (``ops.get_splitkv_schedule``)."""
+    from . import _checks as chk
+
+    if isinstance(seqlens, torch.Tensor):
+        if seqlens.device.type != "cpu":
+            raise ValueError(f"seqlens must be a host (CPU) copy of the lengths, got a tensor on {seqlens.device}")
+        if seqlens.dim() != 1 or seqlens.is_floating_point() or seqlens.dtype == torch.bool:
+            raise ValueError(f"seqlens must be a 1-D integer tensor, got {seqlens.dtype} shape {tuple(seqlens.shape)}")
+        seqlens = seqlens.tolist()
+    if not isinstance(seqlens, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in seqlens):
+        raise TypeError(f"seqlens must be a CPU int tensor or a sequence of ints, got {type(seqlens).__name__}")
+    for name, x in (("num_heads", num_heads), ("num_q_tokens", num_q_tokens), ("page_size", page_size)):
+        chk.host_int(x, name, minimum=1)
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if max_batch is not None and chk.host_int(max_batch, "max_batch") < len(seqlens):
+        raise ValueError(f"max_batch must be >= len(seqlens) = {len(seqlens)}, got {max_batch}")
+    if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not waves > 0:
+        raise ValueError(f"waves must be a positive number, got {waves!r}")
+    chk.host_int(min_split_tokens, "min_split_tokens", minimum=1)
+    num_sms = DEFAULT_NUM_SMS if num_sms is None else chk.host_int(num_sms, "num_sms", minimum=1)
+    target = target_splits(num_sms, head_tiles(num_heads, num_q_tokens), waves)
+    work, offsets, chunk = plan_splits(seqlens, target=target, granule=max(page_size, SPLIT_GRANULE),
+                                       min_split_tokens=min_split_tokens)
+    capacity = None if max_batch is None else capacity_for(max_batch, target)
+    return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity)

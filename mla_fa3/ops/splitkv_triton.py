@@ -1,0 +1,253 @@
+"""Split-KV absorbed-MLA decode in Triton: the only module of mla_fa3 that imports ``triton``.
+
+Contract of ``ops.flash_mla_with_kvcache`` (its torch reference is ``reference.flash_mla_with_kvcache``):
+q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope), the latent pool read in place
+``kv [num_pages, page_size, 1, D]`` (c_kv | k_rope), ``page_table [bs, max_pages] int32``,
+``cache_seqlens [bs] int32`` = L_b. Query i of request b sits at position p = L_b - sq + i and,
+causal, sees keys j <= p (bottom-right). With t = page_table[b, j // page_size], o = j % page_size:
+
+    s_ij  = scale · q_i · kv[t, o]              (all D dims; fp8: · descale_q · descale_k)
+    out_i = Σ_j softmax_j(s_i) · kv[t, o, :r]   (fp8: · descale_k)
+    lse_i = ln Σ_j exp(s_ij)                     natural log, -inf and out 0 when no key is visible
+
+Inside, scores are kept in base 2 (``s2 = s · log2 e``, ``exp2``); the partial LSEs in the workspace
+are base 2 (``part_lse2``), and the combine returns ``lse = lse2 · ln 2`` — natural log, the
+library's convention (``types.LSE_BASE``).
+
+The step, two launches (schedule from ``splitkv_plan.py``, planned on the host once per step):
+
+    # phase 1: one program per (head tile, work row); rows past num_work exit at once
+    for (tile, w) in grid(head_tiles, capacity):
+        b, start, end, slot = work[w];  end = min(end, L_b)
+        m, l, acc = -inf, 0, 0                      # [rows], [rows], [rows, r]; rows = heads x sq
+        for n0 in range(start, end, BLOCK_N):
+            kv_blk = kv[page_table[b, j // page_size], j % page_size]  for j in n0 .. n0+BLOCK_N-1 (< end)
+            s2 = (q_lat @ kv_blk[:, :r].T + q_rope @ kv_blk[:, r:].T) · scale · log2 e,  masked
+            m_new = max(m, rowmax(s2)); alpha = 2^(m - m_new); p = 2^(s2 - m_new)
+            l = l·alpha + rowsum(p);  acc = acc·alpha + p @ kv_blk[:, :r];  m = m_new
+        part_o[slot] = acc / l;  part_lse2[slot] = m + log2 l         (empty row: 0, -inf)
+    # phase 2 (fused combine): one program per (request, query, head) and block of r columns;
+    # it loads COMBINE_SPLITS splits at a time (a [splits, columns] tile), two passes over the LSEs
+    for (b·i·h, vb) in grid(bs·sq·H, r / COMBINE_DV):
+        S = slots split_offsets[b] .. split_offsets[b+1]
+        M = max_s part_lse2[s];  w_s = 2^(part_lse2[s] - M);  W = Σ_s w_s
+        out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
+
+Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
+page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
+and per-request split offsets are read from device buffers: a captured CUDA graph replays whatever
+schedule is ``copy_``-ed into them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .calls import FlashMLACall
+from .splitkv_plan import SplitKVSchedule, _next_pow2, head_block
+
+Tensor = torch.Tensor
+LOG2E = 1.4426950408889634
+LN2 = math.log(2.0)
+COMBINE_SPLITS = 16  # splits a combine program loads at once
+COMBINE_DV = 64  # latent columns per combine program (bs 1, 16 heads: 128 programs)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of phase 1 (None: chosen from the shape)."""
+
+    block_n: int = 64  # keys per step
+    num_warps: Optional[int] = None  # 4 for <= 32 rows, else 8
+    num_stages: int = 2
+    max_rows: int = 64  # heads x sq rows per program (tl.dot M)
+
+
+DEFAULT_CONFIG = KernelConfig()
+
+
+@triton.jit
+def _splitkv_partial_kernel(
+    Q, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_ptb,
+    stride_ow, stride_os, stride_oh,
+    stride_lw, stride_ls,
+    scale_log2,
+    H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    w = tl.program_id(1)
+    if w < tl.load(NumWork):
+        b = tl.load(Work + w * 4)
+        start = tl.load(Work + w * 4 + 1)
+        end = tl.minimum(tl.load(Work + w * 4 + 2), tl.load(SeqLens + b))
+        slot = tl.load(Work + w * 4 + 3)
+        seqlen = tl.load(SeqLens + b)
+
+        BLOCK_M: tl.constexpr = BLOCK_H * SQ_PAD
+        rows = tl.arange(0, BLOCK_M)
+        qi = rows // BLOCK_H  # query token of the row
+        hh = tile * BLOCK_H + rows % BLOCK_H  # head of the row
+        row_ok = (qi < SQ) & (hh < H)
+        offs_v = tl.arange(0, BLOCK_DV)
+        offs_r = tl.arange(0, BLOCK_DR)
+        v_ok = offs_v < DV
+        r_ok = offs_r < DR
+
+        q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
+        q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        q_pe = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        if FP8:
+            q_lat = q_lat.to(tl.float16)
+            q_pe = q_pe.to(tl.float16)
+            scale_log2 = scale_log2 * tl.load(DescaleQ) * tl.load(DescaleK)
+        last_key = seqlen - SQ + qi  # causal: row sees keys <= last_key
+
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            key_ok = keys < end
+            page = tl.load(PageTable + b.to(tl.int64) * stride_ptb + keys // PAGE, mask=key_ok, other=0)
+            kv_row = KV + page.to(tl.int64) * stride_kvp + (keys % PAGE) * stride_kvs
+            c_kv = tl.load(kv_row[:, None] + offs_v[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
+            k_pe = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=key_ok[:, None] & r_ok[None, :], other=0.0)
+            if FP8:
+                c_kv = c_kv.to(tl.float16)
+                k_pe = k_pe.to(tl.float16)
+            if IEEE:
+                s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
+                s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision="ieee")
+            else:
+                s = tl.dot(q_lat, tl.trans(c_kv))
+                s = tl.dot(q_pe, tl.trans(k_pe), acc=s)
+            s = s * scale_log2
+            visible = key_ok[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= last_key[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = tl.dot(p.to(c_kv.dtype), c_kv, acc=acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(c_kv.dtype), c_kv, acc=acc * alpha[:, None])
+            m = m_new
+
+        seen = l > 0.0
+        o = acc / tl.where(seen, l, 1.0)[:, None]
+        lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
+        o_ptr = PartO + slot.to(tl.int64) * stride_ow + qi * stride_os + hh * stride_oh
+        tl.store(o_ptr[:, None] + offs_v[None, :], o, mask=row_ok[:, None] & v_ok[None, :])
+        tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
+
+
+@triton.jit
+def _splitkv_combine_kernel(
+    PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK,
+    stride_ow, stride_os, stride_oh,
+    stride_lw, stride_ls,
+    stride_outb, stride_outs, stride_outh,
+    stride_lseb, stride_lses,
+    H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+):
+    row = tl.program_id(0)  # (b, i, h) of the output
+    vb = tl.program_id(1)
+    b = row // (SQ * H)
+    i = (row // H) % SQ
+    h = row % H
+    cols = vb * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    c_ok = cols < DV
+    s0 = tl.load(SplitOffsets + b)
+    s1 = tl.load(SplitOffsets + b + 1)
+    lse_base = PartLse2 + i * stride_ls + h
+    o_base = PartO + i * stride_os + h * stride_oh
+
+    big = tl.full([BLOCK_S], float("-inf"), tl.float32)  # pass 1: the largest split LSE
+    for c in range(s0, s1, BLOCK_S):
+        slots = c + tl.arange(0, BLOCK_S)
+        big = tl.maximum(big, tl.load(lse_base + slots * stride_lw, mask=slots < s1, other=float("-inf")))
+    top = tl.max(big, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_S], tl.float32)  # pass 2: weights 2^(lse2_s - top), weighted sum of o_s
+    acc = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+    for c in range(s0, s1, BLOCK_S):
+        slots = c + tl.arange(0, BLOCK_S)
+        ok = slots < s1
+        wgt = tl.exp2(tl.load(lse_base + slots * stride_lw, mask=ok, other=float("-inf")) - top)
+        part = tl.load(o_base + slots[:, None] * stride_ow + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
+        acc += wgt[:, None] * part
+        total += wgt
+    denom = tl.sum(total, 0)
+    live = denom > 0.0
+    out = tl.sum(acc, 0) / tl.where(live, denom, 1.0)
+    if FP8:
+        out = out * tl.load(DescaleK)
+    out_ptr = Out + b.to(tl.int64) * stride_outb + i * stride_outs + h * stride_outh + cols
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=c_ok)
+    if vb == 0:
+        lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
+
+
+def splitkv_mla_with_kvcache(
+    call: FlashMLACall, schedule: SplitKVSchedule, config: KernelConfig = DEFAULT_CONFIG
+) -> Tuple[Tensor, Tensor]:
+    """Run both phases on a validated call -> (out [bs, sq, H, r], lse [bs, sq, H] float32, natural log)."""
+    q, kv = call.q, call.kv_cache
+    bs, sq, H, D = q.shape
+    dv = call.head_dim_v
+    page = kv.shape[1]
+    out = torch.empty(bs, sq, H, dv, dtype=call.out_dtype, device=q.device)
+    lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
+    if bs == 0 or sq == 0 or H == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cap = schedule.capacity
+    part_o = torch.empty(cap, sq, H, dv, dtype=torch.float32, device=q.device)
+    part_lse2 = torch.empty(cap, sq, H, dtype=torch.float32, device=q.device)
+    block_h = head_block(H, sq, config.max_rows)
+    sq_pad = _next_pow2(sq)
+    rows = block_h * sq_pad
+    warps = config.num_warps or (4 if rows <= 32 else 8)
+    fp8 = call.is_fp8
+    one = call.descale_k if fp8 else lse  # any float32 pointer: unread unless FP8
+    _splitkv_partial_kernel[(-(-H // block_h), cap)](
+        q, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
+        call.descale_q if fp8 else one, one,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        call.page_table.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse2.stride(0), part_lse2.stride(1),
+        call.softmax_scale * LOG2E,
+        H=H, SQ=sq, DV=dv, DR=D - dv, PAGE=page,
+        BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(D - dv)),
+        BLOCK_N=config.block_n, CAUSAL=call.causal, FP8=fp8, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=config.num_stages,
+    )
+    cdv = min(COMBINE_DV, _next_pow2(dv))
+    _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
+        part_o, part_lse2, schedule.split_offsets, out, lse, one,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse2.stride(0), part_lse2.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        H=H, SQ=sq, DV=dv, BLOCK_S=COMBINE_SPLITS, BLOCK_DV=cdv, FP8=fp8,
+        num_warps=4,
+    )
+    return out, lse

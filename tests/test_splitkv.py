@@ -1,0 +1,320 @@
+"""Split-KV MLA decode on the CPU: the host split planner, the graph-safe schedule, the op's boundary checks,
+the op (torch reference) against an fp64 oracle, and — when ``triton`` imports — the Triton kernels under
+Triton's CPU interpreter (``TRITON_INTERPRET=1``, in a subprocess: this file run as a script).
+
+Planner reference (brute force): every token of every request is owned by exactly one split, splits of a
+request are contiguous slots in request order, starts fall on the granule (whole pages and key blocks),
+no split exceeds ``chunk`` and the count never exceeds ``target + bs`` (the graph capacity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_ops import build_flashmla, flashmla_oracle, tolerances
+
+from mla_fa3 import ops
+from mla_fa3.ops import KernelUnavailableError, SplitKVSchedule, validate
+from mla_fa3.ops import splitkv_plan as sp
+from mla_fa3.ops.types import Impl
+
+I32 = torch.int32
+
+# ------------------------------------------------------------------------------------------ planner
+
+
+def brute_force_check(lens, work, offsets, chunk, *, target, granule, min_split_tokens):
+    """Check a plan token by token (independent of the planner's arithmetic)."""
+    bs = len(lens)
+    assert len(offsets) == bs + 1 and offsets[0] == 0 and offsets[-1] == len(work)
+    assert chunk % granule == 0
+    assert chunk == granule * math.ceil(max(min_split_tokens, math.ceil(sum(lens) / target), 1) / granule)
+    assert len(work) <= sp.capacity_for(bs, target)
+    owners = [[0] * L for L in lens]
+    for slot, (b, s, e, w_slot) in enumerate(work):
+        assert w_slot == slot, "slot = row index: the workspace row of the split"
+        assert offsets[b] <= slot < offsets[b + 1], "a request's splits occupy its slot range"
+        assert 0 <= s < e <= lens[b] and e - s <= chunk
+        assert s % granule == 0, "splits start on whole pages / key blocks"
+        for j in range(s, e):
+            owners[b][j] += 1
+    for b, own in enumerate(owners):
+        assert all(o == 1 for o in own), f"request {b}: every token in exactly one split"
+        assert offsets[b + 1] - offsets[b] == (math.ceil(lens[b] / chunk) if lens[b] else 0)
+
+
+def _plan(lens, target=8, page=16, min_split=128):
+    granule = max(page, sp.SPLIT_GRANULE)
+    work, offsets, chunk = sp.plan_splits(lens, target=target, granule=granule, min_split_tokens=min_split)
+    brute_force_check(lens, work, offsets, chunk, target=target, granule=granule, min_split_tokens=min_split)
+    return work, offsets, chunk
+
+
+PLAN_CASES = {
+    "docstring_example": ([1000, 0, 70], 8, 16),
+    "one_token": ([1], 132, 64),
+    "page_pm1": ([63, 64, 65, 127, 129], 132, 64),
+    "page1": ([1, 2, 3, 4097], 66, 1),
+    "page128": ([127, 128, 129, 100_000], 132, 128),
+    "all_empty": ([0, 0, 0], 132, 16),
+    "idle_batch": ([], 132, 64),
+    "bs1_128k": ([131072], 132, 64),
+    "huge": ([2**31 - 1, 5], 132, 64),
+    "skewed": ([131072 >> k for k in range(8)], 132, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_planner_brute_force(name):
+    lens, target, page = PLAN_CASES[name]
+    if name == "huge":  # too many tokens to enumerate: check the arithmetic bounds only
+        work, offsets, chunk = sp.plan_splits(lens, target=target, granule=page, min_split_tokens=128)
+        assert len(work) <= target + len(lens) and all(e - s <= chunk for _, s, e, _ in work)
+        assert [sum(e - s for b2, s, e, _ in work if b2 == b) for b in range(2)] == lens
+        return
+    _plan(lens, target, page)
+
+
+def test_planner_random_brute_force():
+    rng = random.Random(0)
+    for _ in range(200):
+        bs = rng.randint(1, 9)
+        lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(bs)]
+        _plan(lens, target=rng.randint(1, 140), page=rng.choice([1, 2, 16, 64, 128]), min_split=rng.choice([1, 64, 128]))
+
+
+def test_planner_balances_one_long_request_over_the_sms():
+    work, _, chunk = _plan([65536], target=132, page=64)
+    sizes = [e - s for _, s, e, _ in work]
+    assert len(work) == 128 and chunk == 512 and max(sizes) == min(sizes)  # 64k / 132 -> 497 -> 512
+
+
+def test_planner_docstring_example():
+    work, offsets, chunk = _plan([1000, 0, 70], target=8, page=16)
+    assert chunk == 192 and offsets == [0, 6, 6, 7]
+    assert work[5] == (0, 960, 1000, 5) and work[6] == (2, 0, 70, 6)
+
+
+def test_head_tiles_cover_128_heads_and_verify():
+    assert sp.head_block(16, 1) == 16 and sp.head_tiles(16, 1) == 1
+    assert sp.head_block(128, 1) == 64 and sp.head_tiles(128, 1) == 2
+    assert sp.head_block(16, 4) == 16 and sp.head_block(128, 4) == 16 and sp.head_tiles(128, 4) == 8
+    assert sp.head_block(4, 1) == 16  # tl.dot needs 16 rows: padded heads
+
+
+# ------------------------------------------------------------------------------------------ schedule buffers
+
+
+def test_schedule_copy_writes_in_place_and_resets_the_tail():
+    big = ops.get_splitkv_schedule([4000, 3000, 10], num_heads=16, page_size=64, num_sms=16, max_batch=4)
+    assert big.capacity == 16 + 4 and big.max_batch == 4
+    work, offsets = big.work, big.split_offsets
+    small = ops.get_splitkv_schedule([300], num_heads=16, page_size=64, num_sms=16)
+    n = small.planned_work
+    big.copy_(small)
+    assert big.work is work and big.split_offsets is offsets, "buffers stay (graph-captured addresses)"
+    assert big.num_work.tolist() == [n] and big.planned_work == n and big.planned_batch == 1
+    assert big.work[:n].tolist() == small.work[:n].tolist()
+    assert big.work[n:, :3].eq(0).all() and big.work[n:, 3].tolist() == list(range(n, big.capacity))
+    assert big.split_offsets.tolist() == [0, n, n, n, n], "requests past the plan get no split"
+
+
+def test_schedule_capacity_holds_any_batch_up_to_max_batch():
+    rng = random.Random(1)
+    cap = ops.get_splitkv_schedule([1], num_heads=128, page_size=16, num_sms=132, max_batch=8)
+    for _ in range(50):
+        lens = [rng.choice([0, 1, 65, rng.randint(1, 200_000)]) for _ in range(rng.randint(1, 8))]
+        cap.copy_(ops.get_splitkv_schedule(lens, num_heads=128, page_size=16, num_sms=132))
+
+
+def test_schedule_copy_refuses_what_does_not_fit():
+    dst = SplitKVSchedule.empty(max_batch=2, capacity=4)
+    with pytest.raises(ValueError, match="^other has 6 splits"):
+        dst.copy_(ops.get_splitkv_schedule([768], num_heads=16, page_size=64, num_sms=6))
+    with pytest.raises(ValueError, match="^other plans 3 requests"):
+        dst.copy_(ops.get_splitkv_schedule([1, 1, 1], num_heads=16, page_size=64))
+    with pytest.raises(TypeError, match="^other"):
+        dst.copy_(ops.FlashMLASchedule(Impl.REFERENCE))
+    assert dst.num_work.tolist() == [0], "a refused copy writes nothing"
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+SCHED_BAD = {
+    "cuda_like_tensor": (dict(seqlens=torch.ones(2, dtype=I32, device="meta")), ValueError, "seqlens must be a host"),
+    "float_tensor": (dict(seqlens=torch.ones(2)), ValueError, "seqlens"),
+    "not_ints": (dict(seqlens=[1.5]), TypeError, "seqlens"),
+    "negative": (dict(seqlens=[3, -1]), ValueError, r"seqlens\[1\]"),
+    "page_not_pow2": (dict(page_size=48), ValueError, "page_size"),
+    "heads_zero": (dict(num_heads=0), ValueError, "num_heads"),
+    "sq_bool": (dict(num_q_tokens=True), TypeError, "num_q_tokens"),
+    "max_batch_small": (dict(max_batch=1), ValueError, "max_batch"),
+    "waves": (dict(waves=0), ValueError, "waves"),
+    "num_sms": (dict(num_sms=0), ValueError, "num_sms"),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHED_BAD))
+def test_schedule_bad_arguments_are_named(name):
+    upd, exc, prefix = SCHED_BAD[name]
+    kw = dict(seqlens=[5, 7], num_heads=16, page_size=16)
+    kw.update(upd)
+    with pytest.raises(exc, match=f"^{prefix}"):
+        ops.get_splitkv_schedule(kw.pop("seqlens"), **kw)
+
+
+def _op_args(heads=4, sq=1, lens=(9, 40), page=8, r=32, d_rope=16, dtype=torch.float32, fp8=False, num_sms=4):
+    c = dict(lens=lens, sq=sq, heads=heads, r=r, d_rope=d_rope, page=page, fp8=fp8)
+    q, kv, table, seqlens, dense, extra = build_flashmla(c, dtype=dtype)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=num_sms,
+                                     min_split_tokens=8)
+    kw = dict(head_dim_v=r, schedule=sched, softmax_scale=0.2, **extra)
+    return c, [q, kv, table, seqlens], kw, dense
+
+
+OP_BAD = {
+    "schedule_type": (lambda a, k: k.update(schedule=ops.FlashMLASchedule(Impl.REFERENCE)), TypeError, "schedule"),
+    "q_rank3": (lambda a, k: a.__setitem__(0, a[0][:, 0]), ValueError, "q"),
+    "kv_dtype": (lambda a, k: a.__setitem__(1, a[1].double()), ValueError, "kv_cache dtype"),
+    "kv_heads": (lambda a, k: a.__setitem__(1, a[1].expand(-1, -1, 2, -1)), ValueError, "kv_cache"),
+    "table_int64": (lambda a, k: a.__setitem__(2, a[2].long()), ValueError, "page_table"),
+    "seqlens_rows": (lambda a, k: a.__setitem__(3, a[3][:1]), ValueError, "page_table"),
+    "head_dim_v_big": (lambda a, k: k.update(head_dim_v=1000), ValueError, "head_dim_v"),
+    "scale_none": (lambda a, k: k.update(softmax_scale=None), TypeError, "softmax_scale"),
+    "descale_on_bf16": (lambda a, k: k.update(descale_k=torch.ones(1)), ValueError, "descale_k"),
+    "causal_int": (lambda a, k: k.update(causal=1), TypeError, "causal"),
+}
+
+
+@pytest.mark.parametrize("name", list(OP_BAD))
+def test_op_bad_arguments_are_named(name):
+    mutate, exc, prefix = OP_BAD[name]
+    _, args, kw, _ = _op_args()
+    mutate(args, kw)
+    with pytest.raises(exc, match=f"^{prefix}"):
+        ops.splitkv_mla_with_kvcache(*args, **kw)
+
+
+def test_triton_only_checks_run_before_any_kernel():
+    _, args, kw, _ = _op_args()
+    q, kv, table, lens = args
+    run = lambda **upd: validate.check_splitkv(q, kv, table, lens, **dict(kw, **upd), causal=True,  # noqa: E731
+                                               descale_q=None, descale_k=None, impl=Impl.TRITON)
+    run()
+    with pytest.raises(ValueError, match="^schedule holds at most max_batch=1"):
+        run(schedule=ops.get_splitkv_schedule([9], num_heads=4, page_size=8))
+    with pytest.raises(ValueError, match="^schedule must be on q's device"):
+        run(schedule=kw["schedule"].to("meta"))
+    with pytest.raises(ValueError, match="^head_dim_v must be <"):
+        run(head_dim_v=q.shape[-1])
+
+
+def test_impl_choice_on_cpu():
+    _, args, kw, _ = _op_args()
+    out, lse = ops.splitkv_mla_with_kvcache(*args, **kw)
+    assert ops.last_impl() is Impl.REFERENCE and lse.dtype == torch.float32
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(KernelUnavailableError, match="split-KV Triton kernel unavailable"):
+            ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
+    with pytest.raises(ValueError, match="^impl='triton' runs only the split-KV ops"):
+        ops.flash_mla_with_kvcache(*args, **dict(kw, schedule=ops.FlashMLASchedule(Impl.REFERENCE)), impl="triton")
+
+
+def test_import_does_not_need_triton():
+    code = ("import sys; sys.modules['triton'] = None; import mla_fa3.ops as o; "
+            "assert isinstance(o._splitkv_kernels(), str); print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+# ------------------------------------------------------------------------------------------ op vs oracle
+
+# (lens, sq, heads, page, fp8): lengths 0, 1, page ± 1, L < sq (a query row that sees no key)
+OP_CASES = {
+    "decode_page8": ((9, 40, 0, 1), 1, 4, 8, False),
+    "verify_sq2_page1": ((1, 17, 33), 2, 4, 1, False),
+    "verify_sq4_heads20": ((15, 16, 17, 3), 4, 20, 16, False),
+    "fp8_page16": ((33, 5), 1, 4, 16, True),
+}
+
+
+def _check_vs_oracle(c, dense, out, lse, scale=0.2, dtype=torch.float32):
+    ref_out, ref_lse = flashmla_oracle(c, dense, scale)
+    atol, rtol, lse_atol = tolerances(dtype, c.get("fp8", False))
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without keys: lse -inf"
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=lse_atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_reference_matches_fp64_oracle(name):
+    lens, sq, heads, page, fp8 = OP_CASES[name]
+    c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, fp8=fp8)
+    out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="reference")
+    _check_vs_oracle(c, dense, out, lse)
+
+
+# ------------------------------------------------------------------------------------------ Triton interpreter
+
+INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded graph-style schedule[, num_sms])
+    "fp32_page8_empty_and_one": ((9, 40, 0, 1), 1, 4, 8, "float32", False, False),
+    "fp16_page1_verify_sq2": ((1, 17, 33), 2, 4, 1, "float16", False, False),
+    "fp16_two_head_tiles_sq4": ((15, 16, 17, 3), 4, 20, 16, "float16", False, False),
+    "fp32_page64_pm1_padded": ((63, 65, 129), 1, 4, 64, "float32", False, True),
+    "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
+    "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_SPLITS
+}
+
+
+def _env():
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _interpreter_run() -> dict:
+    """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
+    failures = {}
+    for name, (lens, sq, heads, page, dtype, fp8, padded, *sms) in INTERPRETER_CASES.items():
+        dt = getattr(torch, dtype)
+        c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8, num_sms=(sms or [4])[0])
+        if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request
+            big = ops.get_splitkv_schedule([1], num_heads=heads, page_size=page, num_sms=4, max_batch=len(lens) + 1)
+            kw["schedule"] = big.copy_(kw["schedule"])
+        try:
+            out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
+            assert ops.last_impl() is Impl.TRITON
+            assert out.dtype == (torch.bfloat16 if fp8 else dt)
+            _check_vs_oracle(c, dense, out, lse, dtype=dt)
+            ref, _ = ops.splitkv_mla_with_kvcache(*args, **kw, impl="reference")
+            atol, rtol, _ = tolerances(torch.float16 if dt is torch.float16 else dt, fp8)  # fp16: ~2**-11 rounding
+            torch.testing.assert_close(out.float(), ref.float(), atol=atol / 4 if dt is torch.float16 else atol, rtol=rtol)
+        except Exception as exc:  # report every case, not only the first
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(_env(), TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    failures = json.loads(res.stdout.strip().splitlines()[-1])
+    assert failures == {}, failures
+
+
+if __name__ == "__main__":  # the interpreter subprocess: TRITON_INTERPRET=1 is set before triton is imported
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    print(json.dumps(_interpreter_run()))

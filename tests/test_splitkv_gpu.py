@@ -1,0 +1,182 @@
+"""Split-KV Triton MLA decode on the H200: against the fp64 oracle, the torch reference, FA3 and FlashMLA.
+
+Caches are adversarial: shuffled page ids, ``BAD_PAGE`` in unused page-table entries, and large finite
+garbage (``POISON``) in every slot past a sequence's end and in every unused page — finite because FA3 and
+FlashMLA read whole pages and multiply the tail by a zero probability (0 · NaN = NaN); our kernel never
+loads past ``cache_seqlens``, so garbage that reached its output would show as a large error.
+Tolerances come from precision (``test_ops_gpu.check``):
+    err(kernel vs fp64 oracle) <= 2 · err(plain torch bf16 attention vs fp64 oracle) + 1e-4
+plus cosine >= 0.9999 against the torch reference on the same inputs and LSE within 2e-3 (natural log).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from test_ops import BAD_PAGE
+from test_ops_gpu import check, cosine
+
+from mla_fa3 import ops
+from mla_fa3.ops import Impl
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16, F8 = torch.bfloat16, torch.float8_e4m3fn
+R, D_ROPE = 512, 64  # DeepSeek-V3 latent
+D = R + D_ROPE
+SCALE = (128 + D_ROPE) ** -0.5
+POISON = 3.0e3
+
+
+def build(lens, sq, heads, page, *, fp8=False, seed=0):
+    """q [bs, sq, H, 576], kv [pages, page, 1, 576] (poisoned outside the live slots), table, lens, dense, extra."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = F8 if fp8 else BF16
+    need = [math.ceil(L / page) for L in lens]
+    num_pages = sum(need) + 4
+    ids = torch.randperm(num_pages, generator=g).tolist()
+    poison = torch.finfo(F8).max if fp8 else POISON  # e4m3 has no value as large as 3e3 (it would be NaN)
+    kv = torch.full((num_pages, page, 1, D), poison, dtype=dtype)
+    table = torch.full((len(lens), max(need + [0]) + 2), BAD_PAGE, dtype=torch.int32)
+    dq, dk = (torch.rand(2, generator=g) + 0.5) if fp8 else (torch.ones(1), torch.ones(1))
+    q = torch.randn(len(lens), sq, heads, D, generator=g).to(dtype)
+    dense = []
+    for b, L in enumerate(lens):
+        kv_b = torch.randn(L, 1, D, generator=g).to(dtype)
+        rows = kv_b.new_full((need[b] * page, 1, D), poison)
+        rows[:L] = kv_b
+        pages = [ids.pop() for _ in range(need[b])]
+        table[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
+        if need[b]:
+            kv[pages] = rows.view(need[b], page, 1, D)
+        dense.append((q[b].float() * dq, kv_b.float() * dk))
+    extra = dict(descale_q=dq.view(1).float().to(DEV), descale_k=dk.view(1).float().to(DEV)) if fp8 else {}
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return q.to(DEV), kv.to(DEV), table.to(DEV), lens_t, dense, extra
+
+
+def _attend(q, kv, dtype):
+    """One request, one latent KV head, bottom-right causal, in ``dtype`` on the GPU (no per-head K copies).
+
+    q [n, H, 576], kv [L, 1, 576] -> (out [n, H, 512], lse [n, H]); float64: the oracle, bf16: the
+    precision baseline (scores, softmax and P·V each rounded to bf16, like ``test_ops_gpu.torch_lowp``).
+    """
+    q, kv = q.to(DEV, dtype), kv[:, 0].to(DEV, dtype)
+    n, L = q.shape[0], kv.shape[0]
+    s = torch.einsum("nhd,ld->hnl", q, kv) * SCALE
+    visible = torch.arange(L, device=DEV)[None, :] <= torch.arange(L - n, L, device=DEV)[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s.double(), dim=-1).transpose(0, 1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hnl,ld->nhd", p, kv[:, :R]).cpu(), lse.cpu()
+
+
+def oracle_and_lowp(dense):
+    """(fp64 out, fp64 lse, torch-bf16 out) stacked over requests, cpu."""
+    oracle = [_attend(q_b, kv_b, torch.float64) for q_b, kv_b in dense]
+    lowp = [_attend(q_b, kv_b, BF16)[0] for q_b, kv_b in dense]
+    return torch.stack([o for o, _ in oracle]), torch.stack([l for _, l in oracle]), torch.stack(lowp)
+
+
+def run_splitkv(q, kv, table, lens, *, page, schedule=None, **extra):
+    if schedule is None:
+        schedule = ops.get_splitkv_schedule(lens.cpu(), num_heads=q.shape[2], num_q_tokens=q.shape[1],
+                                            page_size=page, device=DEV)
+    return ops.splitkv_mla_with_kvcache(q, kv, table, lens, head_dim_v=R, schedule=schedule, softmax_scale=SCALE,
+                                        causal=True, impl="triton", **extra)
+
+
+def run_reference(q, kv, table, lens, **extra):
+    sched = ops.get_splitkv_schedule(lens.cpu(), num_heads=q.shape[2], page_size=kv.shape[1])
+    return ops.splitkv_mla_with_kvcache(q, kv, table, lens, head_dim_v=R, schedule=sched.to(DEV),
+                                        softmax_scale=SCALE, causal=True, impl="reference", **extra)
+
+
+# name -> (lens, sq, heads, page): lengths 0, 1, page ± 1, L < sq, 128k; 16 and 128 heads; verify sq 2 / 4
+CASES = {
+    "page1_decode_h16": ((1, 2, 63, 65, 1000), 1, 16, 1),
+    "page16_decode_h128": ((1, 15, 17, 3000), 1, 128, 16),
+    "page64_decode_h16_empty_request": ((0, 1, 63, 64, 65, 5000), 1, 16, 64),
+    "page64_verify_sq2_h16": ((2, 63, 65, 4097), 2, 16, 64),
+    "page64_verify_sq2_h128": ((2, 129, 3000), 2, 128, 64),
+    "page64_verify_sq4_h128": ((4, 65, 2000), 4, 128, 64),
+    "page16_verify_sq4_rows_without_keys": ((1, 3, 40), 4, 16, 16),
+    "bs1_128k_h16": ((131072,), 1, 16, 64),
+    "bs1_128k_h128": ((131072,), 1, 128, 64),
+    "bs4_16k_h16_page1": ((16384, 16383, 1, 16385), 1, 16, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_splitkv_matches_oracle_reference_fa3_flashmla(name):
+    lens, sq, heads, page = CASES[name]
+    q, kv, table, seqlens, dense, _ = build(lens, sq, heads, page)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page)
+    assert ops.last_impl() is Impl.TRITON
+    assert out.dtype == BF16 and out.shape == (len(lens), sq, heads, R) and lse.shape == out.shape[:-1]
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+    if min(lens) >= sq:  # FA3 (qv form, any page size) on the same cache
+        fa, fa_lse = ops.flash_attn_with_kvcache(
+            q[..., R:], kv[..., R:], kv[..., :R], qv=q[..., :R], page_table=table, cache_seqlens=seqlens,
+            softmax_scale=SCALE, causal=True, return_lse=True, impl="fa3")
+        check(fa, fa_lse, ref_out, ref_lse, lowp, ref_impl)
+        assert cosine(out, fa) >= 0.9999
+    if page == 64 and sq <= 2 and min(lens) >= sq:  # FlashMLA (page 64 only)
+        sched = ops.get_mla_decode_metadata(seqlens, heads * sq, impl="fa3")
+        fm, fm_lse = ops.flash_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched,
+                                                softmax_scale=SCALE, causal=True, return_lse=True, impl="fa3")
+        check(fm, fm_lse, ref_out, ref_lse, lowp, ref_impl)
+        assert cosine(out, fm) >= 0.9999
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_splitkv_fp8_latent_with_descales(heads):
+    lens, page = (1, 65, 3000), 64
+    q, kv, table, seqlens, dense, extra = build(lens, 1, heads, page, fp8=True, seed=3)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, **extra)
+    assert out.dtype == BF16
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)  # e4m3 -> fp16 is exact: as precise as bf16
+    sched = ops.get_mla_decode_metadata(seqlens, heads, is_fp8=True, impl="fa3")
+    fm = ops.flash_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                    causal=True, impl="fa3", **extra)
+    assert cosine(out, fm) >= 0.999  # FlashMLA runs P·V in e4m3
+
+
+def test_graph_replay_follows_new_lengths_and_schedules():
+    """Capture once with a max_batch schedule; replay with new lengths (and a shorter plan) copied in place."""
+    max_lens, heads, page = (9000, 4097, 700), 16, 64
+    q, kv, table, _, dense_max, _ = build(max_lens, 1, heads, page, seed=5)
+    seqlens = torch.tensor(max_lens, dtype=torch.int32, device=DEV)
+    sched = ops.get_splitkv_schedule(list(max_lens), num_heads=heads, page_size=page, device=DEV, max_batch=3)
+    graph_kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, impl="triton")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)
+    for lens, planned in [((9000, 1, 65), 3), ((1, 1, 1), 3), ((0, 4097, 64), 3), ((8000, 64, 700), 2),
+                          ((9000, 4097, 700), 3)]:
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        sched.copy_(ops.get_splitkv_schedule(list(lens[:planned]), num_heads=heads, page_size=page))
+        graph.replay()
+        torch.cuda.synchronize()
+        dense = [(q_b, kv_b[:L]) for (q_b, kv_b), L in zip(dense_max, lens)]
+        ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+        eager, eager_lse = run_splitkv(q, kv, table, seqlens, page=page)
+        live = slice(0, planned)
+        assert torch.equal(out[live], eager[live]) and torch.equal(lse[live], eager_lse[live])
+        ref_impl, _ = run_reference(q, kv, table, seqlens)
+        check(out[live], lse[live], ref_out[live], ref_lse[live], lowp[live], ref_impl[live])
+        if planned < 3:  # a request past the plan: no split, out 0 and lse -inf
+            assert (out[planned:] == 0).all() and torch.isneginf(lse[planned:]).all()
