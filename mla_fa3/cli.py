@@ -328,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _bench(args)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print(f"mla-fa3 {args.command}: error: torch is not installed for {sys.executable}; install it first "
+              "(README, Install: the CPU build or torch 2.11 with the gpu extra)", file=sys.stderr)
+        return 2
     except Exception as exc:
         if args.command == "bench" or not _is_user_error(exc):
             raise

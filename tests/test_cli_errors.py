@@ -159,3 +159,32 @@ def test_loader_errors_name_the_file(ckpt, tmp_path):
     with pytest.raises(loader.CheckpointError, match="not valid JSON") as info:
         loader.read_config(d)
     assert f in str(info.value)
+
+
+def test_missing_torch_is_a_one_line_hint(monkeypatch, capsys):
+    def no_torch(args):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(cli, "_validate", no_torch)
+    assert cli.main(["validate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "torch is not installed" in err and "README" in err
+
+
+def test_make_stamp_is_per_interpreter(tmp_path):
+    """The Makefile's stamp name carries a hash of the interpreter's sys.prefix (a new venv installs again)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    want = ".venv-stamp-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    out = subprocess.run(["make", "-n", "-B", "-C", root, "install", f"PYTHON={sys.executable}"],
+                         capture_output=True, text=True, timeout=60)  # -n -B: print the recipe, run nothing
+    assert out.returncode == 0, out.stderr
+    assert f"touch {want}" in out.stdout
+    bad = subprocess.run(["make", "-n", "-C", root, "install", f"PYTHON={tmp_path}/no-python"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "make a venv first" in bad.stderr
