@@ -9,37 +9,56 @@ Commands::
         dir first (no downloads; --config picks another embedded config, and on cuda the default is
         v3_mla_dims: FA3 implements the real MLA head dims only). Prints a table; exit status 1 when
         a threshold is missed.
-    mla-fa3 generate --checkpoint DIR --prompt-ids 1 2 3 [--max-new-tokens N] [--page-size N] [--json]
-                     [--eos-token-id ID] [--dtype D] [--device D] [--cuda-graph]
-        Greedy generation; --json prints {"token_ids": [...new tokens...]}.
+    mla-fa3 generate --checkpoint DIR (--prompt TEXT [--chat] | --prompt-ids 1 2 3) [--max-new-tokens N]
+                     [--json] [--eos-token-id ID | --ignore-eos] [--dtype D] [--device D] [--cuda-graph]
+        Greedy generation. --prompt encodes TEXT with the checkpoint's tokenizer (transformers'
+        AutoTokenizer, local files only; --chat applies its chat template) and prints the new text;
+        --prompt-ids prints the new token ids. --json prints {"token_ids": [...]} (new tokens only; with
+        --prompt also "text" and "prompt_ids"). Generation stops at the EOS ids of the checkpoint's
+        generation_config.json (else config.json), or at --eos-token-id.
     mla-fa3 bench decode|prefill [args...]
         Dispatches to mla_fa3.bench.decode:main(argv) / mla_fa3.bench.prefill:main(argv).
 
-Progress goes to stderr, results to stdout.
+Results go to stdout; progress bars (tqdm; off with --quiet or when stderr is not a terminal) and the
+library's log messages go to stderr. Every usage or checkpoint error is one line on stderr naming the
+flag or file, exit status 2, raised before the model is loaded where it can be.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import re
 import sys
-import time
 
-__all__ = ["main", "build_parser"]
+from mla_fa3 import __version__
+
+__all__ = ["main", "build_parser", "UsageError"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 _BENCHES = ("decode", "prefill")
 TINY_NAMES = ("tiny_v3", "tiny_v2", "v3_mla_dims")  # mla_fa3.models.tiny.TINY_CONFIGS (not imported: fast --help)
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def _progress(quiet: bool):
-    start = time.monotonic()
+class UsageError(ValueError):
+    """A flag (or flag combination) that cannot work here; the message names the flag."""
 
-    def say(msg: str) -> None:
-        if not quiet:
-            print(f"[{time.monotonic() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
-    return say
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block) and no abbreviated flags."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(text: str) -> int:
@@ -49,9 +68,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-fa3", description="MLA attention backend on FlashAttention-3: "
-                                     "validate DeepSeek models against transformers, generate, benchmark.")
+    parser = _Parser(prog="mla-fa3", description="MLA attention backend on FlashAttention-3: validate DeepSeek "
+                     "models against transformers, generate, benchmark.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, *, checkpoint_required: bool) -> None:
@@ -59,39 +85,108 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HF checkpoint dir (config.json + safetensors)")
         p.add_argument("--page-size", type=_positive, default=16, help="KV page size (1 or a power of 2)")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model / KV dtype")
-        p.add_argument("--device", default="cpu", help="cpu (reference kernels) or cuda (FA3)")
+        p.add_argument("--device", type=_device, default="cpu", help="cpu (reference kernels) or cuda[:N] (FA3)")
         p.add_argument("--threads", type=_positive, default=None,
-                       help="torch CPU threads (default 1 on cpu: small ops run fastest single-threaded)")
-        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+                       help="torch CPU threads (None: 1 on cpu, small ops run fastest single-threaded)")
+        p.add_argument("--max-prefill-tokens", type=_positive, default=None, help="chunked prefill budget")
+        p.add_argument("--cuda-graph", action="store_true", help="decode through CUDA graphs (needs --device cuda)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars or info messages on stderr")
 
     v = sub.add_parser("validate", help="compare our model on the backend with transformers")
     common(v, checkpoint_required=False)
     v.add_argument("--steps", type=_positive, default=16, help="decode steps to compare")
     v.add_argument("--seed", type=int, default=0, help="seed of the tiny model and the prompts")
     v.add_argument("--config", choices=sorted(TINY_NAMES), default=None,
-                   help="embedded config when no --checkpoint (default tiny_v3 on cpu, v3_mla_dims on cuda)")
-    v.add_argument("--max-prefill-tokens", type=_positive, default=None, help="chunked prefill budget")
-    v.add_argument("--cuda-graph", action="store_true", help="decode through CUDA graphs")
+                   help="embedded config when no --checkpoint (None: tiny_v3 on cpu, v3_mla_dims on cuda)")
     v.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
 
-    g = sub.add_parser("generate", help="greedy generation from token ids")
+    g = sub.add_parser("generate", help="greedy generation from text or token ids")
     common(g, checkpoint_required=True)
-    g.add_argument("--prompt-ids", type=int, nargs="+", required=True, metavar="ID")
-    g.add_argument("--max-new-tokens", type=_positive, default=16)
-    g.add_argument("--eos-token-id", type=int, default=None, help="stop a request at this token (kept)")
-    g.add_argument("--max-prefill-tokens", type=_positive, default=None, help="chunked prefill budget")
-    g.add_argument("--cuda-graph", action="store_true", help="decode through CUDA graphs")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="text, encoded with the checkpoint's tokenizer")
+    prompt.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID", help="token ids")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=_positive, default=16, help="new tokens per request")
+    eos = g.add_mutually_exclusive_group()
+    eos.add_argument("--eos-token-id", type=int, default=None,
+                     help="stop at this token (kept); None: the checkpoint's generation_config.json EOS")
+    eos.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    g.add_argument("--allow-past-max-position", action="store_true",
+                   help="run past the config's max_position_embeddings (with a warning) instead of refusing")
     g.add_argument("--json", action="store_true", help='print {"token_ids": [...]} (new tokens only)')
 
     b = sub.add_parser("bench", help="benchmarks (mla_fa3.bench.*)")
-    b.add_argument("which", choices=_BENCHES)
+    b.add_argument("which", choices=_BENCHES, help="which benchmark")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     return parser
 
 
+# ---------------------------------------------------------------------------------- stderr: logs, bars
+class _StderrHandler(logging.Handler):
+    """Library log records on the current sys.stderr, written through tqdm so bars are not broken."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+_HANDLER = _StderrHandler()
+_HANDLER.setFormatter(logging.Formatter("mla-fa3: %(message)s"))
+
+
+def _setup_logging(quiet: bool) -> None:
+    log = logging.getLogger("mla_fa3")
+    if _HANDLER not in log.handlers:
+        log.addHandler(_HANDLER)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+class _Bars:
+    """``progress(phase, i, n)`` drawn as one tqdm bar per phase ("load", "prefill", "decode") on stderr;
+    nothing when quiet or when stderr is not a terminal."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.enabled = not quiet and sys.stderr.isatty()
+        self.phase, self.bar = None, None
+
+    def __call__(self, phase: str, i: int, n: int) -> None:
+        if not self.enabled:
+            return
+        if phase != self.phase:
+            from tqdm import tqdm
+
+            self.close()
+            self.phase, self.bar = phase, tqdm(total=n, desc=f"{phase:>7}", unit="step", file=sys.stderr,
+                                               leave=False, dynamic_ncols=True)
+        self.bar.update(i - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.phase, self.bar = None, None
+
+    def __enter__(self) -> "_Bars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------- checks
 def _setup(args):
+    """Check --device / --cuda-graph against this machine, set CPU threads; returns the torch dtype."""
     import torch
 
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); "
+                             "use --device cpu")
+        index = int(args.device.split(":")[1]) if ":" in args.device else 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif args.cuda_graph:
+        raise UsageError(f"--cuda-graph needs --device cuda (CUDA graphs do not exist on {args.device})")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu":
@@ -99,32 +194,99 @@ def _setup(args):
     return getattr(torch, _DTYPES[args.dtype])
 
 
+def _in_vocab(flag: str, ids, vocab: int, config_path: str) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise UsageError(f"{flag} {bad[0]} is outside the vocabulary [0, {vocab}) of {config_path}")
+
+
+def _tokenizer(path: str):
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise UsageError(f"--prompt needs the checkpoint's tokenizer, but {path} has no "
+                         f"{' / '.join(_TOKENIZER_FILES)}; pass token ids with --prompt-ids")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds here (OSError, ValueError, ImportError ...)
+        raise UsageError(f"--prompt: cannot load the tokenizer of {path}: {exc}") from exc
+
+
+def _encode(args, tokenizer) -> list[int]:
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError(f"--chat: the tokenizer of {args.checkpoint} has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(args.prompt)["input_ids"]
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise UsageError("--prompt encodes to no tokens")
+    return ids
+
+
+# ---------------------------------------------------------------------------------- commands
 def _validate(args) -> int:
     from mla_fa3.hf_compare import format_report, report_json, run_validate
 
     dtype = _setup(args)
-    report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
-                          device=args.device, seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
-                          use_cuda_graph=args.cuda_graph, config=args.config, progress=_progress(args.quiet))
+    _setup_logging(args.quiet)
+    with _Bars(args.quiet) as bars:
+        report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
+                              device=args.device, seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
+                              use_cuda_graph=args.cuda_graph, config=args.config, progress=bars)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report.passed else 1
 
 
 def _generate(args) -> int:
+    from mla_fa3.models.loader import check_checkpoint, eos_token_ids
+
+    if args.chat and args.prompt is None:
+        raise UsageError("--chat needs --prompt TEXT")
+    dtype = _setup(args)
+    _setup_logging(args.quiet)
+    cfg, raw = check_checkpoint(args.checkpoint)  # config.json and every safetensors header, named on error
+    config_path = os.path.join(args.checkpoint, "config.json")
+    if args.ignore_eos:
+        eos = []
+    elif args.eos_token_id is not None:
+        _in_vocab("--eos-token-id", [args.eos_token_id], cfg.vocab_size, config_path)
+        eos = [args.eos_token_id]
+    else:
+        eos = eos_token_ids(args.checkpoint, raw)
+    tokenizer = _tokenizer(args.checkpoint) if args.prompt is not None else None
+    prompt = _encode(args, tokenizer) if tokenizer is not None else list(args.prompt_ids)
+    _in_vocab("--prompt" if tokenizer is not None else "--prompt-ids", prompt, cfg.vocab_size, config_path)
+    total, limit = len(prompt) + args.max_new_tokens, cfg.max_position_embeddings
+    if total > limit and not args.allow_past_max_position:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} + a {len(prompt)}-token prompt = {total} "
+                         f"tokens exceed max_position_embeddings {limit} of {config_path}; "
+                         "pass --allow-past-max-position to run anyway")
+    return _run_generate(args, dtype, prompt, eos, tokenizer)
+
+
+def _run_generate(args, dtype, prompt: list[int], eos: list[int], tokenizer) -> int:
     from mla_fa3.engine import Engine
     from mla_fa3.models.loader import load_model
 
-    dtype = _setup(args)
-    say = _progress(args.quiet)
-    say(f"loading {args.checkpoint}")
-    model = load_model(args.checkpoint, dtype=dtype, device=args.device)
-    engine = Engine(model, page_size=args.page_size, max_batch_size=1,
-                    max_context=len(args.prompt_ids) + args.max_new_tokens,
-                    max_prefill_tokens=args.max_prefill_tokens, use_cuda_graph=args.cuda_graph)
-    res = engine.generate([args.prompt_ids], args.max_new_tokens, eos_token_id=args.eos_token_id,
-                          progress=lambda phase, i, n: say(f"{phase} step {i}/{n}"))
-    tokens = res.token_ids[0]
-    print(json.dumps({"token_ids": tokens}) if args.json else " ".join(map(str, tokens)))
+    log = logging.getLogger("mla_fa3.cli")
+    log.info("loading %s", args.checkpoint)
+    with _Bars(args.quiet) as bars:
+        model = load_model(args.checkpoint, dtype=dtype, device=args.device, progress=bars)
+        engine = Engine(model, page_size=args.page_size, max_batch_size=1,
+                        max_context=len(prompt) + args.max_new_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                        use_cuda_graph=args.cuda_graph, allow_past_max_position=args.allow_past_max_position)
+        tokens = engine.generate([prompt], args.max_new_tokens, eos_token_id=eos or None,
+                                 progress=bars).token_ids[0]
+    if tokenizer is None:
+        print(json.dumps({"token_ids": tokens}) if args.json else " ".join(map(str, tokens)))
+        return 0
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    print(json.dumps({"token_ids": tokens, "text": text, "prompt_ids": prompt}) if args.json else text)
     return 0
 
 
@@ -137,19 +299,37 @@ def _bench(args) -> int:
     return int(entry(list(args.args)) or 0)
 
 
+def _is_user_error(exc: BaseException) -> bool:
+    """Errors about the input (flags, files, this machine's kernels), reported in one line."""
+    if isinstance(exc, (ValueError, TypeError, FileNotFoundError)):
+        return True
+    types_mod = sys.modules.get("mla_fa3.ops.types")
+    return types_mod is not None and isinstance(exc, types_mod.KernelUnavailableError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mla-fa3`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help / --version (0) or a one-line usage error (2)
+        return int(exc.code or 0)
     try:
         if args.command == "validate":
             return _validate(args)
         if args.command == "generate":
             return _generate(args)
         return _bench(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        if args.command == "bench":
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
             raise
-        print(f"mla-fa3 {args.command}: error: {exc}", file=sys.stderr)
+        print(f"mla-fa3 {args.command}: error: torch is not installed for {sys.executable}; install it first "
+              "(README, Install: the CPU build or torch 2.11 with the gpu extra)", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if args.command == "bench" or not _is_user_error(exc):
+            raise
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"mla-fa3 {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -10,21 +10,27 @@ Per :meth:`Engine.generate` call, for ``n`` prompts of lengths ``L_b`` and ``N``
    ones. The last chunk of a prompt gives the logits of its first new token;
 3. **decode** — ``N - 1`` batched DECODE steps, one token per request, ``seq_lens = L_b + i + 1``,
    greedy ``argmax``. New tokens stay on the device (the next step's input ids), so a step reads
-   nothing back from the device — unless ``eos_token_id`` is set, which needs the tokens on the
-   host each step to retire finished requests;
+   nothing back from the device — unless ``eos_token_id`` is set (one id or several, e.g. from the
+   checkpoint's ``generation_config.json``), which needs the tokens on the host each step to retire
+   finished requests;
 4. the rows and pages are freed.
 
 The backend is planned once per step (``init_forward_metadata``) and run by every layer. With
 ``use_cuda_graph=True`` the decode steps go through ``mla_fa3.graphs.runner.GraphRunner`` (imported
 lazily): one graph per captured batch size, a live batch padded up to the next size. The model runs
 wherever its weights are: CPU (reference ops) or CUDA (FA3).
+
+A request longer than the model's ``max_position_embeddings`` (prompt + new tokens) is refused
+before anything runs, unless the engine is built with ``allow_past_max_position=True`` (then a
+warning is logged: RoPE past the trained range gives degraded output).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +45,7 @@ from mla_fa3.models.deepseek import DeepseekForCausalLM
 __all__ = ["Engine", "GenerateResult"]
 
 ProgressFn = Callable[[str, int, int], None]  # (phase "prefill" | "decode", step, total steps)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,12 +70,15 @@ class Engine:
         use_cuda_graph: decode through CUDA graphs (``mla_fa3.graphs.runner``); batch sizes
             ``cuda_graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
         decode_kernel / prefill_path / impl: passed to :class:`MLABackend`.
+        allow_past_max_position: accept requests longer than the config's ``max_position_embeddings``
+            (a warning is logged); by default they raise ValueError.
     """
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int = 16, max_batch_size: int = 8,
                  max_context: int = 2048, num_pages: int | None = None, max_prefill_tokens: int | None = None,
                  use_cuda_graph: bool = False, cuda_graph_batch_sizes: Sequence[int] | None = None,
-                 decode_kernel: str = "auto", prefill_path: str = "auto", impl=None) -> None:
+                 decode_kernel: str = "auto", prefill_path: str = "auto", impl=None,
+                 allow_past_max_position: bool = False) -> None:
         if not isinstance(model, DeepseekForCausalLM):
             raise TypeError(f"model must be a DeepseekForCausalLM, got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
@@ -85,6 +95,7 @@ class Engine:
         self.dtype = model.lm_head.weight.dtype
         self.page_size, self.max_batch_size, self.max_context = page_size, max_batch_size, max_context
         self.max_prefill_tokens = max_prefill_tokens
+        self.allow_past_max_position = bool(allow_past_max_position)
         if num_pages is None:
             num_pages = max_batch_size * math.ceil(max_context / page_size) + 1
         self.req_to_token_pool = ReqToTokenPool(max_batch_size, max_context, self.device)
@@ -134,19 +145,40 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: {len(ids)} tokens + max_new_tokens {max_new_tokens} exceed "
                                  f"max_context {self.max_context}")
             out.append(ids)
+        longest, limit = max(map(len, out)) + max_new_tokens, self.cfg.max_position_embeddings
+        if longest > limit:
+            if not self.allow_past_max_position:
+                raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceed the model's "
+                                 f"max_position_embeddings {limit} (allow_past_max_position=True to run anyway)")
+            logger.warning("generating %d tokens past max_position_embeddings %d: RoPE beyond the trained "
+                           "range, expect degraded output", longest - limit, limit)
         return out
 
+    @staticmethod
+    def _eos_set(eos_token_id) -> frozenset[int]:
+        if eos_token_id is None:
+            return frozenset()
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+        return frozenset(ids)
+
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, eos_token_id: int | None = None,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 eos_token_id: int | Iterable[int] | None = None,
                  return_logits: bool = False, return_prefill_logits: bool = False,
                  progress: ProgressFn | None = None) -> GenerateResult:
-        """Greedy generation for every prompt at once; see the module docstring for the steps."""
+        """Greedy generation for every prompt at once; see the module docstring for the steps.
+
+        ``eos_token_id``: one id or several; a request stops after emitting any of them (kept).
+        ``progress(phase, step, steps)`` is called after every prefill and decode step."""
+        eos = self._eos_set(eos_token_id)
         prompts = self._check_prompts(prompts, max_new_tokens)
         n = len(prompts)
         rows = self.req_to_token_pool.alloc(n)
         try:
             first, first_logits, prefill_logits = self._prefill(prompts, rows, return_prefill_logits, progress)
-            tokens, logits = self._decode(prompts, rows, first, first_logits, max_new_tokens, eos_token_id,
+            tokens, logits = self._decode(prompts, rows, first, first_logits, max_new_tokens, eos,
                                           return_logits, progress)
         finally:
             for row in rows:  # freed pages are zeroed: kernels read whole pages (see clear_pages)
@@ -196,7 +228,7 @@ class Engine:
         prefill = [torch.cat(x) for x in all_logits] if return_prefill_logits else None
         return last_logits.argmax(dim=-1), last_logits, prefill
 
-    def _decode(self, prompts, rows, first, first_logits, max_new_tokens, eos_token_id, return_logits, progress):
+    def _decode(self, prompts, rows, first, first_logits, max_new_tokens, eos, return_logits, progress):
         """Batched DECODE steps. Returns (new tokens per prompt, their logits per prompt or None)."""
         n = len(prompts)
         seq = [len(p) for p in prompts]  # tokens in the cache + the pending token, per request
@@ -206,9 +238,9 @@ class Engine:
         logit_rows = [[first_logits[b].cpu()] for b in range(n)] if return_logits else None
         pending = [(list(active), cur)]
         for step in range(max_new_tokens - 1):
-            if eos_token_id is not None:
+            if eos:
                 host = cur.tolist()  # the one read-back per step that early stopping needs
-                keep = [j for j, b in enumerate(active) if host[j] != eos_token_id]
+                keep = [j for j, b in enumerate(active) if host[j] not in eos]
                 if len(keep) < len(active):
                     idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
                     active, cur = [active[j] for j in keep], cur[idx]
@@ -234,7 +266,7 @@ class Engine:
                 progress("decode", step + 1, max_new_tokens - 1)
         for reqs, t in pending:  # one read-back of every generated token at the end
             for b, tok in zip(reqs, t.tolist()):
-                if eos_token_id is None or not toks[b] or toks[b][-1] != eos_token_id:
+                if not toks[b] or toks[b][-1] not in eos:
                     toks[b].append(tok)
         logits = [torch.stack(x)[: len(toks[b])] for b, x in enumerate(logit_rows)] if return_logits else None
         return toks, logits

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,7 +31,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mla_fa3.models.loader import CheckpointError, iter_checkpoint_tensors, load_model, read_config
+from mla_fa3.models.loader import CheckpointError, check_checkpoint, iter_checkpoint_tensors, load_model, read_config
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TOLERANCES", "StepRow", "ValidateReport", "hf_reference_model", "run_validate", "format_report"]
 
@@ -128,13 +131,14 @@ def _prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]
 def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: torch.dtype = torch.float32,
                  steps: int = 16, device: str = "cpu", seed: int = 0, prompt_lengths=(11, 6, 17),
                  max_prefill_tokens: int | None = None, use_cuda_graph: bool = False, config: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> ValidateReport:
+                 progress: Callable[[str, int, int], None] | None = None) -> ValidateReport:
     """Run the comparison (module docstring). ``checkpoint=None`` builds the embedded ``config``
     (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
-    head dims are the ones FA3 implements)."""
+    head dims are the ones FA3 implements). What it does is logged (``logging``, INFO);
+    ``progress(phase, i, n)`` follows loading ("load") and generation ("prefill", "decode")."""
     from mla_fa3.engine import Engine
 
-    say = progress or (lambda msg: None)
+    say = logger.info
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype must be one of {[str(d) for d in TOLERANCES]}, got {dtype}")
     tmp = None
@@ -151,17 +155,18 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
         hf = hf.to(device)
     else:
         path, label = checkpoint, checkpoint
+        check_checkpoint(path)  # unreadable config / safetensors: one error naming the file, before transformers
         say(f"loading the transformers reference from {path}")
         hf = hf_reference_model(path, device)
     try:
         say("loading our model through mla_fa3.models.loader")
-        ours = load_model(path, dtype=dtype, device=device)
+        ours = load_model(path, dtype=dtype, device=device, progress=progress)
         prompts = _prompts(ours.config.vocab_size, tuple(prompt_lengths), seed + 1)
         engine = Engine(ours, page_size=page_size, max_batch_size=len(prompts),
                         max_context=max(map(len, prompts)) + steps + 1, max_prefill_tokens=max_prefill_tokens,
                         use_cuda_graph=use_cuda_graph)
         res = engine.generate(prompts, steps + 1, return_logits=True, return_prefill_logits=True,
-                              progress=lambda phase, i, n: say(f"{phase} step {i}/{n}"))
+                              progress=progress)
         say("transformers reference forward (teacher-forced on our tokens)")
         refs = _teacher_forced(hf, prompts, res.token_ids, device)
         base = None

@@ -213,3 +213,25 @@ def build_flashmla(c: dict, *, device="cpu", dtype=torch.float32, seed=0):
 def flashmla_oracle(c: dict, dense, scale):
     outs, lses = zip(*[dense_attention(q_b, kv_b, kv_b[..., : c["r"]], scale=scale, causal=True) for q_b, kv_b in dense])
     return torch.stack(outs), torch.stack(lses)
+
+
+# ---------------------------------------------------------------- kernel-vs-oracle check (GPU tests)
+LSE_ATOL = 2e-3
+
+def cosine(a, b) -> float:
+    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def check(out, lse, ref_out, ref_lse, lowp_out, impl_out, *, min_cos=0.9999, lse_atol=LSE_ATOL):
+    """out/lse: kernel; ref_*: fp64 oracle (cpu); lowp_out: torch bf16 baseline; impl_out: torch reference."""
+    assert torch.isfinite(out).all(), "kernel output holds NaN/inf (read a NaN slot past a sequence?)"
+    err = (out.double().cpu() - ref_out).abs().max().item()
+    err_pt = (lowp_out.double() - ref_out).abs().max().item() if lowp_out is not None else err
+    assert err <= 2 * err_pt + 1e-4, f"kernel error {err:.3g} > 2 x torch-{out.dtype} error {err_pt:.3g}"
+    assert cosine(out, impl_out) >= min_cos
+    lse, ref_lse = lse.double().cpu(), ref_lse
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without keys must have lse -inf"
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= lse_atol

@@ -1,4 +1,6 @@
-"""The ``mla-fa3`` command line: validate (exit status), generate --json (tokens == HF greedy), bench dispatch."""
+"""The ``mla-fa3`` command line: validate (exit status), generate --json (tokens == HF greedy), text in and
+out through the checkpoint's tokenizer (oracle: transformers' tokenizer and model), EOS from
+generation_config.json, --help / --version, bench dispatch. Error cases: tests/test_cli_errors.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import mla_fa3
 from mla_fa3 import cli
 from mla_fa3 import hf_compare
 from mla_fa3.models.fp8 import quantize_block_fp8
@@ -108,3 +111,103 @@ def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "mla_fa3", "validate", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "--checkpoint" in out.stdout and "--page-size" in out.stdout
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers greedy, recomputing the whole sequence each step (no cache): the new tokens."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(hf(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def _hf_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def test_generate_text_in_text_out_equals_transformers(tiny_checkpoint, capsys):
+    hf, path = tiny_checkpoint
+    text = "Hello world tell me about the latent cache"
+    tok = _hf_tokenizer(path)
+    prompt = tok(text)["input_ids"]
+    assert len(prompt) == 8 and tok.unk_token_id not in prompt  # the tiny tokenizer knows these words
+    want = _hf_greedy(hf, prompt, 8)
+    assert cli.main(["generate", "--quiet", "--checkpoint", path, "--prompt", text, "--max-new-tokens", "8",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == prompt and out["token_ids"] == want
+    assert out["text"] == tok.decode(want, skip_special_tokens=True) and out["text"]
+    assert cli.main(["generate", "--quiet", "--checkpoint", path, "--prompt", text, "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip() == out["text"]  # plain output: the new text only
+
+
+def test_generate_chat_uses_the_chat_template(tiny_checkpoint, capsys):
+    hf, path = tiny_checkpoint
+    tok = _hf_tokenizer(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "write a story"}], add_generation_prompt=True,
+                                  tokenize=True)
+    prompt = ids if isinstance(ids, list) else ids["input_ids"]
+    assert cli.main(["generate", "--quiet", "--checkpoint", path, "--prompt", "write a story", "--chat",
+                     "--max-new-tokens", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_ids"] == prompt and prompt[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert out["token_ids"] == _hf_greedy(hf, prompt, 5)
+
+
+def test_generation_config_eos_is_honoured(tiny_checkpoint, tmp_path, capsys):
+    hf, path = tiny_checkpoint
+    prompt = [5, 17, 200, 3, 99, 42]
+    full = _hf_greedy(hf, prompt, 10)
+    eos = full[3]
+    d = tmp_path / "eos"
+    shutil.copytree(path, d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [eos, 255]}))
+    argv = ["generate", "--quiet", "--checkpoint", str(d), "--prompt-ids", *map(str, prompt),
+            "--max-new-tokens", "10", "--json"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == full[: full.index(eos) + 1]
+    assert cli.main(argv + ["--ignore-eos"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == full
+    assert cli.main(argv + ["--eos-token-id", str(full[1])]) == 0  # the flag wins over the file
+    assert json.loads(capsys.readouterr().out)["token_ids"] == full[: full.index(full[1]) + 1]
+
+
+def test_version_and_defaults_in_help(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mla-fa3 {mla_fa3.__version__}"
+    assert cli.main(["generate", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 16)" in help_text and "(default: float32)" in help_text and "--prompt TEXT" in help_text
+
+
+def test_version_is_written_once_and_py_typed_ships():
+    import pathlib
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = pathlib.Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in meta["project"] and meta["project"]["dynamic"] == ["version"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mla_fa3.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", mla_fa3.__version__)
+    assert (root / "mla_fa3" / "py.typed").is_file()
+    assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["mla_fa3"]
+
+
+def test_progress_bars_only_on_a_terminal(tiny_checkpoint, monkeypatch, capsys):
+    """tqdm bars for loading and generation on a TTY; none with --quiet or when stderr is not a TTY."""
+    _, path = tiny_checkpoint
+    argv = ["generate", "--checkpoint", path, "--prompt-ids", "1", "2", "3", "--max-new-tokens", "5"]
+    assert cli.main(argv) == 0  # capsys: not a terminal
+    err = capsys.readouterr().err
+    assert "decode" not in err and "step" not in err and len(err.splitlines()) <= 1  # at most "loading ..."
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "load:" in err and "decode:" in err and "/4 [" in err  # 4 decode steps after the prefill
+    assert cli.main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""

@@ -180,7 +180,7 @@ def test_flash_mla_reference_equals_split_qv_form():
     q, kv, table, lens, _, _ = build_flashmla(c, seed=2)
     r = c["r"]
     sched = ops.get_mla_decode_metadata(lens, c["heads"] * c["sq"])
-    a = ops.flash_mla_with_kvcache(q, kv, table, lens, head_dim_v=r, schedule=sched, softmax_scale=0.1)
+    a = ops.flash_mla_with_kvcache(q, kv, table, lens, head_dim_v=r, schedule=sched, softmax_scale=0.1, causal=True)
     b = ops.flash_attn_with_kvcache(q[..., r:], kv[..., r:], kv[..., :r], qv=q[..., :r], page_table=table,
                                     cache_seqlens=lens, softmax_scale=0.1, causal=True)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from oracle import dense_attention, visible_mask
-from ops_cases import FLASHMLA, OP_SPECS, Spec, build_case, build_flashmla, flashmla_oracle, oracle
+from ops_cases import (FLASHMLA, OP_SPECS, Spec, build_case, build_flashmla, check, cosine, flashmla_oracle,
+                       oracle)
 
 from mla_fa3 import ops
 from mla_fa3.ops import Impl
@@ -25,7 +26,6 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 # FA3 runs qv (absorbed MLA) only for v head dims >= 256; smaller ones are rejected by validation.
 GPU_SPECS = [name for name, spec in OP_SPECS.items() if not spec.fp8 and not (spec.mla and spec.dv < 256)]
-LSE_ATOL = 2e-3
 
 
 def torch_lowp(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0, qv=None, dtype=BF16):
@@ -43,25 +43,6 @@ def torch_lowp(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0, qv
     s = s.masked_fill(~visible_mask(n, L, causal=causal, window=window).to(DEV), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("hnl,lhd->nhd", p, v).cpu()
-
-
-def cosine(a, b) -> float:
-    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
-
-
-def check(out, lse, ref_out, ref_lse, lowp_out, impl_out, *, min_cos=0.9999, lse_atol=LSE_ATOL):
-    """out/lse: kernel; ref_*: fp64 oracle (cpu); lowp_out: torch bf16 baseline; impl_out: torch reference."""
-    assert torch.isfinite(out).all(), "kernel output holds NaN/inf (read a NaN slot past a sequence?)"
-    err = (out.double().cpu() - ref_out).abs().max().item()
-    err_pt = (lowp_out.double() - ref_out).abs().max().item() if lowp_out is not None else err
-    assert err <= 2 * err_pt + 1e-4, f"kernel error {err:.3g} > 2 x torch-{out.dtype} error {err_pt:.3g}"
-    assert cosine(out, impl_out) >= min_cos
-    lse, ref_lse = lse.double().cpu(), ref_lse
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without keys must have lse -inf"
-    finite = torch.isfinite(ref_lse)
-    if finite.any():
-        assert (lse[finite] - ref_lse[finite]).abs().max().item() <= lse_atol
 
 
 def _lowp_case(case):

@@ -229,7 +229,9 @@ def test_flash_mla_bad_inputs():
     lens = torch.tensor([5], dtype=I32)
     q, kv, table = torch.randn(1, 1, 4, 40), torch.randn(2, 8, 1, 40), torch.zeros(1, 2, dtype=I32)
     sched = ops.get_mla_decode_metadata(lens, 4)
-    kw = dict(head_dim_v=32, schedule=sched, softmax_scale=0.1)
+    kw = dict(head_dim_v=32, schedule=sched, softmax_scale=0.1, causal=True)
+    with pytest.raises(TypeError, match="causal"):  # no default: sgl-kernel's is False, ours was True
+        ops.flash_mla_with_kvcache(q, kv, table, lens, head_dim_v=32, schedule=sched, softmax_scale=0.1)
     with pytest.raises(TypeError, match="^schedule must be a FlashMLASchedule"):
         ops.flash_mla_with_kvcache(q, kv, table, lens, **{**kw, "schedule": None})
     with pytest.raises(ValueError, match="^head_dim_v must be <="):

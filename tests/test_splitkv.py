@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_ops import build_flashmla, flashmla_oracle, tolerances
+from ops_cases import build_flashmla, flashmla_oracle, tolerances
 
 from mla_fa3 import ops
 from mla_fa3.ops import KernelUnavailableError, SplitKVSchedule, validate
@@ -226,7 +226,8 @@ def test_impl_choice_on_cpu():
         with pytest.raises(KernelUnavailableError, match="split-KV Triton kernel unavailable"):
             ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
     with pytest.raises(ValueError, match="^impl='triton' runs only the split-KV ops"):
-        ops.flash_mla_with_kvcache(*args, **dict(kw, schedule=ops.FlashMLASchedule(Impl.REFERENCE)), impl="triton")
+        ops.flash_mla_with_kvcache(*args, **dict(kw, schedule=ops.FlashMLASchedule(Impl.REFERENCE)), causal=True,
+                                   impl="triton")
 
 
 def test_import_does_not_need_triton():

@@ -16,8 +16,7 @@ import math
 import pytest
 import torch
 
-from test_ops import BAD_PAGE
-from test_ops_gpu import check, cosine
+from ops_cases import BAD_PAGE, check, cosine
 
 from mla_fa3 import ops
 from mla_fa3.ops import Impl

@@ -328,14 +328,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     return cfg, a
 
 
-def write_outputs(rows: Sequence[roofline.DecodeRow], out_dir: str) -> list[str]:
-    """decode.csv, decode.md and (with matplotlib) decode_roofline.png under ``out_dir``; returns the paths."""
+def write_outputs(rows: Sequence[roofline.DecodeRow], out_dir: str, title: str | None = None) -> list[str]:
+    """decode.csv, decode.md and (with matplotlib) decode_roofline.png under ``out_dir``; returns the paths.
+    ``title``: the table's first line (a smoke run's label)."""
     os.makedirs(out_dir, exist_ok=True)
     ceil = h200_ceilings()
     paths = [os.path.join(out_dir, "decode.csv"), os.path.join(out_dir, "decode.md")]
     roofline.write_csv(rows, paths[0])
     with open(paths[1], "w") as f:
-        f.write("# MLA decode benchmark\n\n" + roofline.markdown_table(rows, ceil) + "\n```\n" + summary(rows) + "```\n")
+        f.write("# MLA decode benchmark\n\n" + roofline.markdown_table(rows, ceil, title) + "\n```\n" + summary(rows)
+                + "```\n")
     png = os.path.join(out_dir, "decode_roofline.png")
     if roofline.plot_roofline(rows, png, ceil):
         paths.append(png)
@@ -359,10 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no CUDA device: run on the H200, or pass --device cpu for a smoke run on the reference", file=sys.stderr)
         return 2
     rows = sweep(cfg)
-    print(roofline.markdown_table(rows, h200_ceilings()))
+    label = roofline.smoke_label(cfg.device, cfg.impl)  # a CPU / reference run must not read as H200 FA3
+    print(roofline.markdown_table(rows, h200_ceilings(), label))
     print(summary(rows))
     if args.out:
-        for path in write_outputs(rows, args.out):
+        for path in write_outputs(rows, args.out, label):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

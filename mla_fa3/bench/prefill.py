@@ -34,6 +34,7 @@ import torch
 
 from mla_fa3 import absorb
 from mla_fa3.batch import ForwardBatch
+from mla_fa3.bench.roofline import smoke_label
 from mla_fa3.bench.timing import Progress, time_cuda
 from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill
 from mla_fa3.kv.pools import MLATokenPool
@@ -205,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prog.step(f"heads {h} new {n} prefix {pre}: absorbed {row.absorbed_ms:.3f} ms, "
                       f"{row.mha_path} {row.mha_ms:.3f} ms, auto {row.auto_path} ({row.auto_over_best:.3f}x best)")
             write_csv(rows, out)  # keep partial results if the run is cut short
-    print(table(rows))
+    label = smoke_label(device.type)  # a CPU run must not read as an H200 FA3 measurement
+    print((label + "\n\n" if label else "") + table(rows))
     wrong = [r for r in rows if r.auto_over_best > 1.0]
     worst = max((r.auto_over_best for r in rows), default=1.0)
     print(f"\nauto chose the faster path in {len(rows) - len(wrong)}/{len(rows)} shapes; worst auto/best {worst:.3f}")

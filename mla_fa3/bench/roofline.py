@@ -10,13 +10,16 @@ and ``d_rope`` = 64 (DeepSeek-V3; rows of ``r + d_rope`` = 576 bf16 values):
 The arithmetic intensity FLOPs / bytes = 2·H·1088 / 1152 ≈ 1.89·H FLOP/B does not depend on batch
 or context; the H200 ridge is C / BW ≈ 184 FLOP/B, so 16-64 heads are memory bound and 128 heads
 compute bound. ``DecodeRow`` is one measured shape; ``write_csv`` / ``read_csv`` / ``markdown_table``
-/ ``plot_roofline`` produce the benchmark's files (matplotlib is optional).
+/ ``plot_roofline`` produce the benchmark's files. ``python -m mla_fa3.bench.roofline --decode-csv D
+--prefill-csv P --out DIR`` redraws the plots from recorded CSVs (matplotlib: an optional import, used
+only by the plots).
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -129,8 +132,9 @@ def read_csv(path: str) -> list[DecodeRow]:
     return rows
 
 
-def markdown_table(rows: Iterable[DecodeRow], ceilings: Ceilings) -> str:
-    """Markdown summary: times in µs, achieved TB/s (memory bound) or TFLOP/s (compute bound), ratios."""
+def markdown_table(rows: Iterable[DecodeRow], ceilings: Ceilings, title: str | None = None) -> str:
+    """Markdown summary: times in µs, achieved TB/s (memory bound) or TFLOP/s (compute bound), ratios.
+    ``title`` replaces the first line (a CPU smoke run says so: :func:`smoke_label`)."""
 
     def us(t):
         return f"{1e3 * t:.1f}" if t else "—"
@@ -146,7 +150,7 @@ def markdown_table(rows: Iterable[DecodeRow], ceilings: Ceilings) -> str:
         return f"{x:.2f}" if x else "—"
 
     out = [
-        f"Per layer, bf16, DeepSeek-V3 latent (576), CUDA-graph replay. Roofline: {ceilings.name} "
+        title or f"Per layer, bf16, DeepSeek-V3 latent (576), CUDA-graph replay. Roofline: {ceilings.name} "
         f"{ceilings.read_bytes_per_s / 1e12:.1f} TB/s, {ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s.",
         "",
         "| H | bs | ctx | page | lengths | roofline µs | backend µs (kernel) | FA3 µs | FlashMLA µs "
@@ -165,35 +169,200 @@ def markdown_table(rows: Iterable[DecodeRow], ceilings: Ceilings) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_roofline(rows: Sequence[DecodeRow], path: str, ceilings: Ceilings) -> bool:
-    """Achieved TFLOP/s vs arithmetic intensity, with the two ceilings; False when matplotlib is missing."""
+# ------------------------------------------------------------------------------------------- labels
+def smoke_label(device: str, impl: str = "auto") -> str | None:
+    """The title of a run that is not an H200 FA3 measurement (a CPU device or impl=reference), else None."""
+    if device.startswith("cuda") and impl != "reference":
+        return None
+    where = "CPU" if not device.startswith("cuda") else f"{device} with impl=reference"
+    return (f"**{where} smoke run** on the pure-torch reference kernels, not FA3 / FlashMLA (kernel columns time "
+            "their references): no time here is an H200 measurement; H200 rooflines and cost models are shown "
+            "for scale only.")
+
+
+# ------------------------------------------------------------------------------------------- plots
+# Heat maps over batch x context, one panel per head count and one panel row per (page, lengths):
+#   decode_backend_vs_best.png  backend step / min(FA3, FlashMLA)   (< 1: the backend beat both kernels)
+#   decode_roofline.png         min(FA3, FlashMLA) / roofline       (1 = at the roofline)
+# prefill_paths.png: absorbed and MHA time over the cached prefix, auto's choice circled.
+DECODE_METRICS = {
+    "backend_over_best": "backend step / faster kernel alone (FA3 or FlashMLA); < 1: the backend beats both",
+    "best_over_roofline": "faster kernel / roofline (1 = at the roofline)",
+}
+
+
+def decode_metric(row: DecodeRow, metric: str) -> float | None:
+    """``backend_over_best`` or ``best_over_roofline`` of one row (None where a time is missing)."""
+    best = row.best_kernel_ms
+    if metric == "backend_over_best":
+        return row.backend_ms / best if row.backend_ms and best else None
+    if metric == "best_over_roofline":
+        return best / row.roofline_ms if best else None
+    raise ValueError(f"metric must be one of {sorted(DECODE_METRICS)}, got {metric!r}")
+
+
+def decode_grid(rows: Sequence[DecodeRow], metric: str, *, heads: int, page: int, lengths: str):
+    """(batches, contexts, values[batch index][context index] or None) of one heat-map panel."""
+    cells = [r for r in rows if (r.heads, r.page, r.lengths) == (heads, page, lengths)]
+    batches = sorted({r.batch for r in rows})
+    contexts = sorted({r.context for r in rows})
+    values = [[None] * len(contexts) for _ in batches]
+    for r in cells:
+        values[batches.index(r.batch)][contexts.index(r.context)] = decode_metric(r, metric)
+    return batches, contexts, values
+
+
+def _pyplot():
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot_decode_heatmaps(rows: Sequence[DecodeRow], path: str, metric: str, title: str = "") -> bool:
+    """One heat map per (page, lengths) x heads of ``metric`` (see DECODE_METRICS); False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return False
-    bw, peak = ceilings.read_bytes_per_s, ceilings.bf16_flops_per_s
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    ai_all = [r.flops / r.bytes for r in rows] or [10.0]
-    lo, hi = min(ai_all + [1.0]) / 2, max(ai_all + [2 * peak / bw]) * 2
-    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(xs, [min(bw * x, peak) / 1e12 for x in xs], "k-", lw=1.5,
-            label=f"roofline ({bw / 1e12:.1f} TB/s, {peak / 1e12:.0f} TFLOP/s)")
-    styles = {"fa3_ms": ("FA3", "o"), "flashmla_ms": ("FlashMLA", "s"), "backend_ms": ("backend step", "^")}
-    for field, (label, marker) in styles.items():
-        pts = [(r.flops / r.bytes, r.flops / (getattr(r, field) * 1e-3) / 1e12) for r in rows if getattr(r, field)]
-        if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, s=18, alpha=0.7, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte of latent cache)")
-    ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title("MLA decode per layer (bf16, DeepSeek-V3 latent 576)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from matplotlib.colors import LogNorm, TwoSlopeNorm
+
+    vals = [v for v in (decode_metric(r, metric) for r in rows) if v]
+    if not vals:
+        return False
+    slices = sorted({(r.page, r.lengths) for r in rows}, key=lambda s: (-s[0], s[1]))
+    heads = sorted({r.heads for r in rows})
+    if metric == "backend_over_best":
+        cmap, norm = "RdYlGn_r", TwoSlopeNorm(vmin=min(min(vals), 0.9), vcenter=1.0, vmax=max(max(vals), 1.1))
+    else:
+        cmap, norm = "YlOrRd", LogNorm(vmin=min(1.0, min(vals)), vmax=max(max(vals), 1.5))
+    fig, axes = plt.subplots(len(slices), len(heads), figsize=(3.4 * len(heads) + 1.5, 2.9 * len(slices) + 1.2),
+                             squeeze=False, constrained_layout=True)
+    image = None
+    for i, (page, lengths) in enumerate(slices):
+        for j, h in enumerate(heads):
+            ax = axes[i][j]
+            batches, contexts, grid = decode_grid(rows, metric, heads=h, page=page, lengths=lengths)
+            data = [[float("nan") if v is None else v for v in line] for line in grid]
+            image = ax.imshow(data, origin="lower", aspect="auto", cmap=cmap, norm=norm)
+            for bi, line in enumerate(grid):
+                for ci, v in enumerate(line):
+                    if v is not None:
+                        ax.text(ci, bi, f"{v:.2f}" if v < 10 else f"{v:.0f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(contexts)), [_k(c) for c in contexts], fontsize=8)
+            ax.set_yticks(range(len(batches)), [str(b) for b in batches], fontsize=8)
+            ax.set_title(f"H = {h}, page {page}, {lengths}", fontsize=9)
+            if i == len(slices) - 1:
+                ax.set_xlabel("context (longest KV length)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("batch", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label=DECODE_METRICS[metric])
+    fig.suptitle(title or f"MLA decode per layer: {DECODE_METRICS[metric]}", fontsize=11)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_roofline(rows: Sequence[DecodeRow], path: str, ceilings: Ceilings) -> bool:
+    """The decode benchmark's plots: ``path`` gets best kernel / roofline, and ``decode_backend_vs_best.png``
+    next to it backend / best kernel (heat maps, see :func:`plot_decode_heatmaps`); False without matplotlib."""
+    roof = f"{ceilings.name} roofline ({ceilings.read_bytes_per_s / 1e12:.1f} TB/s, " \
+           f"{ceilings.bf16_flops_per_s / 1e12:.0f} TFLOP/s)"
+    ok = plot_decode_heatmaps(rows, path, "best_over_roofline",
+                              f"MLA decode per layer, bf16: faster kernel (FA3 or FlashMLA) / {roof}")
+    sibling = os.path.join(os.path.dirname(path), "decode_backend_vs_best.png")
+    return plot_decode_heatmaps(rows, sibling, "backend_over_best",
+                                "MLA decode per layer, bf16: whole backend step / faster kernel alone") and ok
+
+
+def read_prefill_csv(path: str) -> list[dict]:
+    """Rows of the prefill benchmark's CSV (``mla_fa3.bench.prefill``), numbers converted."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if v and k not in ("mha_path", "auto_path", "best_path"):
+                r[k] = float(v) if any(c in v for c in ".eE") else int(v)
+    return rows
+
+
+def plot_prefill(rows: Sequence[dict], path: str) -> bool:
+    """Absorbed vs MHA time over the cached prefix, one panel per (heads, new tokens), auto's pick circled."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return False
+    from matplotlib.ticker import FuncFormatter
+
+    heads, news = sorted({r["heads"] for r in rows}), sorted({r["new"] for r in rows})
+    fig, axes = plt.subplots(len(heads), len(news), figsize=(3.3 * len(news) + 0.5, 2.9 * len(heads) + 1.0),
+                             squeeze=False, constrained_layout=True)
+    for i, h in enumerate(heads):
+        for j, n in enumerate(news):
+            ax, cell = axes[i][j], sorted((r for r in rows if (r["heads"], r["new"]) == (h, n)),
+                                          key=lambda r: r["prefix"])
+            x = list(range(len(cell)))
+            ax.plot(x, [r["absorbed_ms"] for r in cell], "o-", color="tab:blue", label="absorbed")
+            ax.plot(x, [r["mha_ms"] for r in cell], "s-", color="tab:orange", label="MHA (one-shot; chunked over a prefix)")
+            ax.scatter(x, [r["auto_ms"] for r in cell], s=160, facecolors="none", edgecolors="black", lw=1.5,
+                       label="auto's choice", zorder=3)
+            wrong = [(k, r["auto_ms"]) for k, r in enumerate(cell) if r["auto_over_best"] > 1.0]
+            if wrong:
+                ax.scatter(*zip(*wrong), marker="x", color="red", s=70, label="auto chose the slower", zorder=4)
+            ax.set_yscale("log")
+            for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                axis(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "125" else ""))
+            ax.set_xticks(x, [_k(r["prefix"]) for r in cell], fontsize=8)
+            ax.set_title(f"H = {h}, {n} new tokens", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(heads) - 1:
+                ax.set_xlabel("cached prefix tokens", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("ms per layer", fontsize=8)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    ws = sorted({r["workspace"] for r in rows})
+    fig.suptitle(f"MLA prefill per layer, bf16, page {rows[0]['page']}, MHA workspace {ws[0]} tokens: "
+                 "both paths and what auto picks", fontsize=11)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Plots from recorded CSVs: ``python -m mla_fa3.bench.roofline --decode-csv D --prefill-csv P --out DIR``."""
+    import argparse
+    import sys
+
+    from mla_fa3.bench.timing import h200_ceilings
+
+    p = argparse.ArgumentParser(prog="python -m mla_fa3.bench.roofline", description=main.__doc__)
+    p.add_argument("--decode-csv", help="decode benchmark CSV (decode.csv)")
+    p.add_argument("--prefill-csv", help="prefill benchmark CSV (prefill.csv)")
+    p.add_argument("--out", default=".", help="directory for the PNGs")
+    args = p.parse_args(argv)
+    if _pyplot() is None:
+        print("plots need matplotlib: pip install matplotlib (or the mla-fa3[plot] extra)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    written = []
+    if args.decode_csv:
+        png = os.path.join(args.out, "decode_roofline.png")
+        if plot_roofline(read_csv(args.decode_csv), png, h200_ceilings()):
+            written += [png, os.path.join(args.out, "decode_backend_vs_best.png")]
+    if args.prefill_csv:
+        png = os.path.join(args.out, "prefill_paths.png")
+        if plot_prefill(read_prefill_csv(args.prefill_csv), png):
+            written.append(png)
+    for path in written:
+        print(f"wrote {path}")
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -101,7 +101,9 @@ class DeepseekConfig:
             c = hf_config.to_dict()
         else:
             raise TypeError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
-        model_type = c.get("model_type", "deepseek_v3")
+        model_type = c.get("model_type")
+        if model_type is None:  # never guessed: a config of another architecture would load as V3
+            raise ValueError(f"hf_config.model_type is required, one of {_MODEL_TYPES}")
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"hf_config.model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
         v3 = model_type != "deepseek_v2"

@@ -15,7 +15,9 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
   ``model.layers.{N}``) and ``rotary_emb.inv_freq`` buffers are ignored on purpose.
 
 Every name and shape is checked against the model *before* any tensor data is read; a missing,
-unexpected or mis-shaped tensor raises :class:`CheckpointError` naming it.
+unexpected or mis-shaped tensor raises :class:`CheckpointError` naming it. So do unreadable files: a
+truncated or corrupt ``.safetensors`` file, bad JSON in ``config.json`` / the index /
+``generation_config.json``, a config without ``model_type`` — each error names the file.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -34,7 +36,10 @@ from torch import Tensor
 from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from mla_fa3.models.fp8 import FP8_DTYPE, dequantize_block_fp8
 
-__all__ = ["CheckpointError", "read_config", "checkpoint_files", "iter_checkpoint_tensors", "load_model"]
+__all__ = ["CheckpointError", "read_config", "read_json", "eos_token_ids", "checkpoint_files", "check_checkpoint",
+           "iter_checkpoint_tensors", "load_model"]
+
+LoadProgress = Callable[[str, int, int], None]  # ("load", tensors copied, tensors in all)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_SUFFIX = "_scale_inv"
@@ -49,22 +54,62 @@ class CheckpointError(ValueError):
         self.names = list(names or [])
 
 
+def read_json(file: str) -> dict:
+    """A JSON object from ``file``; CheckpointError naming the file when it is not one."""
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is not valid JSON: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_config(path: str) -> tuple[DeepseekConfig, dict]:
-    """``config.json`` of a checkpoint dir -> (DeepseekConfig, the raw dict)."""
+    """``config.json`` of a checkpoint dir -> (DeepseekConfig, the raw dict); errors name the file."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"path must be a checkpoint directory with config.json, none at {cfg_path}")
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    return DeepseekConfig.from_hf(raw), raw
+    raw = read_json(cfg_path)
+    if not raw.get("model_type"):
+        raise CheckpointError(f"{cfg_path} has no model_type; refusing to guess the architecture "
+                              "(expected deepseek_v2, deepseek_v3 or kimi_k2)")
+    try:
+        return DeepseekConfig.from_hf(raw), raw
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{cfg_path}: {exc}") from exc
+
+
+def eos_token_ids(path: str, raw_config: dict) -> list[int]:
+    """The EOS ids generation stops at: ``generation_config.json``'s ``eos_token_id`` when the file exists
+    (as transformers does), else ``config.json``'s; an int or a list in either; [] when unset."""
+    gen_path = os.path.join(path, "generation_config.json")
+    source, where = (read_json(gen_path), gen_path) if os.path.isfile(gen_path) else (raw_config, "config.json")
+    eos = source.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{where}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return ids
+
+
+def _open(file: str):
+    """``safe_open`` that names the file when its header cannot be read (truncated / not safetensors)."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as exc:  # safetensors' SafetensorError is a bare Exception subclass; OSError too
+        raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
     """Tensor name -> absolute shard path, from the index or the single ``model.safetensors``."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map")
         files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
@@ -75,7 +120,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
         raise CheckpointError(f"path {path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -92,7 +137,7 @@ def _read_meta(files: dict[str, str]) -> dict[str, _Meta]:
         by_file[file].append(name)
     meta = {}
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -127,14 +172,14 @@ def iter_checkpoint_tensors(path: str, cfg: DeepseekConfig, raw_config: dict, *,
         if not name.endswith(_SCALE_SUFFIX) and not _is_ignored(name, cfg):
             by_file[file].append(name)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _open(file) as f:
             for name in names:
                 t = f.get_tensor(name)
                 if t.dtype == FP8_DTYPE:
                     scale_name = name + _SCALE_SUFFIX
                     if scale_name not in files:
                         raise CheckpointError(f"{scale_name} missing for the FP8 tensor {name}", [scale_name])
-                    with safe_open(files[scale_name], framework="pt") as fs:
+                    with _open(files[scale_name]) as fs:
                         scale = fs.get_tensor(scale_name)
                     try:
                         t = dequantize_block_fp8(t, scale, block, dtype=dtype)
@@ -210,12 +255,23 @@ def _check_names_and_shapes(meta: dict[str, _Meta], dest: dict[str, Tensor], fus
         raise CheckpointError(f"unexpected tensor(s) in the checkpoint: {', '.join(orphans[:5])}", orphans)
 
 
+def check_checkpoint(path: str) -> tuple[DeepseekConfig, dict]:
+    """Read ``config.json`` and every safetensors header of ``path`` (no tensor data): (config, raw dict).
+
+    Raises CheckpointError naming the file that cannot be read. ``load_model`` does the same and more
+    (names and shapes against the model); this is the cheap early check for callers that load elsewhere."""
+    cfg, raw = read_config(path)
+    _read_meta(checkpoint_files(path))
+    return cfg, raw
+
+
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               config: DeepseekConfig | None = None) -> DeepseekForCausalLM:
+               config: DeepseekConfig | None = None, progress: LoadProgress | None = None) -> DeepseekForCausalLM:
     """Build the model of ``path/config.json`` and load its weights (FP8 dequantized to ``dtype``).
 
     Returns the model in eval mode with every layer's AttentionLayer prepared (W_UK / W_UV derived).
-    Raises CheckpointError (a ValueError) naming the first offending tensor.
+    Raises CheckpointError (a ValueError) naming the first offending tensor or unreadable file.
+    ``progress("load", i, n)`` is called after each of the n tensors is copied (the CLI draws a bar).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -230,10 +286,14 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
     model.rotary.reset_buffers()
     dest, fused_alt = _plan(model)
     block = _block_size(raw)
-    _check_names_and_shapes(_read_meta(checkpoint_files(path)), dest, fused_alt, cfg, block)
+    meta = _read_meta(checkpoint_files(path))
+    _check_names_and_shapes(meta, dest, fused_alt, cfg, block)
+    total = sum(1 for n in meta if not n.endswith(_SCALE_SUFFIX) and not _is_ignored(n, cfg))
     with torch.no_grad():
-        for name, t in iter_checkpoint_tensors(path, cfg, raw, dtype=dtype):
+        for i, (name, t) in enumerate(iter_checkpoint_tensors(path, cfg, raw, dtype=dtype)):
             dest[name].copy_(t)
+            if progress is not None:
+                progress("load", i + 1, total)
     model.eval()
     model.prepare_attention()
     return model

@@ -14,7 +14,9 @@
 :func:`random_hf_model` builds transformers' own model (eager attention, float32) and fills every
 weight from a seeded generator at scales that give O(1) activations and well-separated logits.
 :func:`save_hf_checkpoint` writes ``config.json`` + ``model.safetensors`` through ``save_pretrained``
-(DeepSeek's per-expert tensor names).
+(DeepSeek's per-expert tensor names), and a tiny tokenizer (:func:`tiny_tokenizer`: word level,
+lower-cased, split on whitespace, one id per word of ``TOKENIZER_WORDS`` then ``w<i>`` fillers up to
+the vocabulary size, with a chat template) so that text prompts work — all built here, no downloads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import math
 
 import torch
 
-__all__ = ["TINY_CONFIGS", "hf_config", "random_hf_model", "randomize_", "save_hf_checkpoint"]
+__all__ = ["TINY_CONFIGS", "TOKENIZER_WORDS", "hf_config", "random_hf_model", "randomize_", "save_hf_checkpoint",
+           "tiny_tokenizer"]
+
+TOKENIZER_SPECIALS = ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>")  # ids 0 .. 4
+TOKENIZER_WORDS = ("the", "a", "of", "and", "to", "is", "in", "it", "that", "hello", "world", "attention",
+                   "latent", "cache", "page", "token", "model", "deep", "seek", "head", "query", "key",
+                   "value", "fast", "kernel", "what", "why", "how", "tell", "me", "about", "you", "i",
+                   "write", "story", "once", "upon", "time", "there", "was")
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 _YARN = {"rope_type": "yarn", "type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
          "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
@@ -117,8 +128,25 @@ def random_hf_model(name_or_kwargs="tiny_v3", seed: int = 0, **overrides):
     return randomize_(model.eval(), seed)
 
 
-def save_hf_checkpoint(model, path: str) -> str:
-    """``save_pretrained`` as safetensors (config.json + model.safetensors); returns ``path``."""
+def tiny_tokenizer(vocab_size: int):
+    """A word-level ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` ids (specials, words, fillers)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_words = list(TOKENIZER_SPECIALS) + list(TOKENIZER_WORDS)
+    vocab_words += [f"w{i}" for i in range(max(0, vocab_size - len(vocab_words)))]
+    vocab = {w: i for i, w in enumerate(vocab_words[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=list(TOKENIZER_SPECIALS[3:]),
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def save_hf_checkpoint(model, path: str, *, tokenizer: bool = True) -> str:
+    """``save_pretrained`` as safetensors (config.json + model.safetensors), plus the tiny tokenizer
+    of the model's vocabulary size unless ``tokenizer=False``; returns ``path``."""
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -128,4 +156,6 @@ def save_hf_checkpoint(model, path: str) -> str:
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+    if tokenizer:
+        tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path

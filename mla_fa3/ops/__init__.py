@@ -7,8 +7,10 @@ combinations — never tensor values, so no GPU sync), then runs either
                        the only module that imports ``sgl_kernel``), or
 * ``Impl.REFERENCE`` — the pure-torch reference (``reference.py``): fp32 accumulation, any device.
 
-``Impl.AUTO`` (the default) picks FA3 when the tensors live on a CUDA device of capability (9, 0) and
-``sgl_kernel`` imports, else REFERENCE. The per-call ``impl=`` argument overrides the global choice
+``Impl.AUTO`` (the default) picks FA3 on CUDA tensors and REFERENCE on any other device. On a CUDA
+device where FA3 cannot run (no sm90, sgl_kernel missing or built for another torch) AUTO raises
+``FA3UnavailableError`` saying why, instead of silently running the slow reference; pass
+``impl="reference"`` to run the reference on a GPU on purpose. The per-call ``impl=`` argument overrides the global choice
 (``set_impl`` / ``use_impl``); ``last_impl()`` says which implementation the most recent call ran.
 
 Symbols: T new query tokens of a batch (token-major, request by request), bs requests, H query heads,
@@ -34,12 +36,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
 from . import fa3, reference, validate
+from .fa3 import FA3UnavailableError
 from .splitkv_plan import SplitKVSchedule
 from .types import (
     FLASHMLA_PAGE_SIZE,
@@ -55,6 +57,7 @@ from .types import (
 __all__ = [
     "Impl",
     "KernelUnavailableError",
+    "FA3UnavailableError",
     "FlashMLASchedule",
     "LSE_BASE",
     "FLASHMLA_PAGE_SIZE",
@@ -136,50 +139,28 @@ def last_impl() -> Optional[Impl]:
     return _last_impl
 
 
-@functools.lru_cache(maxsize=None)
-def _device_is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def _fa3_usable_on(device: torch.device) -> bool:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_is_sm90(index) and fa3.import_error() is None
+    return fa3.why_unavailable(device) is None
 
 
 def fa3_available() -> bool:
     """True when a CUDA device of capability (9, 0) is present and ``sgl_kernel`` imports."""
     if not torch.cuda.is_available():
         return False
-    return _device_is_sm90(torch.cuda.current_device()) and fa3.import_error() is None
+    return _fa3_usable_on(torch.device("cuda", torch.cuda.current_device()))
 
 
 def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
+    """AUTO -> FA3 where it runs, REFERENCE off CUDA; FA3UnavailableError (why) for FA3 / AUTO on CUDA."""
     chosen = _global_impl if impl is None else _coerce_impl(impl)
     if chosen is Impl.TRITON:
         raise ValueError("impl='triton' runs only the split-KV ops (splitkv_mla_with_kvcache); use fa3/reference/auto")
-    if chosen is Impl.AUTO:
-        if _fa3_usable_on(device):
-            return Impl.FA3
-        if device.type == "cuda":
-            _warn_reference_on_cuda(device)
+    if chosen is Impl.REFERENCE or (chosen is Impl.AUTO and device.type != "cuda"):
         return Impl.REFERENCE
-    if chosen is Impl.FA3 and not _fa3_usable_on(device):
-        raise KernelUnavailableError(fa3.unavailable_message(device))
-    return chosen
-
-
-_warned_reference_on_cuda = False
-
-
-def _warn_reference_on_cuda(device: torch.device) -> None:
-    """AUTO fell back to the (slow, syncing, not graph-capturable) reference on a GPU: say so, once."""
-    global _warned_reference_on_cuda
-    if not _warned_reference_on_cuda:
-        _warned_reference_on_cuda = True
-        warnings.warn(f"mla_fa3.ops: impl=auto runs the pure-torch reference on {device}: "
-                      f"{fa3.unavailable_message(device)}", RuntimeWarning, stacklevel=3)
+    error = fa3.unavailable_error(device, auto=chosen is Impl.AUTO)
+    if error is not None:
+        raise error
+    return Impl.FA3
 
 
 def _run_attention(chosen: Impl, name: str, args, return_lse: bool):
@@ -318,7 +299,7 @@ def flash_mla_with_kvcache(
     head_dim_v: int,
     schedule: FlashMLASchedule,
     softmax_scale: float,
-    causal: bool = True,
+    causal: bool,
     descale_q: Optional[Tensor] = None,
     descale_k: Optional[Tensor] = None,
     return_lse: bool = False,
@@ -328,7 +309,9 @@ def flash_mla_with_kvcache(
 
     q ``[bs, sq, H, D]`` (D = r + d_rope = 576: q_lat | q_rope), kv_cache ``[num_pages, page_size, 1, D]``
     (c_kv | k_rope), page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``.
-    score = scale · q·kv (all D), value = kv[..., :head_dim_v]; causal bottom-right.
+    score = scale · q·kv (all D), value = kv[..., :head_dim_v]. ``causal`` has no default (sgl-kernel's
+    is False, ours was True: code ported either way must say which; bottom-right aligned when True,
+    and it only matters for sq > 1). Other differences from sgl-kernel: docs/SGL_KERNEL_DIFFERENCES.md.
     FP8: e4m3 q and cache with descale_q / descale_k of shape (1,) float32 (schedule planned with
     is_fp8=True); output bf16. Returns out ``[bs, sq, H, head_dim_v]``, or (out, lse ``[bs, sq, H]``).
     """
@@ -363,8 +346,9 @@ def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
     here = device.type == "cuda" and torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     usable = here and not isinstance(_splitkv_kernels(), str)
     if chosen is Impl.AUTO:
-        if not usable and device.type == "cuda":
-            _warn_reference_on_cuda(device)
+        if not usable and device.type == "cuda":  # never a silent fall-back to the reference on a GPU
+            raise KernelUnavailableError(f"split-KV Triton kernel unavailable on {device}: {_splitkv_kernels()}; "
+                                         "pass impl='reference' to run the torch reference")
         return Impl.TRITON if usable else Impl.REFERENCE
     if chosen is Impl.TRITON and not usable:
         why = _splitkv_kernels() if here else f"the tensors are on {device}, it needs a CUDA device"

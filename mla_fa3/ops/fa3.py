@@ -14,12 +14,22 @@ fixed here, with shape-only tensor ops (no device->host sync, legal inside CUDA-
 * ``merge_state_v2`` treats any infinite lse as empty but returns NaN when both sides are empty:
   such rows are rewritten to o 0, lse -inf.
 Rows with ``bs == 0`` or no query tokens return empty tensors without launching a kernel.
+
+Pairing: an sgl-kernel wheel is compiled against one torch ABI (``SGL_KERNEL_TORCH``). Importing this
+module checks the installed pair (package metadata only, ``sgl_kernel`` itself is not imported) and
+logs one line when they do not pair. :func:`why_unavailable` says why FA3 cannot run on a device
+(:class:`Unavailable`); ``ops`` raises it as :class:`FA3UnavailableError` — also for ``impl=auto`` on a
+CUDA tensor, where running the reference instead would be a silent 100x slowdown.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import importlib.metadata
+import importlib.util
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -28,10 +38,77 @@ from .types import FlashMLASchedule, Impl, KernelUnavailableError
 from .calls import FlashMLACall, KVCacheCall, VarlenCall
 
 Tensor = torch.Tensor
+logger = logging.getLogger(__name__)
+
+SGL_KERNEL_TORCH = {"0.4.5": "2.11"}  # sglang-kernel release -> the torch (major.minor) its wheel is built for
+_DIST_NAMES = ("sglang-kernel", "sgl-kernel")  # the PyPI names sgl-kernel has been published under
 INSTALL_HINT = (
-    'install the GPU extra: pip install "mla-fa3[gpu]" (sglang-kernel 0.4.5, the CUDA 13 build matching '
-    "torch 2.11) and run on a Hopper (sm90) GPU; or pass impl='reference'"
+    'install the GPU extra: pip install "mla-fa3[gpu]" (torch 2.11 with sglang-kernel 0.4.5, its CUDA 13 '
+    "build) and run on a Hopper (sm90) GPU; or pass impl='reference'"
 )
+
+
+class Unavailable(enum.Enum):
+    """Why FA3 cannot run on a device."""
+
+    NOT_CUDA = "not_cuda"  # the tensors are not on a CUDA device
+    NO_CUDA = "no_cuda"  # torch sees no CUDA device
+    WRONG_ARCH = "wrong_arch"  # the device is not sm90 (Hopper)
+    SGL_KERNEL_MISSING = "sgl_kernel_missing"  # sgl_kernel is not installed
+    VERSION_MISMATCH = "version_mismatch"  # sgl_kernel was built for another torch and does not import
+    IMPORT_FAILED = "import_failed"  # sgl_kernel is installed but does not import (other causes)
+
+
+class FA3UnavailableError(KernelUnavailableError):
+    """FA3 cannot run on the tensors' device; ``reason`` (an :class:`Unavailable`) says why.
+
+    Raised for ``impl='fa3'``, and for ``impl='auto'`` on a CUDA tensor (``auto`` runs the reference
+    only off CUDA; on a GPU choose ``impl='reference'`` explicitly to run it there)."""
+
+    def __init__(self, message: str, reason: Unavailable) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_sgl_kernel() -> Optional[str]:
+    """The installed sgl-kernel distribution's version (package metadata), or None."""
+    for name in _DIST_NAMES:
+        version = _dist_version(name)
+        if version is not None:
+            return version
+    return None
+
+
+def version_mismatch(sgl_kernel_version: Optional[str] = None, torch_version: Optional[str] = None) -> Optional[str]:
+    """One line when the installed sglang-kernel was built for another torch than the installed one, else None.
+
+    Defaults: the installed versions. Releases missing from ``SGL_KERNEL_TORCH`` are not judged."""
+    sk = installed_sgl_kernel() if sgl_kernel_version is None else sgl_kernel_version
+    tv = torch.__version__ if torch_version is None else torch_version
+    if sk is None:
+        return None
+    want = SGL_KERNEL_TORCH.get(sk.split("+")[0])
+    have = ".".join(tv.split("+")[0].split(".")[:2])
+    if want is None or have == want:
+        return None
+    return (f"sglang-kernel {sk} is built for torch {want}.*, but torch {tv} is installed: pair them with "
+            f"pip install \"torch=={want}.*\" \"sglang-kernel=={sk}\" (the mla-fa3[gpu] extra), or install "
+            f"the sglang-kernel release built for torch {have}")
+
+
+def report_version_mismatch() -> Optional[str]:
+    """Log the one-line pairing message (run once at import); returns it, or None when the pair is fine."""
+    message = version_mismatch()
+    if message is not None:
+        logger.warning("mla_fa3.ops: %s", message)
+    return message
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,17 +121,47 @@ def import_error() -> Optional[str]:
     return None
 
 
-def unavailable_message(device: torch.device) -> str:
-    """Why impl=FA3 cannot run on ``device``, with what to do about it."""
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def why_unavailable(device: torch.device) -> Optional[Tuple[Unavailable, str]]:
+    """None when FA3 can run on ``device``, else (reason, a one-line explanation)."""
     if device.type != "cuda":
-        reason = f"the tensors are on {device}, FA3 needs a CUDA device"
-    elif not torch.cuda.is_available():
-        reason = "CUDA is not available"
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        reason = f"{device} has compute capability {torch.cuda.get_device_capability(device)}, FA3 needs (9, 0)"
-    else:
-        reason = f"sgl_kernel does not import ({import_error()})"
-    return f"FA3 unavailable: {reason}; {INSTALL_HINT}"
+        return Unavailable.NOT_CUDA, f"the tensors are on {device}, FA3 needs a CUDA device"
+    if not torch.cuda.is_available():
+        return Unavailable.NO_CUDA, "CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capability(index)
+    if cap != (9, 0):
+        return Unavailable.WRONG_ARCH, f"{device} has compute capability {cap}, FA3 needs (9, 0) (Hopper)"
+    error = import_error()
+    if error is None:
+        return None
+    if importlib.util.find_spec("sgl_kernel") is None:
+        return Unavailable.SGL_KERNEL_MISSING, "sgl_kernel is not installed"
+    mismatch = version_mismatch()
+    if mismatch is not None:
+        return Unavailable.VERSION_MISMATCH, f"sgl_kernel does not import ({error}): {mismatch}"
+    return Unavailable.IMPORT_FAILED, f"sgl_kernel does not import ({error})"
+
+
+def unavailable_error(device: torch.device, *, auto: bool = False) -> Optional[FA3UnavailableError]:
+    """The error to raise when FA3 cannot run on ``device`` (None when it can); ``auto``: impl=auto asked."""
+    why = why_unavailable(device)
+    if why is None:
+        return None
+    reason, text = why
+    prefix = "impl=auto on a CUDA tensor, but FA3 is unavailable" if auto else "FA3 unavailable"
+    hint = INSTALL_HINT + (" to run the slow pure-torch reference on the GPU on purpose" if auto else "")
+    return FA3UnavailableError(f"{prefix}: {text}; {hint}", reason)
+
+
+def unavailable_message(device: torch.device) -> str:
+    """Why impl=FA3 cannot run on ``device``, with what to do about it ("" when it can)."""
+    error = unavailable_error(device)
+    return "" if error is None else str(error)
 
 
 def _module(name: str):
@@ -173,3 +280,6 @@ def flash_mla_with_kvcache(call: FlashMLACall, *, return_lse: bool) -> Tuple[Ten
         return out, None
     bs, sq, H = q.shape[0], q.shape[1], q.shape[2]
     return out, _token_major(lse, (bs, H, sq), (0, 2, 1), (bs, sq, H))
+
+
+report_version_mismatch()
