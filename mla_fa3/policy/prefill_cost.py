@@ -136,8 +136,13 @@ def _host_lengths(values, name: str) -> list[int]:
     return out
 
 
-def decode_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> list[bool]:
-    """Per request: True for a decode row (one new token over a cached prefix), absorbed on every path."""
+def decode_rows(prefix_lens, extend_lens):
+    """Per request: True for a decode row (one new token over a cached prefix), absorbed on every path.
+
+    Sequences give a ``list[bool]``; CPU integer tensors give a bool tensor (``(n == 1) & (p > 0)``).
+    """
+    if isinstance(prefix_lens, torch.Tensor):
+        return (extend_lens == 1) & (prefix_lens > 0)
     return [n == 1 and p > 0 for p, n in zip(prefix_lens, extend_lens)]
 
 
