@@ -26,7 +26,7 @@ the index tensors (built once in the plan) that split ``q`` and scatter the outp
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -161,6 +161,9 @@ class PrefillPlan:
     workspace: PrefillWorkspace
     prefix_lens_cpu: Tensor  # [n_mha] int32, cpu — of the MHA requests
     extend_lens_cpu: Tensor  # [n_mha] int32, cpu
+    # the step's validated kernel calls per layer configuration (q shape/dtype, scale, impl, ...):
+    # filled by the first layer that runs with this plan (chunked_prefix), reused by every other one
+    calls: dict = field(default_factory=dict, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -129,13 +129,20 @@ def test_workspace_is_bounded_and_reused():
     _run(case, md, plan)
     ws = plan.workspace
     H, d = case.cfg.num_heads, case.cfg.dims
-    assert ws.nbytes == W * 4 * (d.latent_dim + H * d.qk_head_dim)  # fp32 latent rows + assembled K
-    assert ws.nbytes <= W * PrefillWorkspace.bytes_per_token(H, d, element_size=4)
+    # fp32 latent rows + per head [v | k_nope | k_rope]: exactly the byte budget's accounting
+    assert ws.nbytes == W * 4 * (d.latent_dim + H * (d.v_head_dim + d.qk_head_dim))
+    assert ws.nbytes == PrefillWorkspace.bytes_for(W, H, d, torch.float32)
     held = dict(ws._buffers)
     plan2 = build_prefill_plan(md, case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices, W,
                                spec.page_size, workspace=ws)
     _run(case, md, plan2)
     assert all(ws._buffers[k] is v for k, v in held.items())  # the same buffers, not new ones
+    # the first layer validated the step's calls; a second layer reuses them (and the workspace views)
+    assert len(plan2.calls) == 1
+    (calls,) = plan2.calls.values()
+    _run(case, md, plan2)
+    assert list(plan2.calls.values()) == [calls]
+    assert all(c.kv.data_ptr() == ws._buffers["kv"].data_ptr() for c in calls.chunks)
 
 
 # --------------------------------------------------------------------------------------------------
