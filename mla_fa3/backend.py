@@ -43,6 +43,7 @@ from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 from mla_fa3.plan import DECODE_KERNEL_AUTO, PathRecord, StepPlan, StepPlanner, mean_seqlen
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
+from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
 
 __all__ = ["MLABackend"]
 
@@ -73,7 +74,8 @@ class MLABackend:
 
     def __init__(self, *, req_to_token_pool, kv_pool, page_size: int, device, decode_kernel="fa3",
                  num_heads: int | None = None, mla_dims: MLADims | None = None, prefill_path: str = "auto",
-                 prefill_workspace_tokens: int = 8192, attention_chunk_size: int | None = None, impl=None,
+                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, prefill_workspace_tokens: int | None = None,
+                 attention_chunk_size: int | None = None, impl=None,
                  debug_checks: bool = False):
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
@@ -83,7 +85,10 @@ class MLABackend:
         mla_dims: the MLA layers' :class:`MLADims`; with ``num_heads`` they let the prefill cost model
             choose a path for extend steps (without them 'auto' extend steps run absorbed, as explained).
         prefill_path: 'auto' | 'absorbed' | 'mha' — override of the prefill cost model for extend-like steps;
-        prefill_workspace_tokens: prefix tokens decompressed per chunk by the chunked MHA prefill.
+        prefill_workspace_bytes: device memory of the chunked MHA prefill's workspace (default 512 MiB); the
+            prefix tokens decompressed per chunk follow from it and the head count
+            (``prefill_plan.workspace_tokens_for_bytes``: ~47k tokens at 16 heads, ~6.4k at 128, V3 dims bf16).
+        prefill_workspace_tokens: an explicit tokens-per-chunk override of that budget (tests, benchmarks).
         impl: ``ops`` implementation for every kernel call (None = the ops global setting).
         """
         self.device = torch.device(device)
@@ -109,8 +114,16 @@ class MLABackend:
         override = PrefillOverride.coerce(prefill_path)
         if override is PrefillOverride.MHA and (num_heads is None or mla_dims is None):
             raise ValueError("prefill_path='mha' needs num_heads and mla_dims (the MHA prefill's cost model)")
-        if check_int(prefill_workspace_tokens, "prefill_workspace_tokens") < page_size:
-            raise ValueError(f"prefill_workspace_tokens must be >= page_size {page_size}, got {prefill_workspace_tokens}")
+        check_int(prefill_workspace_bytes, "prefill_workspace_bytes")
+        if prefill_workspace_tokens is not None:
+            if check_int(prefill_workspace_tokens, "prefill_workspace_tokens") < page_size:
+                raise ValueError(f"prefill_workspace_tokens must be >= page_size {page_size}, got {prefill_workspace_tokens}")
+        elif num_heads is not None and mla_dims is not None and self.mla_pool is not None:
+            prefill_workspace_tokens = workspace_tokens_for_bytes(num_heads, mla_dims, prefill_workspace_bytes,
+                                                                  self.mla_pool.dtype, page_size=page_size)
+        else:  # no MHA prefill without heads and dims: the value is never used
+            prefill_workspace_tokens = page_size
+        self.prefill_workspace_tokens = prefill_workspace_tokens
         self.num_heads = num_heads
         self.impl = ops.coerce_impl(impl)
         ops.resolve_impl(self.impl, self.device)  # FA3 asked where it cannot run: a named error now

@@ -19,12 +19,29 @@ per score when many queries share the keys.
   new token, so no mask is needed, and the union of the key sets is exactly the causal set:
       l = ln Σ_i e^{l_i},    o = Σ_i o_i · e^{l_i − l}      (natural log: ``lse.merge_states``)
 
-Plan once per step, run per layer: the step's :class:`PrefillPlan` (``prefill_plan.py``, re-exported
-here with :func:`build_prefill_plan` and the rest of the plan) holds the chunks' index tensors;
-:func:`forward_mha_prefill` runs one layer with it. Not legal inside a CUDA graph (host loop over
-chunks; extend steps are never captured). Memory: every chunk reuses the plan's workspace
-(:class:`PrefillWorkspace`, ``W`` tokens of latent rows and assembled K); the per-chunk K_nope / V /
-output temporaries are bounded by ``W`` and the step's tokens.
+The step, written out (plan once per step in ``prefill_plan``; per layer, ``forward_mha_prefill``)::
+
+    calls = plan.calls[layer config] or validate every call once (first layer of the step)
+    kv_new = decompress(latent_new)                       # one GEMM + one rope copy into [N, H, d_v + d_qk]
+    o, l = attn_causal(q, k_new, v_new)                   # validated call, this layer's q
+    for chunk in plan.chunks:                             # ceil(P / W) chunks; W from the byte budget
+        lat = rows[chunk.slot_ids]                         # index_select into the workspace
+        kv  = decompress(lat)                              # one GEMM writes [v | k_nope], one copy k_rope
+        o_c, l_c = attn(q[chunk.q_lo:chunk.q_hi], kv[..., d_v:], kv[..., :d_v])   # non-causal
+        o, l = merge(o, l, o_c, l_c)                       # on the chunk's query rows
+
+Decompression layout: per token and head the workspace row is ``[v (d_v) | k_nope (d_nope) | k_rope
+(d_rope)]``, so ``k = row[d_v:]`` and ``v = row[:d_v]`` are views with a contiguous last dim (FA3's
+only stride rule) and the GEMM ``c_kv · [W_UVᵀ | W_UKᵀ]`` (``MLAWeights.w_vk``, one batched matmul over
+heads) writes both in place; k_rope (shared by the heads) is broadcast into its slice by one
+expand-copy — FA3 needs K's head dim contiguous, so the 64 rope columns exist once per head.
+
+Host work per layer and chunk: an index_select, a GEMM, a copy, a q slice and two pre-validated calls
+(``ops.prepare_* / run_*``: every shape/dtype/device check runs once per step, in the first layer, for
+every chunk; later layers only swap in their q). No host read of a device value, no allocation by
+this module (the ops allocate their outputs). Not legal inside a CUDA graph as is (extend steps are
+never captured). Memory: the plan's workspace (``W`` tokens of latent and ``[v | k]`` rows) and, per
+step, the new tokens' ``[v | k]`` rows.
 
 Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's sub-metadata
 (:class:`RowSplit`) while the other rows run MHA; the outputs come back in batch order.
@@ -32,34 +49,52 @@ Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from mla_fa3 import absorb, ops
-from mla_fa3.lse import NaturalLSE, merge_states
-from mla_fa3.prefill_plan import (PrefillPlan, PrefillWorkspace, PrefixChunk, RowSplit, build_prefill_plan,
-                                  plan_extend)
+from mla_fa3.ops.calls import MergeCall, VarlenCall
+from mla_fa3.layer import AttentionLayer
+from mla_fa3.metadata import AttentionMetadata
+from mla_fa3.prefill_plan import PrefillPlan
 
-__all__ = ["PrefixChunk", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend",
-           "decompress_latent", "forward_mha_prefill"]
+__all__ = ["decompress_latent", "forward_mha_prefill"]
 
 
 # ---------------------------------------------------------------------------------------------------
 # forward
 
 
-def decompress_latent(latent: Tensor, layer, *, out_k: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def decompress_latent(latent: Tensor, layer, *, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """latent [L, r + d_rope] -> (k [L, H, d_qk] = [W_UK·c_kv | k_rope], v [L, H, d_v] = W_UV·c_kv).
 
-    ``out_k`` (optional, [L, H, d_qk] contiguous) receives k (the chunk workspace).
+    Both are views of one ``[L, H, d_v + d_qk]`` buffer laid out ``[v | k_nope | k_rope]`` per head
+    (``out``, e.g. the workspace's; else a new one): one batched GEMM with ``MLAWeights.w_vk`` writes
+    ``[v | k_nope]``, one expand-copy broadcasts k_rope.
     """
-    dims, w = layer.mla, layer.mla_weights
-    r, dn = dims.kv_lora_rank, dims.qk_nope_head_dim
-    k_nope, v = absorb.decompress_kv(latent[:, :r], w)
-    k = out_k if out_k is not None else latent.new_empty(latent.shape[0], w.num_heads, dims.qk_head_dim)
-    k[..., :dn].copy_(k_nope)
-    k[..., dn:].copy_(latent[:, None, r:].expand(-1, w.num_heads, -1))
-    return k, v
+    dims = layer.mla
+    buf = out if out is not None else latent.new_empty(latent.shape[0], layer.num_heads, dims.v_head_dim + dims.qk_head_dim)
+    _Decompress(latent, buf, layer.num_heads, dims).run(layer.mla_weights.w_vk)
+    return buf[..., dims.v_head_dim:], buf[..., :dims.v_head_dim]
+
+
+class _Decompress:
+    """The views one decompression reads and writes, made once (per chunk and step) and run per layer."""
+
+    __slots__ = ("c_kv", "gemm_out", "rope_src", "rope_dst")
+
+    def __init__(self, latent: Tensor, buf: Tensor, H: int, dims):
+        r, L, vk = dims.kv_lora_rank, latent.shape[0], dims.v_head_dim + dims.qk_nope_head_dim
+        self.c_kv = latent[:, :r].unsqueeze(0).expand(H, L, r)  # stride-0 batch: no copy
+        self.gemm_out = buf[..., :vk].transpose(0, 1)  # [H, L, d_v + d_nope] written as [L, H, .]
+        self.rope_src = latent[:, None, r:].expand(L, H, dims.qk_rope_head_dim)
+        self.rope_dst = buf[..., vk:]
+
+    def run(self, w_vk: Tensor) -> None:
+        torch.bmm(self.c_kv, w_vk, out=self.gemm_out)
+        self.rope_dst.copy_(self.rope_src)
 
 
 def _flat_rows(kv: Tensor, width: int) -> Tensor:
@@ -75,7 +110,7 @@ def _flat_rows(kv: Tensor, width: int) -> Tensor:
 
 def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
     if not isinstance(plan, PrefillPlan):
-        raise TypeError(f"plan must be a PrefillPlan (metadata.prefill_plan), got {type(plan).__name__}")
+        raise TypeError(f"plan must be a PrefillPlan (the step plan's prefill), got {type(plan).__name__}")
     absorb.check_query(q, layer)
     if layer.sliding_window >= 0 or layer.use_local_attention:
         raise ValueError(f"layer {layer.layer_id}: the MHA prefill path has no sliding window / local "
@@ -96,49 +131,103 @@ def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
         raise ValueError(f"plan was built on {plan.cu_seqlens_q.device}, q is on {q.device}")
 
 
-def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, impl) -> Tensor:
-    """The MHA rows: causal attention over the new tokens, then every prefix chunk merged in."""
-    if latent is None:
-        latent = rows.index_select(0, plan.new_slot_ids)
-    k, v = decompress_latent(latent, layer)
-    common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, return_lse=True, impl=impl)
-    o, lse = ops.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_q, max_seqlen_q=plan.max_seqlen_q,
-        max_seqlen_k=plan.max_seqlen_q, causal=True, **common)
-    if not plan.chunks:
-        return o
-    lse = NaturalLSE(lse)
-    ws, H = plan.workspace, layer.num_heads
-    lat_buf = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)
-    k_buf = ws.buffer("k", (H, layer.mla.qk_head_dim), q.dtype, q.device)
-    del k, v
+@dataclass(frozen=True)
+class _ChunkCalls:
+    """One prefix chunk's buffers and validated calls for one layer configuration."""
+
+    latent: Tensor  # [num_keys, r + d_rope] workspace view: the gathered latent rows
+    kv: Tensor  # [num_keys, H, d_v + d_qk] workspace view: [v | k_nope | k_rope]
+    decompress: _Decompress  # latent -> kv
+    q_rows: slice  # the chunk's q rows (q_lo:q_hi)
+    attn: VarlenCall  # non-causal attention of the chunk's q rows over kv (q swapped per layer)
+    merge: MergeCall  # merge of the chunk's state into the running one on rows q_lo:q_hi
+    whole: bool  # the chunk's q rows are all the MHA rows (merge the whole state, no row slices)
+
+
+@dataclass(frozen=True)
+class _LayerCalls:
+    """Every call of one layer configuration in this step, validated once (first layer)."""
+
+    impl: ops.Impl  # resolved: FA3 or REFERENCE
+    latent_new: Tensor  # [N, r + d_rope]: the new rows when they are read back from the pool
+    kv_new: Tensor  # [N, H, d_v + d_qk]: the new tokens' [v | k]
+    attn_new: VarlenCall  # causal attention of the MHA rows over their own tokens
+    chunks: tuple[_ChunkCalls, ...]
+
+
+def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _LayerCalls:
+    """The step's validated calls for ``layer``'s configuration: cached on the plan, built by its first layer."""
+    dims = layer.mla
+    key = (q.shape, q.dtype, q.device, rows.dtype, dims, layer.scaling, layer.logit_cap,
+           ops.coerce_impl(impl) or ops.get_impl())
+    calls = plan.calls.get(key)
+    if calls is not None:
+        return calls
+    N, H, dv, dqk = q.shape[0], layer.num_heads, dims.v_head_dim, dims.qk_head_dim
+    common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, impl=impl)
+    kv_new = q.new_empty(N, H, dv + dqk)
+    chosen, attn_new = ops.prepare_flash_attn_varlen(
+        q, kv_new[..., dv:], kv_new[..., :dv], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_q,
+        max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_q, causal=True, **common)
+    chunks = []
+    if plan.chunks:
+        ws = plan.workspace
+        lat_buf = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)
+        kv_buf = ws.buffer("kv", (H, dv + dqk), q.dtype, q.device)
+        lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
+        o = q.new_empty(N, H, dv)
     for ch in plan.chunks:
-        lat = torch.index_select(rows, 0, ch.slot_ids, out=lat_buf[: ch.num_keys])
-        kc, vc = decompress_latent(lat, layer, out_k=k_buf[: ch.num_keys])
-        o_c, lse_c = ops.flash_attn_varlen_func(
-            q[ch.q_lo: ch.q_hi], kc, vc, cu_seqlens_q=ch.cu_seqlens_q, cu_seqlens_k=ch.cu_seqlens_k,
+        kv = kv_buf[: ch.num_keys]
+        q_c = q[ch.q_lo: ch.q_hi]
+        _, attn = ops.prepare_flash_attn_varlen(
+            q_c, kv[..., dv:], kv[..., :dv], cu_seqlens_q=ch.cu_seqlens_q, cu_seqlens_k=ch.cu_seqlens_k,
             max_seqlen_q=ch.max_seqlen_q, max_seqlen_k=ch.max_seqlen_k, causal=False, **common)
-        if ch.q_lo == 0 and ch.q_hi == q.shape[0]:
-            o, lse = merge_states(o, lse, o_c, NaturalLSE(lse_c), impl=impl)
-        else:
-            o_m, lse_m = merge_states(o[ch.q_lo: ch.q_hi], NaturalLSE(lse.value[ch.q_lo: ch.q_hi]), o_c,
-                                      NaturalLSE(lse_c), impl=impl)
-            o[ch.q_lo: ch.q_hi] = o_m
-            lse.value[ch.q_lo: ch.q_hi] = lse_m.value
+        o_c, lse_c = o[ch.q_lo: ch.q_hi], lse[ch.q_lo: ch.q_hi]
+        merge = ops.prepare_merge_state(o_c, lse_c, o_c, lse_c, impl=impl)
+        lat = lat_buf[: ch.num_keys]
+        chunks.append(_ChunkCalls(lat, kv, _Decompress(lat, kv, H, dims), slice(ch.q_lo, ch.q_hi), attn, merge,
+                                  ch.q_lo == 0 and ch.q_hi == N))
+    calls = plan.calls[key] = _LayerCalls(chosen, rows.new_empty(N, rows.shape[1]), kv_new, attn_new, tuple(chunks))
+    return calls
+
+
+def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, impl) -> Tensor:
+    """The MHA rows: causal attention over the new tokens, then every prefix chunk merged in.
+
+    The LSEs here come straight from ``ops`` (natural log, ``ops.LSE_BASE``) and go straight back to
+    ``ops.run_merge_state``; ``lse.merge_states`` is the typed form of the same merge for other callers.
+    """
+    calls = _layer_calls(plan, q, layer, rows, impl)
+    if latent is None:
+        latent = torch.index_select(rows, 0, plan.new_slot_ids, out=calls.latent_new)
+    decompress_latent(latent, layer, out=calls.kv_new)
+    o, lse = ops.run_flash_attn_varlen(calls.impl, calls.attn_new.with_q(q))
+    w_vk = layer.mla_weights.w_vk
+    for ch, c in zip(plan.chunks, calls.chunks):
+        torch.index_select(rows, 0, ch.slot_ids, out=c.latent)
+        c.decompress.run(w_vk)
+        if c.whole:
+            o_c, lse_c = ops.run_flash_attn_varlen(calls.impl, c.attn.with_q(q))
+            o, lse = ops.run_merge_state(c.merge, o, lse, o_c, lse_c)
+            continue
+        o_c, lse_c = ops.run_flash_attn_varlen(calls.impl, c.attn.with_q(q[c.q_rows]))
+        rows_o, rows_lse = o[c.q_rows], lse[c.q_rows]
+        o_m, lse_m = ops.run_merge_state(c.merge, rows_o, rows_lse, o_c, lse_c)
+        rows_o.copy_(o_m)
+        rows_lse.copy_(lse_m)
     return o
 
 
-def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer, metadata, kv_paged: Tensor,
-                        plan: PrefillPlan | None = None, *, impl=None) -> Tensor:
+def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLayer, metadata: AttentionMetadata,
+                        kv_paged: Tensor, plan: PrefillPlan, *, impl=None) -> Tensor:
     """One MLA layer of an extend-like step on the MHA path: q [T, H, d_qk] -> o [T, H, d_v], batch order.
 
     latent_new ``[T, r + d_rope]``: the step's new latent rows (None: read them back from the pool at
     the plan's slots — they must be stored already). kv_paged: the layer's latent pool,
     ``MLATokenPool.paged(layer_id)`` ``[pages, page_size, 1, r + d_rope]`` (or flat ``[slots, r + d_rope]``).
-    plan: the step's :class:`PrefillPlan` (default ``metadata.prefill_plan``). Decode rows of a split
+    plan: the step's :class:`PrefillPlan`. Decode rows of a split
     step run ``absorb.forward_absorbed`` on the plan's sub-metadata; outputs come back in batch order.
     """
-    plan = getattr(metadata, "prefill_plan", None) if plan is None else plan
     _check_forward(q, latent_new, layer, kv_paged, plan)
     rows = _flat_rows(kv_paged, layer.mla.latent_dim)
     split = plan.split

@@ -120,6 +120,20 @@ class MLAWeights:
         return self.w_uk.dtype
 
     @property
+    def w_vk(self) -> torch.Tensor:
+        """[H, r, d_v + d_nope] contiguous: per head ``[W_UVᵀ | W_UKᵀ]``, the MHA prefill's decompression weight.
+
+        One batched GEMM ``c_kv [L, r] · w_vk[h]`` gives each head's ``[v | k_nope]`` row (written straight
+        into the attention's K/V buffer, ``chunked_prefix.decompress_latent``). Built on first use and
+        cached on these weights (as many bytes as kv_b_proj; never built by decode-only serving).
+        """
+        w = self.__dict__.get("_w_vk")
+        if w is None:
+            w = torch.cat([self.w_uv, self.w_uk.transpose(1, 2)], dim=2).contiguous()
+            object.__setattr__(self, "_w_vk", w)
+        return w
+
+    @property
     def device(self) -> torch.device:
         return self.w_uk.device
 

@@ -7,10 +7,16 @@ tokens of the whole batch, concatenated request by request, are cut into chunks 
 
 Plan once per step, run per layer: :func:`build_prefill_plan` turns the step's host lengths into
 index tensors (chunk slot ids, cu_seqlens, host maxima) shared by every layer; the backend stores it
-on ``metadata.prefill_plan`` (:func:`plan_extend` first chooses the path with ``policy.prefill_cost``). Not
-legal inside a CUDA graph (extend steps are never captured). Memory: the workspace
-(:class:`PrefillWorkspace`) is ``W`` tokens of latent rows and assembled K, allocated once and reused by
-every chunk, layer and step.
+in the step plan (:func:`plan_extend` first chooses the path with ``policy.prefill_cost``). Not
+legal inside a CUDA graph (extend steps are never captured). The plan is a handful of tensor operations
+over the per-request lengths (no loop over tokens or pages; one small loop builds the chunk records).
+
+Memory: the workspace (:class:`PrefillWorkspace`) is ``W`` tokens of gathered latent rows and of
+decompressed ``[v | k_nope | k_rope]`` rows per head, allocated once and reused by every chunk, layer
+and step. Its size is a budget in BYTES (:data:`PREFILL_WORKSPACE_BYTES`, 512 MiB by default):
+:func:`workspace_tokens_for_bytes` turns it into ``W`` for a head count, so 16 heads decompress ~8x
+more prefix tokens per chunk than 128 heads in the same memory (DeepSeek-V3 dims, bf16: ~47k tokens
+at 16 heads, ~6.4k at 128). A memory planner reserves :meth:`PrefillWorkspace.bytes_for`.
 
 Split steps (MIXED): decode rows (``n_b = 1``, ``p_b > 0``; see ``prefill_cost.decode_rows``) run the
 absorbed path on a sub-metadata of their own while the other rows run MHA; :class:`RowSplit` holds
@@ -20,7 +26,7 @@ the index tensors (built once in the plan) that split ``q`` and scatter the outp
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -30,7 +36,10 @@ from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.policy.prefill_cost import H200_COSTS, PathDecision, choose_path, decode_rows
 
-__all__ = ["PrefixChunk", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend"]
+__all__ = ["PrefixChunk", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend",
+           "PREFILL_WORKSPACE_BYTES", "workspace_tokens_for_bytes", "chunk_layout"]
+
+PREFILL_WORKSPACE_BYTES = 512 * 2**20  # default workspace budget of the chunked MHA prefill (bytes, per rank)
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,12 @@ class RowSplit:
 
 
 class PrefillWorkspace:
-    """Chunk buffers of ``workspace_tokens`` rows, allocated at first use, reused across layers and steps."""
+    """Chunk buffers of ``workspace_tokens`` rows, allocated at first use, reused across layers and steps.
+
+    Buffers (``W`` = workspace_tokens): ``latent [W, r + d_rope]`` (the chunk's gathered latent rows) and
+    ``kv [W, H, d_v + d_nope + d_rope]`` (per head ``[v | k_nope | k_rope]``: the attention reads
+    ``v = kv[..., :d_v]`` and ``k = kv[..., d_v:]`` in place — the decompression GEMM writes both).
+    """
 
     def __init__(self, workspace_tokens: int):
         self.workspace_tokens = workspace_tokens
@@ -96,10 +110,37 @@ class PrefillWorkspace:
 
     @staticmethod
     def bytes_per_token(num_heads: int, dims, element_size: int = 2) -> int:
-        """Device bytes per workspace token: latent row and assembled K (held), K_nope and V (per chunk)."""
-        d_qk = dims.qk_nope_head_dim + dims.qk_rope_head_dim
-        per_head = d_qk + dims.qk_nope_head_dim + dims.v_head_dim
+        """Device bytes per workspace token: the latent row and the decompressed ``[v | k]`` row of every head."""
+        per_head = dims.v_head_dim + dims.qk_nope_head_dim + dims.qk_rope_head_dim
         return element_size * (dims.kv_lora_rank + dims.qk_rope_head_dim + num_heads * per_head)
+
+    @staticmethod
+    def bytes_for(workspace_tokens: int, num_heads: int, dims, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes a workspace of ``workspace_tokens`` tokens holds once every buffer exists (for memory planners)."""
+        check_int(workspace_tokens, "workspace_tokens")
+        check_int(num_heads, "num_heads")
+        elem = torch.empty((), dtype=dtype).element_size()
+        return workspace_tokens * PrefillWorkspace.bytes_per_token(num_heads, dims, elem)
+
+
+def workspace_tokens_for_bytes(num_heads: int, dims, budget_bytes: int, dtype: torch.dtype = torch.bfloat16, *,
+                               page_size: int = 1) -> int:
+    """Prefix tokens per chunk that fit ``budget_bytes`` of workspace: ``floor(budget / bytes_per_token)``.
+
+    The inverse of :meth:`PrefillWorkspace.bytes_for` (``bytes_for(W) <= budget_bytes``). Raises
+    ``ValueError`` when the budget holds less than one page (``page_size`` tokens). Example (DeepSeek-V3
+    dims, bf16, 512 MiB): 16 heads -> 47,080 tokens, 128 heads -> 6,460 tokens.
+    """
+    check_int(num_heads, "num_heads")
+    check_int(budget_bytes, "budget_bytes")
+    page_size = check_int(page_size, "page_size")
+    elem = torch.empty((), dtype=dtype).element_size()
+    per = PrefillWorkspace.bytes_per_token(num_heads, dims, elem)
+    tokens = budget_bytes // per
+    if tokens < page_size:
+        raise ValueError(f"budget_bytes {budget_bytes} holds {tokens} workspace tokens at {num_heads} heads "
+                         f"({per} B each); the chunked prefill needs at least one page ({page_size} tokens)")
+    return tokens
 
 
 @dataclass
@@ -120,6 +161,9 @@ class PrefillPlan:
     workspace: PrefillWorkspace
     prefix_lens_cpu: Tensor  # [n_mha] int32, cpu — of the MHA requests
     extend_lens_cpu: Tensor  # [n_mha] int32, cpu
+    # the step's validated kernel calls per layer configuration (q shape/dtype, scale, impl, ...):
+    # filled by the first layer that runs with this plan (chunked_prefix), reused by every other one
+    calls: dict = field(default_factory=dict, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,24 +226,50 @@ def _ranges(starts: Tensor, lens: Tensor) -> Tensor:
     return idx - torch.repeat_interleave(first, lens) + torch.repeat_interleave(starts.long(), lens)
 
 
-def _chunk_layout(prefix: list[int], W: int) -> list[tuple]:
-    """Host layout of each chunk: (start, end, req_lo, req_hi, keys per request of the range)."""
-    off = [0]
-    for p in prefix:
-        off.append(off[-1] + p)
-    out, b = [], 0
-    for s in range(0, off[-1], W):
-        e = min(off[-1], s + W)
-        while off[b + 1] <= s:  # skip requests whose prefix ends before the chunk (and empty ones)
-            b += 1
-        keys, c = [], b
-        while c < len(prefix) and off[c] < e:
-            keys.append(max(0, min(e, off[c + 1]) - max(s, off[c])))
-            c += 1
-        while keys and keys[-1] == 0:
-            keys.pop()
-        out.append((s, e, b, b + len(keys), keys))
-    return out
+def chunk_layout(prefix: Tensor, extend: Tensor, W: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunks of the concatenated prefixes, as tensors (int64, cpu): no loop over tokens or requests.
+
+    prefix / extend ``[n]`` (the MHA requests). Chunk ``c`` covers prefix tokens ``[c·W, min(P, (c+1)·W))``
+    of the concatenation and requests ``lo_c .. hi_c - 1`` (``lo_c``: the request holding its first token;
+    ``hi_c``: one past the last request with a token in it; empty prefixes inside the range stay, with
+    no key). Returns
+
+    * ``host [C, 8]``: per chunk ``(start, end, lo, hi, q_lo, q_hi, max_seqlen_q, max_seqlen_k)``;
+    * ``cu_q [Σ_c (hi_c - lo_c + 1)]``: each chunk's q cu_seqlens (from 0), chunk after chunk;
+    * ``cu_k`` (same length): each chunk's key cu_seqlens.
+
+    Example: prefix ``[5, 3, 0, 7, 2]``, extend ``[2, 1, 3, 4, 2]``, W = 6 (offsets 0 5 8 8 15 17)::
+
+        chunk 0: tokens 0..6   requests 0..1  keys [5, 1]      cu_q [0, 2, 3]     cu_k [0, 5, 6]
+        chunk 1: tokens 6..12  requests 1..3  keys [2, 0, 4]   cu_q [0, 1, 4, 8]  cu_k [0, 2, 2, 6]
+        chunk 2: tokens 12..17 requests 3..4  keys [3, 2]      cu_q [0, 4, 6]     cu_k [0, 3, 5]
+    """
+    prefix, extend = prefix.long(), extend.long()
+    off = torch.zeros(prefix.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(prefix, 0, out=off[1:])
+    cq = torch.zeros_like(off)
+    torch.cumsum(extend, 0, out=cq[1:])
+    P = int(off[-1])
+    start = torch.arange(0, P, W, dtype=torch.int64)
+    end = (start + W).clamp(max=P)
+    lo = torch.searchsorted(off[1:], start, right=True)  # first request whose prefix ends after start
+    nz = torch.nonzero(prefix > 0).flatten()
+    hi = nz[torch.searchsorted(off[nz], end) - 1] + 1  # one past the last non-empty request starting before end
+    width = hi - lo + 1  # cu_seqlens entries per chunk
+    chunk = torch.repeat_interleave(torch.arange(start.shape[0]), width)
+    first = torch.cumsum(width, 0) - width
+    b = torch.arange(chunk.shape[0]) - first[chunk] + lo[chunk]  # request of each entry (lo .. hi)
+    cu_q = cq[b] - cq[lo][chunk]
+    cu_k = (torch.minimum(off[b], end[chunk]) - start[chunk]).clamp(min=0)
+    # per-chunk maxima over the entries b < hi (each entry's q and k counts are the next entry's minus its own)
+    last = torch.ones_like(b, dtype=torch.bool)
+    last[:-1] = chunk[1:] != chunk[:-1]  # the hi entry of each chunk carries no request
+    dq, dk = cu_q.roll(-1) - cu_q, cu_k.roll(-1) - cu_k
+    zero = torch.zeros(start.shape[0], dtype=torch.int64)
+    max_q = zero.scatter_reduce(0, chunk[~last], dq[~last], "amax")
+    max_k = zero.scatter_reduce(0, chunk[~last], dk[~last], "amax")
+    host = torch.stack([start, end, lo, hi, cq[lo], cq[hi], max_q, max_k], 1)
+    return host, cu_q, cu_k
 
 
 def _absorbed_metadata(metadata, rows: Tensor):
@@ -235,14 +305,20 @@ def build_prefill_plan(metadata, req_to_token: Tensor, req_pool_indices: Tensor,
     the padding page (a prefix longer than what the request's row holds).
     """
     _check_plan_inputs(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, seq_lens_cpu)
+    return _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, split_decode_rows,
+                  workspace, debug_checks)
+
+
+def _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, split_decode_rows, workspace,
+           debug_checks) -> PrefillPlan:
+    """:func:`build_prefill_plan` on checked inputs."""
     if workspace is None:
         workspace = PrefillWorkspace(workspace_tokens)
     elif not isinstance(workspace, PrefillWorkspace) or workspace.workspace_tokens != workspace_tokens:
         raise ValueError(f"workspace must be a PrefillWorkspace of {workspace_tokens} tokens")
     prefix_all, extend_all = metadata.prefix_lens_cpu.long(), metadata.extend_lens_cpu.long()
     bs, device = metadata.batch_size, req_to_token.device
-    dec = decode_rows(prefix_all.tolist(), extend_all.tolist()) if split_decode_rows else [False] * bs
-    is_dec = torch.tensor(dec, dtype=torch.bool)
+    is_dec = decode_rows(prefix_all, extend_all) if split_decode_rows else torch.zeros(bs, dtype=torch.bool)
     mha_req = torch.nonzero(~is_dec).flatten()
     if mha_req.numel() == 0 or int(extend_all[mha_req].sum()) == 0:
         raise ValueError("metadata: no row needs the MHA path (every row is a decode row or empty); "
@@ -269,32 +345,23 @@ def build_prefill_plan(metadata, req_to_token: Tensor, req_pool_indices: Tensor,
     if abs_req.numel():
         split = RowSplit(num_tokens=T, mha_tokens=mha_tok, absorbed_tokens=abs_tok, mha_requests=mha_req,
                          absorbed_requests=abs_req, absorbed_metadata=_absorbed_metadata(metadata, abs_req))
-    # one host->device copy of every int32 cu_seqlens: the MHA rows', then each chunk's (q, k)
-    ext_l, pre_l = extend.tolist(), prefix.tolist()
-    cq = [0]
-    for n in ext_l:
-        cq.append(cq[-1] + n)
-    layout = _chunk_layout(pre_l, workspace_tokens)
-    ints = list(cq)
-    for _, _, lo, hi, keys in layout:
-        ints += [cq[b] - cq[lo] for b in range(lo, hi + 1)]
-        ck = [0]
-        for k in keys:
-            ck.append(ck[-1] + k)
-        ints += ck
-    cu = torch.tensor(ints, dtype=torch.int32).to(device)
-    pos, chunks = len(cq), []
-    for s, e, lo, hi, keys in layout:
+    # one host->device copy of every int32 cu_seqlens: the MHA rows', then each chunk's q and k
+    cq = torch.zeros(extend.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(extend, 0, out=cq[1:])
+    host, cu_q, cu_k = chunk_layout(prefix, extend, workspace_tokens)
+    cu = torch.cat([cq, cu_q, cu_k]).to(torch.int32).to(device)
+    n0, E = cq.shape[0], cu_q.shape[0]
+    chunks, pos = [], n0
+    for s, e, lo, hi, q_lo, q_hi, mq, mk in host.tolist():  # one record per chunk
         k = hi - lo + 1
         chunks.append(PrefixChunk(
-            slot_ids=prefix_slots[s:e], cu_seqlens_q=cu[pos: pos + k], cu_seqlens_k=cu[pos + k: pos + 2 * k],
-            req_lo=lo, req_hi=hi, q_lo=cq[lo], q_hi=cq[hi], num_keys=e - s,
-            max_seqlen_q=max(ext_l[lo:hi]), max_seqlen_k=max(keys)))
-        pos += 2 * k
+            slot_ids=prefix_slots[s:e], cu_seqlens_q=cu[pos: pos + k], cu_seqlens_k=cu[pos + E: pos + E + k],
+            req_lo=lo, req_hi=hi, q_lo=q_lo, q_hi=q_hi, num_keys=e - s, max_seqlen_q=mq, max_seqlen_k=mk))
+        pos += k
     return PrefillPlan(
         path=AttentionPath.MHA_CHUNKED if P else AttentionPath.MHA_ONESHOT, page_size=page_size,
-        workspace_tokens=workspace_tokens, num_tokens=T, num_mha_tokens=N, cu_seqlens_q=cu[: len(cq)],
-        max_seqlen_q=max(ext_l), new_slot_ids=new_slots, prefix_slot_ids=prefix_slots, chunks=tuple(chunks),
+        workspace_tokens=workspace_tokens, num_tokens=T, num_mha_tokens=N, cu_seqlens_q=cu[:n0],
+        max_seqlen_q=int(extend.max()), new_slot_ids=new_slots, prefix_slot_ids=prefix_slots, chunks=tuple(chunks),
         split=split, workspace=workspace, prefix_lens_cpu=prefix.to(torch.int32),
         extend_lens_cpu=extend.to(torch.int32))
 
@@ -305,12 +372,12 @@ def plan_extend(metadata, req_to_token: Tensor, req_pool_indices: Tensor, *, num
     """Once per extend-like step: choose the path from host lengths and, for an MHA path, build its plan.
 
     Returns ``(decision, plan)``; ``plan`` is None when the decision is ABSORBED (store it on
-    ``metadata.prefill_plan`` either way, and ``decision`` on the backend's explain record).
+    in the step plan either way, and ``decision`` on its record).
     """
     _check_plan_inputs(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, None)
     decision = choose_path(metadata.prefix_lens_cpu, metadata.extend_lens_cpu, num_heads=num_heads, dims=dims,
                            workspace_tokens=workspace_tokens, prefill_path=prefill_path, constants=constants)
     if not decision.path.is_mha_prefill:
         return decision, None
-    return decision, build_prefill_plan(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size,
-                                        workspace=workspace)
+    return decision, _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size, True,
+                            workspace, False)

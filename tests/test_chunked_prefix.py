@@ -18,7 +18,8 @@ from mla_cases import make_mla_case, mla_oracle, rel_err
 from specs import EXT, MIX, PREFILL_RUNS, PREFILL_SPECS, BatchSpec
 
 from mla_fa3 import absorb, ops
-from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill, plan_extend
+from mla_fa3.chunked_prefix import forward_mha_prefill
+from mla_fa3.prefill_plan import PrefillWorkspace, build_prefill_plan, plan_extend
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer
 from mla_fa3.lse import Base2LSE, NaturalLSE, merge_states
@@ -115,13 +116,20 @@ def test_workspace_is_bounded_and_reused():
     _run(case, md, plan)
     ws = plan.workspace
     H, d = case.cfg.num_heads, case.cfg.dims
-    assert ws.nbytes == W * 4 * (d.latent_dim + H * d.qk_head_dim)  # fp32 latent rows + assembled K
-    assert ws.nbytes <= W * PrefillWorkspace.bytes_per_token(H, d, element_size=4)
+    # fp32 latent rows + per head [v | k_nope | k_rope]: exactly the byte budget's accounting
+    assert ws.nbytes == W * 4 * (d.latent_dim + H * (d.v_head_dim + d.qk_head_dim))
+    assert ws.nbytes == PrefillWorkspace.bytes_for(W, H, d, torch.float32)
     held = dict(ws._buffers)
     plan2 = build_prefill_plan(md, case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices, W,
                                spec.page_size, workspace=ws)
     _run(case, md, plan2)
     assert all(ws._buffers[k] is v for k, v in held.items())  # the same buffers, not new ones
+    # the first layer validated the step's calls; a second layer reuses them (and the workspace views)
+    assert len(plan2.calls) == 1
+    (calls,) = plan2.calls.values()
+    _run(case, md, plan2)
+    assert list(plan2.calls.values()) == [calls]
+    assert all(c.kv.data_ptr() == ws._buffers["kv"].data_ptr() for c in calls.chunks)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -257,9 +265,69 @@ def test_plan_extend_chooses_then_plans():
     assert decision.path is plan.path is AttentionPath.MHA_CHUNKED
     assert decision.num_decode_rows == 2 and decision.split and plan.split is not None
     assert decision.num_chunks == len(plan.chunks)
-    md.prefill_plan = plan  # how the backend stores it; forward then finds it on the metadata
-    out = forward_mha_prefill(case.q, case.new_latent, case.layer, md, case.pool.paged(case.layer.layer_id),
+    out = forward_mha_prefill(case.q, case.new_latent, case.layer, md, case.pool.paged(case.layer.layer_id), plan,
                               impl="reference")
     assert rel_err(out, mla_oracle(case)) < TOL
     with pytest.raises(ValueError, match="workspace_tokens must be at least one page"):
         plan_extend(md, r2t, rows, num_heads=H, dims=d, workspace_tokens=8, page_size=16)
+
+
+# --------------------------------------------------------------------------------------------------
+# the byte budget through the backend, the fused decompression, the pre-validated calls
+
+
+def test_backend_derives_the_workspace_from_bytes():
+    from mla_fa3.backend import MLABackend
+    from mla_fa3.prefill_plan import workspace_tokens_for_bytes
+    case = make_mla_case(BatchSpec(EXT, (40, 0), (3, 2)), "tiny")
+    H, d = case.cfg.num_heads, case.cfg.dims
+    common = dict(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool, page_size=16, device="cpu",
+                  num_heads=H, mla_dims=d, prefill_path="mha")
+    budget = 100_000
+    be = MLABackend(prefill_workspace_bytes=budget, **common)
+    assert be.prefill_workspace_tokens == workspace_tokens_for_bytes(H, d, budget, torch.float32) == budget // (
+        4 * (d.latent_dim + H * (d.v_head_dim + d.qk_head_dim)))
+    be.init_forward_metadata(case.batch)
+    plan = be.step_plan.prefill
+    assert plan.workspace_tokens == be.prefill_workspace_tokens
+    assert PrefillWorkspace.bytes_for(plan.workspace_tokens, H, d, torch.float32) <= budget
+    assert MLABackend(prefill_workspace_tokens=32, **common).prefill_workspace_tokens == 32  # explicit override
+    with pytest.raises(ValueError, match="budget_bytes .* at least one page"):
+        MLABackend(prefill_workspace_bytes=1000, **common)
+
+
+def test_decompress_latent_layout_matches_the_definition():
+    from mla_fa3.chunked_prefix import decompress_latent
+    case = make_mla_case(BatchSpec(EXT, (0,), (9,)), "odd_small")
+    d, H, lat = case.cfg.dims, case.cfg.num_heads, case.new_latent
+    k, v = decompress_latent(lat, case.layer)
+    w = case.kv_b_proj.double().view(H, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+    c = lat[:, : d.kv_lora_rank].double()
+    k_nope = torch.einsum("hnr,lr->lhn", w[:, : d.qk_nope_head_dim], c)
+    v_ref = torch.einsum("hvr,lr->lhv", w[:, d.qk_nope_head_dim:], c)
+    rope = lat[:, None, d.kv_lora_rank:].double().expand(-1, H, -1)
+    assert rel_err(k, torch.cat([k_nope, rope], -1)) < 1e-5 and rel_err(v, v_ref) < 1e-5
+    assert k.stride(-1) == v.stride(-1) == 1 and k.data_ptr() == v.data_ptr() + 4 * d.v_head_dim  # one buffer
+
+
+def test_prevalidated_calls_keep_the_boundary_checks():
+    q, k, v = torch.randn(5, 2, 8), torch.randn(7, 1, 8), torch.randn(7, 1, 8)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k dtype must match q dtype"):
+        ops.prepare_flash_attn_varlen(q, k.double(), v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+                                      max_seqlen_k=7, impl="reference")
+    impl, call = ops.prepare_flash_attn_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+                                               max_seqlen_k=7, impl="reference")
+    q2 = torch.randn(5, 2, 8)
+    o, lse = ops.run_flash_attn_varlen(impl, call.with_q(q2))
+    o_ref, lse_ref = ops.flash_attn_varlen_func(q2, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+                                                max_seqlen_k=7, return_lse=True, impl="reference")
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    for bad in (torch.randn(4, 2, 8), q2.double(), torch.randn(5, 2, 16)[..., ::2]):
+        with pytest.raises(ValueError, match="q must match the validated call's q"):
+            call.with_q(bad)
+    merge = ops.prepare_merge_state(o, lse, o, lse, impl="reference")
+    with pytest.raises(ValueError, match="o_a / o_b must be"):
+        ops.run_merge_state(merge, o[:3], lse[:3], o[:3], lse[:3])
+    with pytest.raises(ValueError, match="lse_b must be float32"):
+        ops.prepare_merge_state(o, lse, o, lse.double(), impl="reference")

@@ -1,9 +1,11 @@
 """Prefill benchmark on the H200: absorbed vs (chunked) MHA per shape, and what ``policy.prefill_cost`` picks.
 
 One MLA layer, DeepSeek-V3 dims (r 512, d_nope 128, d_rope 64, d_v 128), bf16, page 64, one request
-of ``new`` tokens over a cached ``prefix`` (shuffled pages), heads {16, 128} x new {128, 512, 4096,
-8192} x prefix {0, 8k, 32k, 64k} by default. Per shape, timed with CUDA events (median, eager — the
-way the backend runs extend steps):
+of ``new`` tokens over a cached ``prefix`` (shuffled pages), heads {16, 128} x new {1024, 4096, 8192} x
+prefix {16k, 64k, 128k} by default (``--quick``: heads {16, 128} x new {1024, 4096} x prefix {16k, 64k}).
+The workspace is a byte budget (``--workspace-bytes``, default ``PREFILL_WORKSPACE_BYTES`` = 512 MiB; tokens
+per chunk follow from the head count) unless ``--workspace`` gives tokens. Per shape, timed with CUDA
+events (median, eager — the way the backend runs extend steps):
 
 * ``absorbed_ms`` — ``absorb.forward_absorbed`` (q absorption, FA3 over the latent cache, W_UV projection);
 * ``mha_ms``      — ``chunked_prefix.forward_mha_prefill`` with the step's plan (one-shot without prefix;
@@ -13,10 +15,16 @@ way the backend runs extend steps):
 * ``model_*_ms``  — the cost model's estimates (re-fit constants from this CSV with
   ``policy.prefill_fit.fit_cost_constants``; the benchmark prints the re-fitted constants at the end);
 * ``plan_ms``     — host + device time of ``build_prefill_plan`` (once per step, shared by all layers);
+* ``host_us_per_chunk`` — host time of one layer's MHA call (no sync: Python + launches) / (chunks + 1);
+* ``ceiling_ms``  — the MHA path's work at 790 TFLOP/s: attention ``2·H·T·(P + T/2)·(d_qk + d_v)`` plus
+  decompression ``(P + T)·r·H·(d_nope + d_v)·2`` FLOPs (T new, P prefix); ``mha_pct_ceiling`` = ceiling / MHA ms;
+* ``absorbed_ms`` is skipped (NaN, ``absorbed_skipped`` = 1) when the cost model puts it > 10x the MHA path;
 * ``cosine``      — cosine similarity of the two paths' outputs (a correctness smoke check).
 
-Usage: ``python -m mla_fa3.bench.prefill --out results/prefill.csv`` (or ``mla-fa3 bench prefill``);
-``--heads 16 --new 512 --prefix 65536`` narrow the sweep. Takes ~1-2 minutes on the H200, < 8 GB.
+Usage: ``python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2`` (or ``mla-fa3 bench prefill``):
+writes ``prefill_run{i}.csv`` / ``.md`` per repeat under the directory and prints the table, the MHA
+run-to-run spread and the re-fitted cost constants (``policy.prefill_fit``), ready to paste into
+``H200_COSTS``. ``--heads 16 --new 512 --prefix 65536`` narrow the sweep. Budget: < 3 minutes on the H200.
 """
 
 from __future__ import annotations
@@ -36,14 +44,15 @@ from mla_fa3 import absorb
 from mla_fa3.batch import ForwardBatch
 from mla_fa3.bench.roofline import smoke_label
 from mla_fa3.bench.timing import Progress, time_cuda
-from mla_fa3.chunked_prefix import PrefillWorkspace, build_prefill_plan, forward_mha_prefill
+from mla_fa3.chunked_prefix import forward_mha_prefill
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import MetadataBuilder
+from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, PrefillWorkspace, build_prefill_plan, workspace_tokens_for_bytes
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.policy.prefill_cost import choose_path, estimate_costs_ms
-from mla_fa3.policy.prefill_fit import CostSample, fit_cost_constants
+from mla_fa3.policy.prefill_fit import CostSample, constants_source, fit_cost_constants
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
@@ -69,8 +78,25 @@ class PrefillRow:
     model_absorbed_ms: float
     model_mha_ms: float
     plan_ms: float
-    cosine: float  # of the two paths' outputs
+    host_us_per_chunk: float  # host time of one MHA layer call / (chunks + 1)
+    ceiling_ms: float  # MHA FLOPs (attention + decompression) at PEAK_TFLOPS
+    mha_pct_ceiling: float  # 100 * ceiling_ms / mha_ms
+    absorbed_skipped: int  # 1: absorbed not timed (modelled > 10x the MHA path); its ms are the model's
+    cosine: float  # of the two paths' outputs (NaN when absorbed was skipped)
     peak_gb: float  # peak device memory of the shape
+    run: int = 0  # repeat index
+
+
+PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM rate reached in practice (shared/device/README.md)
+SKIP_RATIO = 10.0  # absorbed modelled this many times slower than MHA: not timed
+
+
+def mha_flops(H: int, new: int, prefix: int, dims: MLADims = None) -> float:
+    """The MHA path's FLOPs: attention 2·H·T·(P + T/2)·(d_qk + d_v) + decompression (P + T)·r·H·(d_nope + d_v)·2."""
+    d = V3 if dims is None else dims
+    attn = 2.0 * H * new * (prefix + new / 2) * (d.qk_head_dim + d.v_head_dim)
+    decomp = (prefix + new) * d.kv_lora_rank * H * (d.qk_nope_head_dim + d.v_head_dim) * 2.0
+    return attn + decomp
 
 
 def _iters(ms_estimate: float, budget_ms: float, lo: int = 3, hi: int = 50) -> int:
@@ -101,6 +127,7 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
     latent_new = pool.kv_buffer[0][slots[prefix:]]
     kv = pool.paged(0)
     ws = PrefillWorkspace(workspace)
+    mha_flop_ms = mha_flops(H, new, prefix) / (PEAK_TFLOPS * 1e9)
 
     def plan_fn():
         return build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, workspace, page, workspace=ws)
@@ -112,12 +139,29 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
     mha = lambda: forward_mha_prefill(q, latent_new, layer, md, kv, plan)  # noqa: E731
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    a_out, m_out = absorbed(), mha()
-    cos = float(torch.nn.functional.cosine_similarity(a_out.float().flatten(), m_out.float().flatten(), dim=0))
-    del a_out, m_out
-    t_abs = time_cuda(absorbed, warmup=1, iters=_iters(model[AttentionPath.ABSORBED], budget_ms))
-    t_mha = time_cuda(mha, warmup=1, iters=_iters(model[mha_key], budget_ms))
+    skip = model[AttentionPath.ABSORBED] > SKIP_RATIO * model[mha_key]
+    m_out = mha()
+    if skip:
+        cos = math.nan
+    else:
+        a_out = absorbed()
+        cos = float(torch.nn.functional.cosine_similarity(a_out.float().flatten(), m_out.float().flatten(), dim=0))
+        del a_out
+    del m_out
+    t_abs = model[AttentionPath.ABSORBED] if skip else time_cuda(
+        absorbed, warmup=1, iters=_iters(model[AttentionPath.ABSORBED], budget_ms, hi=20))
+    t_mha = time_cuda(mha, warmup=2, iters=_iters(model[mha_key], budget_ms))
     t_plan = time_cuda(plan_fn, warmup=1, iters=5)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host = []
+    for _ in range(5):  # host time of the call alone: launches queue behind the previous call's work
+        t0 = time.perf_counter()
+        mha()
+        host.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    host_us = sorted(host)[len(host) // 2] * 1e6 / (len(plan.chunks) + 1)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     auto = choose_path([prefix], [new], num_heads=H, dims=V3, workspace_tokens=workspace).path
     times = {AttentionPath.ABSORBED: t_abs, mha_key: t_mha}
@@ -127,7 +171,8 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
         absorbed_ms=t_abs, mha_ms=t_mha, mha_path=mha_key.value, auto_path=auto.value, auto_ms=times[auto],
         best_path=best.value, auto_over_best=times[auto] / times[best], mha_speedup=t_abs / t_mha,
         model_absorbed_ms=model[AttentionPath.ABSORBED], model_mha_ms=model[mha_key], plan_ms=t_plan,
-        cosine=cos, peak_gb=peak)
+        host_us_per_chunk=host_us, ceiling_ms=mha_flop_ms, mha_pct_ceiling=100.0 * mha_flop_ms / t_mha,
+        absorbed_skipped=int(skip), cosine=cos, peak_gb=peak)
 
 
 def _fmt(v) -> str:
@@ -136,14 +181,16 @@ def _fmt(v) -> str:
 
 def table(rows: Sequence[PrefillRow]) -> str:
     """A markdown table of the measured shapes."""
-    head = ("| heads | new | prefix | chunks | absorbed ms | MHA ms | MHA speedup | auto | auto/best "
-            "| model abs / MHA ms | cosine |")
+    head = ("| heads | new | prefix | W | chunks | absorbed ms | MHA ms | MHA % ceiling | chunked/absorbed speedup "
+            "| plan ms | host us/chunk | auto | auto/best | model abs / MHA ms | cosine |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mark = "" if r.auto_over_best <= 1.0 else " (!)"
+        absorbed = f"{r.absorbed_ms:.3f}" + (" (model, skipped)" if r.absorbed_skipped else "")
         lines.append(
-            f"| {r.heads} | {r.new} | {r.prefix} | {r.chunks} | {r.absorbed_ms:.3f} | {r.mha_ms:.3f} "
-            f"| {r.mha_speedup:.2f}x | {r.auto_path} | {r.auto_over_best:.3f}{mark} "
+            f"| {r.heads} | {r.new} | {r.prefix} | {r.workspace} | {r.chunks} | {absorbed} | {r.mha_ms:.3f} "
+            f"| {r.mha_pct_ceiling:.0f} % | {r.mha_speedup:.2f}x | {r.plan_ms:.3f} | {r.host_us_per_chunk:.0f} "
+            f"| {r.auto_path} | {r.auto_over_best:.3f}{mark} "
             f"| {r.model_absorbed_ms:.3f} / {r.model_mha_ms:.3f} | {r.cosine:.5f} |")
     return "\n".join(lines)
 
@@ -158,8 +205,9 @@ def write_csv(rows: Sequence[PrefillRow], path: str) -> None:
 
 
 def samples(rows: Sequence[PrefillRow]) -> list[CostSample]:
-    """The rows as cost-model samples (for ``policy.prefill_fit.fit_cost_constants``)."""
-    return [CostSample(r.heads, (r.prefix,), (r.new,), r.workspace, r.absorbed_ms, r.mha_ms) for r in rows]
+    """The rows as cost-model samples (for ``policy.prefill_fit.fit_cost_constants``; skipped absorbed times left out)."""
+    return [CostSample(r.heads, (r.prefix,), (r.new,), r.workspace, None if r.absorbed_skipped else r.absorbed_ms,
+                       r.mha_ms) for r in rows]
 
 
 def _ints(text: str) -> list[int]:
@@ -175,18 +223,24 @@ def _ints(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mla-fa3 bench prefill", description=__doc__.split("\n")[0])
     p.add_argument("--heads", type=_ints, default=[16, 128])
-    p.add_argument("--new", type=_ints, default=[128, 512, 4096, 8192], help="new tokens per shape")
-    p.add_argument("--prefix", type=_ints, default=[0, 8192, 32768, 65536], help="cached prefix tokens")
-    p.add_argument("--workspace", type=int, default=8192, help="MHA chunk budget in tokens (default 8192)")
+    p.add_argument("--new", type=_ints, default=[1024, 4096, 8192], help="new tokens per shape")
+    p.add_argument("--prefix", type=_ints, default=[16384, 65536, 131072], help="cached prefix tokens")
+    p.add_argument("--quick", action="store_true", help="heads 16,128 x new 1024,4096 x prefix 16k,64k")
+    p.add_argument("--workspace-bytes", type=int, default=PREFILL_WORKSPACE_BYTES,
+                   help="MHA workspace budget in bytes (default 512 MiB); tokens per chunk follow per head count")
+    p.add_argument("--workspace", type=int, default=None, help="tokens per chunk (overrides --workspace-bytes)")
     p.add_argument("--page", type=int, default=64)
-    p.add_argument("--budget-ms", type=float, default=300.0, help="timed ms per path and shape (sets iters)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of the sweep (run-to-run spread)")
+    p.add_argument("--budget-ms", type=float, default=60.0, help="timed ms per path and shape (sets iters)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="prefill.csv", help="CSV path (a directory gets prefill.csv inside)")
+    p.add_argument("--out", default="prefill", help="directory of the CSV / markdown files (or a .csv path)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if any(n < 1 for n in args.new) or min(args.heads) < 1:
-        p.error("--new and --heads must be >= 1")
-    out = args.out if args.out.endswith(".csv") else os.path.join(args.out, "prefill.csv")
+    if args.quick:
+        args.new, args.prefix = [1024, 4096], [16384, 65536]
+    if any(n < 1 for n in args.new) or min(args.heads) < 1 or args.repeat < 1:
+        p.error("--new, --heads and --repeat must be >= 1")
+    base = args.out[:-4] if args.out.endswith(".csv") else os.path.join(args.out, "prefill")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(args.seed)
@@ -196,23 +250,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = MLATokenPool(1, pages, args.page, V3.kv_lora_rank, V3.qk_rope_head_dim, dtype, device)
     pool.kv_buffer[0].copy_(torch.randn(pool.kv_buffer[0].shape, device=device, dtype=dtype))
     shapes = [(h, n, pre) for h in args.heads for n in args.new for pre in args.prefix]
-    rows: list[PrefillRow] = []
+    runs: list[list[PrefillRow]] = []
     t0 = time.perf_counter()
-    with Progress(len(shapes)) as prog:
-        for h, n, pre in shapes:
-            row = run_shape(h, n, pre, page=args.page, workspace=args.workspace, pool=pool, device=device,
-                            budget_ms=args.budget_ms, gen=gen)
-            rows.append(row)
-            prog.step(f"heads {h} new {n} prefix {pre}: absorbed {row.absorbed_ms:.3f} ms, "
-                      f"{row.mha_path} {row.mha_ms:.3f} ms, auto {row.auto_path} ({row.auto_over_best:.3f}x best)")
-            write_csv(rows, out)  # keep partial results if the run is cut short
+    with Progress(len(shapes) * args.repeat) as prog:
+        for run in range(args.repeat):
+            rows: list[PrefillRow] = []
+            runs.append(rows)
+            out = f"{base}_run{run + 1}.csv"
+            for h, n, pre in shapes:
+                W = args.workspace or workspace_tokens_for_bytes(h, V3, args.workspace_bytes, dtype, page_size=args.page)
+                row = run_shape(h, n, pre, page=args.page, workspace=W, pool=pool, device=device,
+                                budget_ms=args.budget_ms, gen=gen)
+                row.run = run + 1
+                rows.append(row)
+                prog.step(f"run {run + 1} heads {h} new {n} prefix {pre}: absorbed {row.absorbed_ms:.3f} ms, "
+                          f"{row.mha_path} {row.mha_ms:.3f} ms ({row.mha_pct_ceiling:.0f} % of ceiling), "
+                          f"auto {row.auto_path} ({row.auto_over_best:.3f}x best)")
+                write_csv(rows, out)  # keep partial results if the run is cut short
+            with open(f"{base}_run{run + 1}.md", "w") as f:
+                f.write(f"Command: python -m mla_fa3.bench.prefill {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
+                f.write(f"MHA ceiling: attention 2*H*T*(P + T/2)*320 + decompression (P + T)*512*H*256*2 FLOPs "
+                        f"at {PEAK_TFLOPS:.0f} TFLOP/s\n\n" + table(rows) + "\n")
     label = smoke_label(device.type)  # a CPU run must not read as an H200 FA3 measurement
-    print((label + "\n\n" if label else "") + table(rows))
+    for rows in runs:
+        print((label + "\n\n" if label else "") + table(rows))
+    if len(runs) > 1:
+        spread = [max(r.mha_ms for r in group) / min(r.mha_ms for r in group) - 1 for group in zip(*runs)]
+        print(f"\nMHA run-to-run spread: max {100 * max(spread):.1f} % over {len(spread)} shapes")
+    rows = runs[-1]
     wrong = [r for r in rows if r.auto_over_best > 1.0]
     worst = max((r.auto_over_best for r in rows), default=1.0)
     print(f"\nauto chose the faster path in {len(rows) - len(wrong)}/{len(rows)} shapes; worst auto/best {worst:.3f}")
-    print(f"re-fitted cost constants: {fit_cost_constants(samples(rows), V3)}")
-    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+    fitted = fit_cost_constants([s for rows in runs for s in samples(rows)], V3)
+    print("re-fitted cost constants (paste into policy/prefill_cost.py H200_COSTS):\n" + constants_source(fitted))
+    print(f"wrote {base}_run*.csv / .md ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

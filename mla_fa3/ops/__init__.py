@@ -41,6 +41,7 @@ from typing import Iterator, Optional, Tuple, Union
 import torch
 
 from . import fa3, reference, validate
+from .calls import MergeCall, VarlenCall
 from .fa3 import FA3UnavailableError
 from .splitkv_plan import SplitKVSchedule
 from .types import (
@@ -74,6 +75,10 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flash_attn_varlen_func",
     "merge_state",
+    "prepare_flash_attn_varlen",
+    "run_flash_attn_varlen",
+    "prepare_merge_state",
+    "run_merge_state",
     "get_mla_decode_metadata",
     "flash_mla_with_kvcache",
     "SplitKVSchedule",
@@ -268,6 +273,50 @@ def merge_state(
     backend = fa3 if chosen is Impl.FA3 else reference
     out = backend.merge_state(o_a, lse_a, o_b, lse_b)
     _ran(chosen)
+    return out
+
+
+# ----------------------------------------------------------------------- validated once, run many times
+# A plan that runs the same call shape in every layer (the chunked prefill) validates it once through the
+# public checks (``prepare_*``) and runs the returned record per layer (``run_*``): the record fixes the
+# implementation and every checked property; ``VarlenCall.with_q`` swaps in the layer's q after
+# re-checking its shape, dtype, device and stride. Public callers keep the ops above.
+
+
+def prepare_flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                              impl: Optional[ImplLike] = None) -> Tuple[Impl, VarlenCall]:
+    """Validate a :func:`flash_attn_varlen_func` call (same checks, same errors) without running it."""
+    chosen = _resolve(impl, validate.device_of(q, "q"))
+    return chosen, validate.check_varlen(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, impl=chosen)
+
+
+def run_flash_attn_varlen(chosen: Impl, call: VarlenCall) -> Tuple[Tensor, Tensor]:
+    """Run a call from :func:`prepare_flash_attn_varlen` -> (out, lse natural log): no re-validation."""
+    if not isinstance(call, VarlenCall) or not isinstance(chosen, Impl):
+        raise TypeError("call must be the (Impl, VarlenCall) of prepare_flash_attn_varlen")
+    return _run_attention(chosen, "flash_attn_varlen_func", call, True)
+
+
+def prepare_merge_state(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor,
+                        impl: Optional[ImplLike] = None) -> MergeCall:
+    """Validate a :func:`merge_state` signature (same checks, same errors) for :func:`run_merge_state`."""
+    chosen = _resolve(impl, validate.device_of(o_a, "o_a"))
+    validate.check_merge(o_a, lse_a, o_b, lse_b, impl=chosen)
+    return MergeCall(impl=chosen, o_shape=tuple(o_a.shape), dtype=o_a.dtype)
+
+
+def run_merge_state(call: MergeCall, o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`merge_state` on tensors of a validated signature (their o shapes and dtype are re-checked)."""
+    if o_a.shape != call.o_shape or o_b.shape != call.o_shape or o_a.dtype != call.dtype or o_b.dtype != call.dtype:
+        raise ValueError(f"o_a / o_b must be {call.o_shape} {call.dtype} (the validated merge), got "
+                         f"{tuple(o_a.shape)} {o_a.dtype} / {tuple(o_b.shape)} {o_b.dtype}")
+    out = (fa3 if call.impl is Impl.FA3 else reference).merge_state(o_a, lse_a, o_b, lse_b)
+    _ran(call.impl)
     return out
 
 

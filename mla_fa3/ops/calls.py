@@ -59,6 +59,31 @@ class VarlenCall:
     batch_size: int
     out_dtype: torch.dtype
 
+    def with_q(self, q: Tensor) -> "VarlenCall":
+        """This validated call with another ``q`` of the same shape, dtype, device and last stride.
+
+        For callers that run one validated call per layer (the chunked prefill): a q that differs in
+        any of those raises ``ValueError``, so nothing the boundary checks enforce is skipped.
+        """
+        old = self.q
+        if q.shape != old.shape or q.dtype != old.dtype or q.device != old.device or q.stride(-1) != old.stride(-1):
+            raise ValueError(f"q must match the validated call's q ({tuple(old.shape)}, {old.dtype}, {old.device}, "
+                             f"last stride {old.stride(-1)}), got ({tuple(q.shape)}, {q.dtype}, {q.device}, "
+                             f"last stride {q.stride(-1)})")
+        new = object.__new__(VarlenCall)  # a field-for-field copy (copy.copy is ~30x slower on a frozen record)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["q"] = q
+        return new
+
+
+@dataclass(frozen=True)
+class MergeCall:
+    """A validated ``merge_state`` signature: run with tensors of these shapes (``ops.run_merge_state``)."""
+
+    impl: object  # the Impl (FA3 / REFERENCE) resolved when it was validated
+    o_shape: Tuple[int, ...]  # [T, H, d] of o_a and o_b (lse_a / lse_b: [T, H] float32)
+    dtype: torch.dtype  # of o_a and o_b
+
 
 @dataclass(frozen=True)
 class FlashMLACall:

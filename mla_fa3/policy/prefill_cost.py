@@ -88,6 +88,10 @@ class CostConstants:
 # 16 heads, 4096 new, no prefix, a 2.5 % tie); tests/test_prefill_cost.py replays the CSV. k = 2 had the
 # best leave-one-out error (each shape predicted from the other 31: 31/32 right, worst 1.025); k = 1
 # (host + device) fits worse and wants a 1017 TFLOP/s GEMM, above the ~790 the H200 reaches.
+# To re-fit (e.g. after the MHA path's host work per chunk dropped, and chunks grew with the byte budget):
+#   python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2     (prints the fitted constants), or
+#   python -m mla_fa3.policy.prefill_fit docs/perf/<new>.csv           (prints a paste-ready H200_COSTS line)
+# then record the CSV under docs/perf/ and point tests/test_prefill_cost.py's RECORDED_CSV at it.
 H200_COSTS = CostConstants(
     mha_attn_tflops=646.0, absorbed_attn_tflops=641.0, gemm_tflops=584.0,
     chunk_overhead_us=450.0, mha_fixed_us=392.0, absorbed_fixed_us=231.0, host_overlap_p=2.0)
@@ -136,8 +140,13 @@ def _host_lengths(values, name: str) -> list[int]:
     return out
 
 
-def decode_rows(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> list[bool]:
-    """Per request: True for a decode row (one new token over a cached prefix), absorbed on every path."""
+def decode_rows(prefix_lens, extend_lens):
+    """Per request: True for a decode row (one new token over a cached prefix), absorbed on every path.
+
+    Sequences give a ``list[bool]``; CPU integer tensors give a bool tensor (``(n == 1) & (p > 0)``).
+    """
+    if isinstance(prefix_lens, torch.Tensor):
+        return (extend_lens == 1) & (prefix_lens > 0)
     return [n == 1 and p > 0 for p, n in zip(prefix_lens, extend_lens)]
 
 

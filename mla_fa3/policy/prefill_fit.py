@@ -21,7 +21,7 @@ import torch
 from mla_fa3.policy.prefill_cost import H200_COSTS, CostConstants, check_shape_args, choose_path, decode_rows, path_costs
 from mla_fa3.policy.paths import AttentionPath
 
-__all__ = ["CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "PathEvaluation", "read_samples_csv",
+__all__ = ["CostSample", "FITTED_CONSTANTS", "fit_cost_constants", "constants_source", "main", "PathEvaluation", "read_samples_csv",
            "evaluate_choices", "evaluate_on_csv", "summarize"]
 
 
@@ -136,8 +136,33 @@ def read_samples_csv(path) -> list[CostSample]:
     need = {"heads", "new", "prefix", "workspace", "absorbed_ms", "mha_ms"}
     if not rows or not need <= set(rows[0]):
         raise ValueError(f"path: {path} is not a prefill bench CSV with columns {sorted(need)}")
+    # absorbed_skipped (newer CSVs): absorbed was not timed, its column holds the model's estimate
     return [CostSample(int(r["heads"]), (int(r["prefix"]),), (int(r["new"]),), int(r["workspace"]),
-                       float(r["absorbed_ms"]), float(r["mha_ms"])) for r in rows]
+                       None if r.get("absorbed_skipped") == "1" else float(r["absorbed_ms"]), float(r["mha_ms"]))
+            for r in rows]
+
+
+def constants_source(c: CostConstants) -> str:
+    """``H200_COSTS = CostConstants(...)`` with the fitted constants to 3 significant digits (paste-ready)."""
+    args = ", ".join(f"{n}={float(f'{getattr(c, n):.3g}')!r}" for n in FITTED_CONSTANTS + ("host_overlap_p",))
+    return f"H200_COSTS = CostConstants({args})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mla_fa3.policy.prefill_fit CSV [CSV ...]``: fit, print the constants, replay each CSV."""
+    import argparse
+
+    from mla_fa3.layer import MLADims
+
+    p = argparse.ArgumentParser(prog="python -m mla_fa3.policy.prefill_fit", description=main.__doc__)
+    p.add_argument("csv", nargs="+", help="prefill bench CSVs (mla_fa3.bench.prefill)")
+    args = p.parse_args(argv)
+    dims = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    fitted = fit_cost_constants([s for path in args.csv for s in read_samples_csv(path)], dims)
+    print(constants_source(fitted))
+    for path in args.csv:
+        print(f"{path}: {summarize(evaluate_on_csv(path, dims, constants=fitted))}")
+    return 0
 
 
 def evaluate_choices(samples: Iterable[CostSample], dims, *,
@@ -169,3 +194,7 @@ def summarize(evaluations: Sequence[PathEvaluation]) -> str:
     s = w.sample
     return (f"{head}; worst picked/best {w.chosen_over_best:.3f} ({s.num_heads} heads, {sum(s.extend_lens)} new "
             f"over {sum(s.prefix_lens)}: {w.chosen.value} instead of {w.best.value})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The MHA prefill on the H200: FA3 varlen + merge_state_v2 in bf16 against the fp64 oracle.
+"""The chunked MHA prefill on the H200 (FA3 varlen over the strided [v | k] workspace + merge_state_v2), bf16, vs the fp64 oracle and the absorbed path.
 
 Tolerance from precision (FA3's own test rule): the FA3 run's max error against the fp64 non-absorbed
 oracle may be at most twice the error of the same chunked computation run by the torch reference on
@@ -16,7 +16,8 @@ from mla_cases import cosine, make_mla_case, mla_oracle, rel_err
 from specs import PREFILL_GPU_SPECS, PREFILL_RUNS
 
 from mla_fa3 import absorb, ops
-from mla_fa3.chunked_prefix import build_prefill_plan, forward_mha_prefill
+from mla_fa3.chunked_prefix import forward_mha_prefill
+from mla_fa3.prefill_plan import build_prefill_plan
 from mla_fa3.lse import NaturalLSE, merge_states
 from mla_fa3.metadata import MetadataBuilder
 from mla_fa3.policy.paths import AttentionPath
@@ -87,3 +88,31 @@ def test_merge_state_v2_chunks_equal_union():
     assert ops.last_impl() is ops.Impl.FA3
     assert cosine(o, whole) >= 0.9999
     assert torch.allclose(lse.value, whole_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_fa3_second_layer_reuses_the_validated_calls():
+    """Layer 2 of a step runs the calls layer 1 validated (ops.run_*): the same answer, bit for bit."""
+    case, md, plan = _case("mixed_v3")
+    kv = case.pool.paged(case.layer.layer_id)
+    a = forward_mha_prefill(case.q, case.new_latent, case.layer, md, kv, plan, impl="fa3")
+    assert len(plan.calls) == 1
+    b = forward_mha_prefill(case.q.clone(), case.new_latent, case.layer, md, kv, plan, impl="fa3")
+    assert len(plan.calls) == 1 and torch.equal(a, b)
+
+
+def test_fa3_byte_budget_chunk_at_16_heads():
+    """The default 512 MiB budget at 16 heads covers a 6k-token prefix in one chunk; same answer as W = 1 page."""
+    from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
+    spec = BatchSpec(EXT, (6000, 70), (256, 40), page_size=64)
+    case = make_mla_case(spec, "deepseek_v3", dtype=torch.bfloat16, device="cuda")
+    case.pool.kv_buffer[case.layer.layer_id][case.batch.out_cache_loc] = case.new_latent
+    md = MetadataBuilder(case.layout.req_to_token_pool, 64, "cuda").build(case.batch)
+    W = workspace_tokens_for_bytes(case.cfg.num_heads, case.cfg.dims, PREFILL_WORKSPACE_BYTES, torch.bfloat16)
+    r2t, rows = case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices
+    big, small = (build_prefill_plan(md, r2t, rows, w, 64) for w in (W, 64))
+    assert len(big.chunks) == 1 and len(small.chunks) == -(-6070 // 64)
+    kv = case.pool.paged(case.layer.layer_id)
+    ref = mla_oracle(case)
+    a = forward_mha_prefill(case.q, case.new_latent, case.layer, md, kv, big, impl="fa3")
+    b = forward_mha_prefill(case.q, case.new_latent, case.layer, md, kv, small, impl="fa3")
+    assert cosine(a, ref) >= 0.9999 and cosine(b, ref) >= 0.9999
