@@ -112,7 +112,7 @@ def _validate(args) -> int:
 
 
 def _generate(args) -> int:
-    from mla_fa3.engine import Engine
+    from mla_fa3.serve.engine import Engine
     from mla_fa3.models.loader import load_model
 
     dtype = _setup(args)
