@@ -43,6 +43,7 @@ from mla_fa3.kv.allocator import PagedAllocator
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.models.deepseek import DeepseekForCausalLM
+from mla_fa3.serve.memory import MemoryPlan
 from mla_fa3.serve.scheduler import Request, RequestStatus, Scheduler, StepSchedule
 
 __all__ = ["StepRecord", "RequestTimes", "ServingLoop", "default_graph_batch_sizes"]
@@ -126,8 +127,9 @@ class ServingLoop:
         model: a loaded :class:`DeepseekForCausalLM` (its device and dtype place the pools).
         page_size: KV page size.  max_running: most requests holding pages at once.
         max_context: longest prompt + new tokens of a request.
-        num_pages: KV pages (plus the padding page 0); default: ``max_running`` full contexts. A
-            ``serve.memory.MemoryPlan`` gives the number that fits a GPU (``plan.num_pages``).
+        num_pages: KV pages (plus the padding page 0); default: ``max_running`` full contexts.
+        memory_plan: a :class:`mla_fa3.serve.memory.MemoryPlan` (instead of ``num_pages``): the pool gets
+            the pages that fit the planned GPU; its page size, layers and limits must be the loop's.
         token_budget: most new tokens per step (prefill chunk + decode rows); default 8192.
         watermark_pages: free pages a new request must leave to the running ones.
         use_cuda_graph / cuda_graph_batch_sizes: DECODE steps of at most the largest size replay graphs.
@@ -142,7 +144,8 @@ class ServingLoop:
                  watermark_pages: int = 0, use_cuda_graph: bool = False,
                  cuda_graph_batch_sizes: Sequence[int] | None = None, decode_kernel: str = "auto",
                  prefill_path: str = "auto", impl=None, record_logits: bool = False,
-                 record_prefill_logits: bool = False, time_attention: bool = False):
+                 record_prefill_logits: bool = False, time_attention: bool = False,
+                 memory_plan: MemoryPlan | None = None):
         if not isinstance(model, DeepseekForCausalLM):
             raise TypeError(f"model must be a DeepseekForCausalLM, got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_running", max_running), ("max_context", max_context),
@@ -155,6 +158,16 @@ class ServingLoop:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.page_size, self.max_running, self.max_context = page_size, max_running, max_context
+        if memory_plan is not None:
+            if num_pages is not None:
+                raise ValueError("num_pages: give num_pages or memory_plan, not both")
+            for name, mine, planned in (("page_size", page_size, memory_plan.page_size),
+                                        ("num_hidden_layers", cfg.num_hidden_layers, memory_plan.num_layers),
+                                        ("max_context", max_context, memory_plan.max_context),
+                                        ("max_running", max_running, memory_plan.max_running)):
+                if mine != planned:
+                    raise ValueError(f"memory_plan was made for {name} {planned}, the loop has {mine}")
+            num_pages = memory_plan.num_pages
         if num_pages is None:
             num_pages = max_running * math.ceil(max_context / page_size) + 1
         check_int(num_pages, "num_pages", 2)
