@@ -16,8 +16,11 @@ Commands::
         --prompt-ids prints the new token ids. --json prints {"token_ids": [...]} (new tokens only; with
         --prompt also "text" and "prompt_ids"). Generation stops at the EOS ids of the checkpoint's
         generation_config.json (else config.json), or at --eos-token-id.
-    mla-fa3 bench decode|prefill [args...]
-        Dispatches to mla_fa3.bench.decode:main(argv) / mla_fa3.bench.prefill:main(argv).
+    mla-fa3 plan [--checkpoint DIR | --config NAME] [--kv-dtype bf16|fp8] [--gpu-memory-gib G] [--json] ...
+        The serving memory plan (mla_fa3.serve.memory): weights, workspace, graphs, headroom and the KV
+        tokens that fit; exit status 2 with the reason when the configuration does not fit.
+    mla-fa3 bench decode|prefill|serve [args...]
+        Dispatches to mla_fa3.bench.<name>:main(argv).
 
 Results go to stdout; progress bars (tqdm; off with --quiet or when stderr is not a terminal) and the
 library's log messages go to stderr. Every usage or checkpoint error is one line on stderr naming the
@@ -39,7 +42,7 @@ __all__ = ["main", "build_parser", "UsageError"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
-_BENCHES = ("decode", "prefill")
+_BENCHES = ("decode", "prefill", "serve")
 TINY_NAMES = ("tiny_v3", "tiny_v2", "v3_mla_dims")  # mla_fa3.models.tiny.TINY_CONFIGS (not imported: fast --help)
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -114,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-past-max-position", action="store_true",
                    help="run past the config's max_position_embeddings (with a warning) instead of refusing")
     g.add_argument("--json", action="store_true", help='print {"token_ids": [...]} (new tokens only)')
+
+    pl = sub.add_parser("plan", help="serving memory plan: what fits one GPU")
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR", help="HF checkpoint dir (its config.json only)")
+    src.add_argument("--config", default="deepseek_v3_tp8",
+                     help="embedded config (mla_fa3.serve.configs.MODEL_CONFIGS; default deepseek_v3_tp8)")
+    pl.add_argument("--layers", type=_positive, default=None, help="override num_hidden_layers")
+    pl.add_argument("--weight-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="fp8")
+    pl.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp32", "fp8"), default="bf16")
+    pl.add_argument("--page-size", type=_positive, default=64)
+    pl.add_argument("--gpu-memory-gib", type=float, default=None, help="default: the H200's 139.8")
+    pl.add_argument("--max-running", type=_positive, default=128)
+    pl.add_argument("--max-context", type=_positive, default=131072)
+    pl.add_argument("--token-budget", type=_positive, default=8192, help="new tokens per step")
+    pl.add_argument("--prefill-workspace-tokens", type=_positive, default=8192)
+    pl.add_argument("--graph-batch-sizes", type=_positive, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    pl.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     b = sub.add_parser("bench", help="benchmarks (mla_fa3.bench.*)")
     b.add_argument("which", choices=_BENCHES, help="which benchmark")
@@ -270,7 +291,7 @@ def _generate(args) -> int:
 
 
 def _run_generate(args, dtype, prompt: list[int], eos: list[int], tokenizer) -> int:
-    from mla_fa3.engine import Engine
+    from mla_fa3.serve.engine import Engine
     from mla_fa3.models.loader import load_model
 
     log = logging.getLogger("mla_fa3.cli")
@@ -290,12 +311,35 @@ def _run_generate(args, dtype, prompt: list[int], eos: list[int], tokenizer) -> 
     return 0
 
 
+def _plan(args) -> int:
+    from mla_fa3.models.loader import read_config
+    from mla_fa3.serve.configs import model_config
+    from mla_fa3.serve.memory import H200_MEMORY_GIB, plan_memory
+
+    if args.checkpoint is not None:
+        cfg = read_config(args.checkpoint)[0]
+        if args.layers is not None:
+            import dataclasses
+            cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
+    else:
+        cfg = model_config(args.config, num_layers=args.layers)
+    plan = plan_memory(cfg, gpu_memory_gib=args.gpu_memory_gib or H200_MEMORY_GIB, weight_dtype=args.weight_dtype,
+                       kv_dtype=args.kv_dtype, page_size=args.page_size, max_running=args.max_running,
+                       max_context=args.max_context, token_budget=args.token_budget,
+                       prefill_workspace_tokens=args.prefill_workspace_tokens,
+                       graph_batch_sizes=args.graph_batch_sizes, headroom_fraction=args.headroom)
+    print(plan.to_json() if args.json else plan.format_table())
+    return 0
+
+
 def _bench(args) -> int:
     """``mla-fa3 bench NAME ARGS...``: the benchmark module's ``main(argv)`` (plain imports, one per bench)."""
     if args.which == "decode":
         from mla_fa3.bench.decode import main as entry
-    else:
+    elif args.which == "prefill":
         from mla_fa3.bench.prefill import main as entry
+    else:
+        from mla_fa3.bench.serve import main as entry
     return int(entry(list(args.args)) or 0)
 
 
@@ -318,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "plan":
+            return _plan(args)
         return _bench(args)
     except ModuleNotFoundError as exc:
         if exc.name != "torch":

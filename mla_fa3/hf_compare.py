@@ -2,7 +2,7 @@
 
 Procedure, for a checkpoint directory (or a tiny random DeepSeek-V3 written to a temp dir):
 
-1. ours = ``load_model(dir)`` (our loader, FP8 dequantized) driven by :class:`mla_fa3.engine.Engine`:
+1. ours = ``load_model(dir)`` (our loader, FP8 dequantized) driven by :class:`mla_fa3.serve.engine.Engine`:
    prefill (all prompt logits kept), then ``steps`` batched paged DECODE steps, greedy;
 2. the reference = transformers' ``DeepseekV{2,3}ForCausalLM`` in float32 with eager attention —
    ``from_pretrained(dir)``, or for an FP8 checkpoint built from the config and filled with the
@@ -136,7 +136,7 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
     (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
     head dims are the ones FA3 implements). What it does is logged (``logging``, INFO);
     ``progress(phase, i, n)`` follows loading ("load") and generation ("prefill", "decode")."""
-    from mla_fa3.engine import Engine
+    from mla_fa3.serve.engine import Engine
 
     say = logger.info
     if dtype not in TOLERANCES:

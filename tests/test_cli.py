@@ -5,6 +5,7 @@ generation_config.json, --help / --version, bench dispatch. Error cases: tests/t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -208,6 +209,6 @@ def test_progress_bars_only_on_a_terminal(tiny_checkpoint, monkeypatch, capsys):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
-    assert "load:" in err and "decode:" in err and "/4 [" in err  # 4 decode steps after the prefill
+    assert "load:" in err and "decode:" in err and re.search(r"/\d+ \[", err)  # bars with their step totals
     assert cli.main(argv + ["--quiet"]) == 0
     assert capsys.readouterr().err == ""

@@ -137,7 +137,7 @@ def test_past_max_position_allowed_with_the_flag_and_a_warning(ckpt, capsys):
 
 
 def test_engine_refuses_past_max_position(ckpt):
-    from mla_fa3.engine import Engine
+    from mla_fa3.serve.engine import Engine
 
     model = loader.load_model(ckpt)
     with pytest.raises(ValueError, match="max_position_embeddings 256"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_fa3.engine import Engine
+from mla_fa3.serve.engine import Engine
 from mla_fa3.models.deepseek import DeepseekConfig
 from mla_fa3.models.loader import load_model
 from mla_fa3.models.moe import Router

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from mla_fa3 import ops
-from mla_fa3.engine import Engine
+from mla_fa3.serve.engine import Engine
 from mla_fa3.models.loader import load_model
 from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
 
