@@ -28,6 +28,11 @@ output temporaries are bounded by ``W`` and the step's tokens.
 
 Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's sub-metadata
 (:class:`RowSplit`) while the other rows run MHA; the outputs come back in batch order.
+
+FP8 latent pool (e4m3 rows, per-tensor scale ``s``): the rows a chunk reads are gathered in e4m3 and
+dequantized (``float(x8) · s``) into the chunk's workspace — never the whole pool. The new tokens' own
+keys are read back from the pool too (dequantized), so every key a query sees is the cached value,
+exactly as later decode steps will see it. Decode rows of a split step run FlashMLA's FP8 decode.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import torch
 from torch import Tensor
 
 from mla_fa3 import absorb, ops
+from mla_fa3.kv.fp8 import FP8_DTYPE, dequantize_e4m3
 from mla_fa3.lse import NaturalLSE, merge_states
+from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.prefill_plan import (PrefillPlan, PrefillWorkspace, PrefixChunk, RowSplit, build_prefill_plan,
                                   plan_extend)
 
@@ -73,7 +80,7 @@ def _flat_rows(kv: Tensor, width: int) -> Tensor:
         raise ValueError(f"kv_paged must be a view of the pool's contiguous rows, got strides {kv.stride()}") from None
 
 
-def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
+def _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale) -> None:
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (metadata.prefill_plan), got {type(plan).__name__}")
     absorb.check_query(q, layer)
@@ -88,6 +95,11 @@ def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if name == "kv_paged" and t.dtype == FP8_DTYPE and t.device == q.device:
+            if not isinstance(kv_scale, Tensor) or kv_scale.dtype != torch.float32 or kv_scale.numel() != 1 \
+                    or kv_scale.device != q.device:
+                raise ValueError(f"kv_scale must be the FP8 pool's [1] float32 scale on {q.device}, got {kv_scale!r}")
+            continue
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must have q's dtype/device ({q.dtype}, {q.device}), got ({t.dtype}, {t.device})")
     if latent_new is not None and tuple(latent_new.shape) != (plan.num_tokens, width):
@@ -96,10 +108,25 @@ def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
         raise ValueError(f"plan was built on {plan.cu_seqlens_q.device}, q is on {q.device}")
 
 
-def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, impl) -> Tensor:
+def _gather(rows: Tensor, slot_ids: Tensor, kv_scale: Tensor | None, dtype, ws: PrefillWorkspace | None = None,
+            n: int = 0) -> Tensor:
+    """Latent rows at ``slot_ids`` in the compute ``dtype`` (dequantized when the pool is FP8).
+
+    ``ws``: gather into the workspace's first ``n`` rows (the chunk buffers) instead of new tensors."""
+    if ws is None:
+        got = rows.index_select(0, slot_ids)
+        return got if kv_scale is None else dequantize_e4m3(got, kv_scale, dtype)
+    raw = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)[:n]
+    torch.index_select(rows, 0, slot_ids, out=raw)
+    if kv_scale is None:
+        return raw
+    return dequantize_e4m3(raw, kv_scale, dtype, out=ws.buffer("latent_dq", (rows.shape[1],), dtype, rows.device)[:n])
+
+
+def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, kv_scale, impl) -> Tensor:
     """The MHA rows: causal attention over the new tokens, then every prefix chunk merged in."""
-    if latent is None:
-        latent = rows.index_select(0, plan.new_slot_ids)
+    if latent is None or kv_scale is not None:  # FP8: the new keys as cached (dequantized)
+        latent = _gather(rows, plan.new_slot_ids, kv_scale, q.dtype)
     k, v = decompress_latent(latent, layer)
     common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, return_lse=True, impl=impl)
     o, lse = ops.flash_attn_varlen_func(
@@ -109,11 +136,10 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
         return o
     lse = NaturalLSE(lse)
     ws, H = plan.workspace, layer.num_heads
-    lat_buf = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)
     k_buf = ws.buffer("k", (H, layer.mla.qk_head_dim), q.dtype, q.device)
     del k, v
     for ch in plan.chunks:
-        lat = torch.index_select(rows, 0, ch.slot_ids, out=lat_buf[: ch.num_keys])
+        lat = _gather(rows, ch.slot_ids, kv_scale, q.dtype, ws, ch.num_keys)
         kc, vc = decompress_latent(lat, layer, out_k=k_buf[: ch.num_keys])
         o_c, lse_c = ops.flash_attn_varlen_func(
             q[ch.q_lo: ch.q_hi], kc, vc, cu_seqlens_q=ch.cu_seqlens_q, cu_seqlens_k=ch.cu_seqlens_k,
@@ -129,24 +155,32 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
 
 
 def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer, metadata, kv_paged: Tensor,
-                        plan: PrefillPlan | None = None, *, impl=None) -> Tensor:
+                        plan: PrefillPlan | None = None, *, kv_scale: Tensor | None = None,
+                        absorbed_kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
+                        impl=None) -> Tensor:
     """One MLA layer of an extend-like step on the MHA path: q [T, H, d_qk] -> o [T, H, d_v], batch order.
 
     latent_new ``[T, r + d_rope]``: the step's new latent rows (None: read them back from the pool at
     the plan's slots — they must be stored already). kv_paged: the layer's latent pool,
     ``MLATokenPool.paged(layer_id)`` ``[pages, page_size, 1, r + d_rope]`` (or flat ``[slots, r + d_rope]``).
     plan: the step's :class:`PrefillPlan` (default ``metadata.prefill_plan``). Decode rows of a split
-    step run ``absorb.forward_absorbed`` on the plan's sub-metadata; outputs come back in batch order.
+    step run ``absorb.forward_absorbed`` on the plan's sub-metadata with ``absorbed_kernel`` (and
+    FlashMLA's ``schedule`` for those rows); outputs come back in batch order. An FP8 (e4m3) pool needs
+    ``kv_scale`` ([1] float32: ``MLATokenPool.layer_scale``); its rows are dequantized per chunk and
+    ``latent_new`` is not used (the new keys are read back from the pool as cached).
     """
     plan = getattr(metadata, "prefill_plan", None) if plan is None else plan
-    _check_forward(q, latent_new, layer, kv_paged, plan)
+    _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale)
+    if kv_paged.dtype != FP8_DTYPE:
+        kv_scale = None
     rows = _flat_rows(kv_paged, layer.mla.latent_dim)
     split = plan.split
     if split is None:
-        return _mha_rows(q, latent_new, layer, rows, plan, impl)
+        return _mha_rows(q, latent_new, layer, rows, plan, kv_scale, impl)
     q_mha, q_abs = split.split(q)
-    lat_mha = None if latent_new is None else latent_new.index_select(0, split.mha_tokens)
-    o_mha = _mha_rows(q_mha, lat_mha, layer, rows, plan, impl)
+    lat_mha = None if latent_new is None or kv_scale is not None else latent_new.index_select(0, split.mha_tokens)
+    o_mha = _mha_rows(q_mha, lat_mha, layer, rows, plan, kv_scale, impl)
     paged = rows.view(-1, plan.page_size, 1, rows.shape[1])
-    o_abs = absorb.forward_absorbed(q_abs, layer, split.absorbed_metadata, paged, impl=impl, validate=False)
+    o_abs = absorb.forward_absorbed(q_abs, layer, split.absorbed_metadata, paged, kernel=absorbed_kernel,
+                                    schedule=schedule, kv_scale=kv_scale, impl=impl, validate=False)
     return split.merge(o_mha, o_abs)
