@@ -169,7 +169,9 @@ class MLATokenPool(_TokenPoolBase):
     def set_scales(self, scales: Sequence[float] | float, layer: int | None = None) -> None:
         """Set the FP8 scales: one float for ``layer``, or one per layer (``layer=None``). In place.
 
-        Raises ValueError for a floating pool and for a missing, non-positive or non-finite scale.
+        Raises ValueError for a floating pool and for a missing, non-positive or non-finite scale. Rows
+        already stored keep the codes of their old scale: set the scales before the pool holds tokens
+        (after a calibration prefill, free its pages and prefill again).
         """
         if not self.is_fp8:
             raise ValueError("scales only exist for a kv_dtype=torch.float8_e4m3fn latent pool")
