@@ -29,10 +29,11 @@ output temporaries are bounded by ``W`` and the step's tokens.
 Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's sub-metadata
 (:class:`RowSplit`) while the other rows run MHA; the outputs come back in batch order.
 
-FP8 latent pool (e4m3 rows, per-tensor scale ``s``): the rows a chunk reads are gathered in e4m3 and
-dequantized (``float(x8) · s``) into the chunk's workspace — never the whole pool. The new tokens' own
-keys are read back from the pool too (dequantized), so every key a query sees is the cached value,
-exactly as later decode steps will see it. Decode rows of a split step run FlashMLA's FP8 decode.
+FP8 latent pool (e4m3 rows, per-tensor scale ``s``): the prefix rows a chunk reads are gathered in e4m3
+and dequantized (``float(x8) · s``) into the chunk's workspace — never the whole pool. The new tokens
+attend to their own keys as computed (``latent_new``, not rounded to e4m3), as vLLM's and SGLang's MLA
+prefills do; read back from the pool (dequantized) only when ``latent_new`` is None. Decode rows of a
+split step run FlashMLA's FP8 decode (their own new row read from the cache, quantized).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _gather(rows: Tensor, slot_ids: Tensor, kv_scale: Tensor | None, dtype, ws: 
 
 def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, kv_scale, impl) -> Tensor:
     """The MHA rows: causal attention over the new tokens, then every prefix chunk merged in."""
-    if latent is None or kv_scale is not None:  # FP8: the new keys as cached (dequantized)
+    if latent is None:  # the new rows as stored (dequantized for an FP8 pool)
         latent = _gather(rows, plan.new_slot_ids, kv_scale, q.dtype)
     k, v = decompress_latent(latent, layer)
     common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, return_lse=True, impl=impl)
@@ -166,8 +167,7 @@ def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer, metadata, k
     plan: the step's :class:`PrefillPlan` (default ``metadata.prefill_plan``). Decode rows of a split
     step run ``absorb.forward_absorbed`` on the plan's sub-metadata with ``absorbed_kernel`` (and
     FlashMLA's ``schedule`` for those rows); outputs come back in batch order. An FP8 (e4m3) pool needs
-    ``kv_scale`` ([1] float32: ``MLATokenPool.layer_scale``); its rows are dequantized per chunk and
-    ``latent_new`` is not used (the new keys are read back from the pool as cached).
+    ``kv_scale`` ([1] float32: ``MLATokenPool.layer_scale``); its prefix rows are dequantized per chunk.
     """
     plan = getattr(metadata, "prefill_plan", None) if plan is None else plan
     _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale)
@@ -178,7 +178,7 @@ def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer, metadata, k
     if split is None:
         return _mha_rows(q, latent_new, layer, rows, plan, kv_scale, impl)
     q_mha, q_abs = split.split(q)
-    lat_mha = None if latent_new is None or kv_scale is not None else latent_new.index_select(0, split.mha_tokens)
+    lat_mha = None if latent_new is None else latent_new.index_select(0, split.mha_tokens)
     o_mha = _mha_rows(q_mha, lat_mha, layer, rows, plan, kv_scale, impl)
     paged = rows.view(-1, plan.page_size, 1, rows.shape[1])
     o_abs = absorb.forward_absorbed(q_abs, layer, split.absorbed_metadata, paged, kernel=absorbed_kernel,

@@ -58,12 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p, *, checkpoint_required: bool) -> None:
         p.add_argument("--checkpoint", required=checkpoint_required, metavar="DIR",
                        help="HF checkpoint dir (config.json + safetensors)")
-        p.add_argument("--page-size", type=_positive, default=16, help="KV page size (1 or a power of 2)")
+        p.add_argument("--page-size", type=_positive, default=None,
+                       help="KV page size (1 or a power of 2; default 16, 64 with --kv-dtype fp8)")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model / KV dtype")
         p.add_argument("--device", default="cpu", help="cpu (reference kernels) or cuda (FA3)")
         p.add_argument("--threads", type=_positive, default=None,
                        help="torch CPU threads (default 1 on cpu: small ops run fastest single-threaded)")
         p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+        p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                       help="latent KV cache dtype: auto (= --dtype) or fp8 (e4m3, page size 64, FlashMLA)")
+        p.add_argument("--kv-scale", type=float, default=None,
+                       help="fp8: one scale for every layer (default: the checkpoint's, else 1.0)")
 
     v = sub.add_parser("validate", help="compare our model on the backend with transformers")
     common(v, checkpoint_required=False)
@@ -93,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup(args):
     import torch
 
+    if args.page_size is None:
+        args.page_size = 64 if args.kv_dtype == "fp8" else 16
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif args.device == "cpu":
@@ -106,7 +113,8 @@ def _validate(args) -> int:
     dtype = _setup(args)
     report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
                           device=args.device, seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
-                          use_cuda_graph=args.cuda_graph, config=args.config, progress=_progress(args.quiet))
+                          use_cuda_graph=args.cuda_graph, config=args.config, progress=_progress(args.quiet),
+                          kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report.passed else 1
 
@@ -121,7 +129,8 @@ def _generate(args) -> int:
     model = load_model(args.checkpoint, dtype=dtype, device=args.device)
     engine = Engine(model, page_size=args.page_size, max_batch_size=1,
                     max_context=len(args.prompt_ids) + args.max_new_tokens,
-                    max_prefill_tokens=args.max_prefill_tokens, use_cuda_graph=args.cuda_graph)
+                    max_prefill_tokens=args.max_prefill_tokens, use_cuda_graph=args.cuda_graph,
+                    kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
     res = engine.generate([args.prompt_ids], args.max_new_tokens, eos_token_id=args.eos_token_id,
                           progress=lambda phase, i, n: say(f"{phase} step {i}/{n}"))
     tokens = res.token_ids[0]

@@ -50,6 +50,17 @@ class GenerateResult:
     prefill_logits: list[Tensor] | None = None  # per prompt [prompt len, V] float32 cpu
 
 
+def _kv_dtype(value) -> torch.dtype | None:
+    """None / a float dtype / torch.float8_e4m3fn, or the names "fp8", "float8_e4m3fn", "auto"."""
+    if value is None or value == "auto":
+        return None
+    if value in ("fp8", "float8_e4m3fn"):
+        return torch.float8_e4m3fn
+    if isinstance(value, torch.dtype):
+        return value
+    raise ValueError(f"kv_dtype must be None, 'auto', 'fp8' or a torch.dtype, got {value!r}")
+
+
 class Engine:
     """Greedy batched generation for a :class:`DeepseekForCausalLM` on an :class:`MLABackend`.
 
@@ -63,12 +74,17 @@ class Engine:
         use_cuda_graph: decode through CUDA graphs (``mla_fa3.graphs.runner``); batch sizes
             ``cuda_graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
         decode_kernel / prefill_path / impl: passed to :class:`MLABackend`.
+        kv_dtype: the latent cache's storage dtype: None (the model's dtype) or ``torch.float8_e4m3fn``
+            / ``"fp8"`` (half the bytes per token; page_size 64; FlashMLA FP8 decode).
+        kv_scales: per-layer FP8 scales (a list, or one float for every layer); None = the checkpoint's
+            (``model.kv_scales``), else 1.0. :meth:`calibrate_kv_scales` measures them on a prefill.
     """
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int = 16, max_batch_size: int = 8,
                  max_context: int = 2048, num_pages: int | None = None, max_prefill_tokens: int | None = None,
                  use_cuda_graph: bool = False, cuda_graph_batch_sizes: Sequence[int] | None = None,
-                 decode_kernel: str = "auto", prefill_path: str = "auto", impl=None) -> None:
+                 decode_kernel: str = "auto", prefill_path: str = "auto", impl=None, kv_dtype=None,
+                 kv_scales: Sequence[float] | float | None = None) -> None:
         if not isinstance(model, DeepseekForCausalLM):
             raise TypeError(f"model must be a DeepseekForCausalLM, got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
@@ -89,8 +105,16 @@ class Engine:
             num_pages = max_batch_size * math.ceil(max_context / page_size) + 1
         self.req_to_token_pool = ReqToTokenPool(max_batch_size, max_context, self.device)
         self.allocator = PagedAllocator(num_pages, page_size, self.device)
+        kv_dtype = _kv_dtype(kv_dtype)
         self.kv_pool = MLATokenPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank,
-                                    cfg.qk_rope_head_dim, self.dtype, self.device)
+                                    cfg.qk_rope_head_dim, self.dtype, self.device, kv_dtype=kv_dtype)
+        if not self.kv_pool.is_fp8:
+            if kv_scales is not None:
+                raise ValueError("kv_scales are only used with kv_dtype='fp8'")
+        elif (kv_scales if kv_scales is not None else model.kv_scales) is not None:
+            scales = kv_scales if kv_scales is not None else model.kv_scales
+            self.kv_pool.set_scales([scales] * cfg.num_hidden_layers if isinstance(scales, (int, float))
+                                    else list(scales))
         self.backend = MLABackend(req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                                   page_size=page_size, device=self.device, decode_kernel=decode_kernel,
                                   num_heads=cfg.num_attention_heads, mla_dims=cfg.mla_dims, prefill_path=prefill_path,
@@ -98,6 +122,24 @@ class Engine:
         self.graph_runner = None
         if use_cuda_graph:
             self.graph_runner = self._make_graph_runner(cuda_graph_batch_sizes)
+
+    # ------------------------------------------------------------------ FP8 calibration
+    def calibrate_kv_scales(self, prompts: Sequence[Sequence[int]], *, headroom: float = 1.0,
+                            apply: bool = True) -> list[float]:
+        """Prefill ``prompts`` once, measuring each layer's absmax of the latent rows stored (before
+        quantization); returns the proposed per-layer scales ``absmax · headroom / 448`` and, with
+        ``apply``, sets them on the FP8 pool (the calibration's pages are freed first)."""
+        if not self.kv_pool.is_fp8:
+            raise ValueError("calibrate_kv_scales needs an FP8 latent pool (kv_dtype='fp8')")
+        self.kv_pool.observe_absmax()
+        try:
+            self.generate(prompts, 1)
+            scales = self.kv_pool.proposed_scales(headroom)
+        finally:
+            self.kv_pool.observe_absmax(False)
+        if apply:
+            self.kv_pool.set_scales(scales)
+        return scales
 
     # ------------------------------------------------------------------ CUDA graphs
     def _make_graph_runner(self, batch_sizes: Sequence[int] | None):

@@ -2,10 +2,12 @@
 
 Storage, from the definition (written here, not taken from the library): a latent row ``x`` of layer
 ``l`` is stored as ``e4m3(clamp(x / s_l, ±448))`` and read as ``float(x8) · s_l``. The oracle gets those
-dequantized rows, so the only error left between the backend (fp32 reference kernels) and the fp64
-oracle is rounding: rel err <= 1e-5.
+dequantized rows for every key read from the cache, so the only error left between the backend (fp32
+reference kernels) and the fp64 oracle is rounding: rel err <= 1e-5.
 
-* Extend rows (MHA prefill): queries are not quantized -> the non-absorbed oracle of ``specs.py``.
+* Extend rows (MHA prefill): the cached prefix dequantized, the step's own new rows as computed (not
+  rounded: the prefill attends to them before they are cached), queries not quantized -> the
+  non-absorbed oracle of ``specs.py``.
 * Decode-like rows (FlashMLA FP8): the 576-wide query ``[q_lat | q_rope]`` of the rows that run
   together is quantized per tensor with ``s_q = 2^ceil(log2(absmax / 448))``; the oracle rebuilds it
   (q_lat in fp32 as the model computes it, then the same rule) and runs the absorbed attention in fp64
@@ -16,6 +18,7 @@ Every pool slot that is not a cached token of a live request holds e4m3 NaN (bit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -97,10 +100,20 @@ def decode_tokens(spec: BatchSpec) -> list[int]:
 
 
 def fp8_oracle(case) -> torch.Tensor:
-    ref = mla_oracle(case)  # non-absorbed fp64 over case.latent (dequantized rows), exact q
-    tokens = decode_tokens(case.spec)
-    if tokens:
-        ref[tokens] = absorbed_rows(case, tokens)
+    """case.latent holds the raw rows; the keys each row reads: cached ones dequantized, an MHA row's own
+    new rows raw; FlashMLA rows (decode-like) read everything from the cache."""
+    lid, spec = case.layer.layer_id, case.spec
+    flash = decode_tokens(spec)
+    truth = []
+    for b, (p, (s, e)) in enumerate(zip(spec.prefix_lens, spec.q_rows)):
+        raw = case.latent[b]
+        new_raw = spec.mode.is_extend_like() and s not in flash
+        truth.append(torch.cat([stored(raw[:p], SCALES[lid]).float(),
+                                raw[p:] if new_raw else stored(raw[p:], SCALES[lid]).float()]))
+    seen = dataclasses.replace(case, latent=truth)
+    ref = mla_oracle(seen)  # non-absorbed fp64, exact q
+    if flash:
+        ref[flash] = absorbed_rows(seen, flash)
     return ref
 
 
@@ -118,8 +131,7 @@ def fp8_case(spec, cfg="odd_small", *, seed=0, scales=SCALES, **kw):
     for b, pre in enumerate(spec.prefix_lens):
         if pre:
             pool.set_latent(lid, case.layout.token_slots(b, 0, pre), case.latent[b][:pre])
-    case.pool = pool
-    case.latent = [stored(lat, scales[lid]).float() for lat in case.latent]  # what the pool holds
+    case.pool = pool  # case.latent stays the raw rows (fp8_oracle derives what each read sees)
     return case
 
 
@@ -136,11 +148,6 @@ def run(case, backend=None, new_latent=None, **kw):
     backend.init_forward_metadata(case.batch)
     raw = case.new_latent if new_latent is None else new_latent
     return backend.forward(case.q, raw, None, case.layer, case.batch), backend
-
-
-def raw_new_latent(spec, cfg="odd_small", seed=0, **kw):
-    """The un-quantized new rows of a case (the backend quantizes them on store)."""
-    return make_mla_case(FP8_SPECS[spec] if isinstance(spec, str) else spec, cfg, seed=seed, **kw).new_latent
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,11 +212,9 @@ def test_decode_after_prefill_reads_what_the_prefill_stored():
     """EXTEND stores raw rows quantized; the following DECODE (FlashMLA FP8) reads them back."""
     spec = BatchSpec(EXT, (0, 40), (71, 10), page_size=64)
     case = fp8_case(spec, seed=9)  # the truth: 71 / 50 tokens; the steps below use the first ones
-    raw = make_mla_case(spec, "odd_small", seed=9).latent  # the same rows, un-quantized
     backend = fp8_backend(case)
     for mode, pre, ext in ((EXT, [0, 40], [70, 9]), (DEC, [70, 49], [1, 1])):
-        step = follow_up(case, mode, pre, ext, seed=len(pre) + pre[0])
-        step.new_latent = torch.cat([raw[b][p:p + n] for b, (p, n) in enumerate(zip(pre, ext))])
+        step = follow_up(case, mode, pre, ext, seed=len(pre) + pre[0])  # raw new rows, stored by the step
         out, _ = run(step, backend)
         assert rel_err(out, fp8_oracle(step)) <= TOL, mode
     assert backend.explain().kernel == "flashmla"
