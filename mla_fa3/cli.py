@@ -30,7 +30,7 @@ __all__ = ["main", "build_parser"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
-_BENCHES = ("decode", "prefill")
+_BENCHES = ("decode", "prefill", "fp8")
 TINY_NAMES = ("tiny_v3", "tiny_v2", "v3_mla_dims")  # mla_fa3.models.tiny.TINY_CONFIGS (not imported: fast --help)
 
 

@@ -9,7 +9,7 @@ reference kernels) and the fp64 oracle is rounding: rel err <= 1e-5.
   rounded: the prefill attends to them before they are cached), queries not quantized -> the
   non-absorbed oracle of ``specs.py``.
 * Decode-like rows (FlashMLA FP8): the 576-wide query ``[q_lat | q_rope]`` of the rows that run
-  together is quantized per tensor with ``s_q = 2^ceil(log2(absmax / 448))``; the oracle rebuilds it
+  together is quantized per tensor with ``s_q = absmax / 448`` (fp32); the oracle rebuilds it
   (q_lat in fp32 as the model computes it, then the same rule) and runs the absorbed attention in fp64
   over the dequantized latent: ``softmax(scale · q·latent) · c_kv`` through W_UV.
 
@@ -19,7 +19,6 @@ Every pool slot that is not a cached token of a live request holds e4m3 NaN (bit
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -64,12 +63,12 @@ def stored(x: torch.Tensor, s: float) -> torch.Tensor:
 
 
 def quantized_query(q: torch.Tensor, w_uk: torch.Tensor, dims) -> torch.Tensor:
-    """[q_lat | q_rope] of rows q [n, H, d_qk] (fp32) quantized per tensor with a power-of-two scale, fp64."""
+    """[q_lat | q_rope] of rows q [n, H, d_qk] quantized per tensor with scale absmax / 448 (fp32), fp64."""
     q_nope, q_rope = q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # fp32, as the model computes it
     q_cat = torch.cat([q_lat, q_rope], dim=-1)
-    amax = max(float(q_cat.abs().max()), 2.0 ** -100)
-    return stored(q_cat, 2.0 ** math.ceil(math.log2(amax / 448)))
+    s = torch.tensor(max(float(q_cat.abs().max()), 2.0 ** -100), dtype=torch.float32) / 448
+    return ((q_cat.float() / s.to(q_cat.device)).to(FP8).float() * s.to(q_cat.device)).double().cpu()
 
 
 def absorbed_rows(case, tokens: list[int]) -> torch.Tensor:
@@ -121,16 +120,19 @@ def fp8_case(spec, cfg="odd_small", *, seed=0, scales=SCALES, **kw):
     """make_mla_case with its pool replaced by an e4m3 pool: stale slots NaN, prefixes stored quantized."""
     spec = FP8_SPECS[spec] if isinstance(spec, str) else spec
     case = make_mla_case(spec, cfg, seed=seed, **kw)
-    d, old = case.cfg.dims, case.pool
+    d, old, dev = case.cfg.dims, case.pool, case.q.device
     pool = MLATokenPool(old.num_layers, old.num_pages, old.page_size, d.kv_lora_rank, d.qk_rope_head_dim,
-                        torch.float32, "cpu", kv_dtype=FP8)
+                        case.q.dtype, dev, kv_dtype=FP8)
     pool.set_scales(list(scales))
     for buf in pool.kv_buffer:
-        buf.view(torch.uint8).fill_(0x7F)  # e4m3 NaN in every slot
+        # e4m3 NaN (0x7F) in every slot; on a GPU 448 (0x7E): kernels read whole pages and weight the
+        # tail past a sequence by a zero probability, so it must be finite there (large garbage instead)
+        buf.view(torch.uint8).fill_(0x7F if dev.type == "cpu" else 0x7E)
     lid = case.layer.layer_id
     for b, pre in enumerate(spec.prefix_lens):
         if pre:
-            pool.set_latent(lid, case.layout.token_slots(b, 0, pre), case.latent[b][:pre])
+            pool.set_latent(lid, case.layout.token_slots(b, 0, pre).to(dev),
+                            case.latent[b][:pre].to(dev, case.q.dtype))
     case.pool = pool  # case.latent stays the raw rows (fp8_oracle derives what each read sees)
     return case
 
@@ -140,7 +142,7 @@ def fp8_backend(case, **kw) -> MLABackend:
     kw.setdefault("num_heads", case.cfg.num_heads)
     kw.setdefault("mla_dims", case.cfg.dims)
     return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
-                      page_size=case.spec.page_size, device="cpu", **kw)
+                      page_size=case.spec.page_size, device=case.q.device, **kw)
 
 
 def run(case, backend=None, new_latent=None, **kw):
@@ -205,7 +207,6 @@ def test_rows_are_stored_quantized_at_out_cache_loc_only():
     untouched[loc] = False
     assert torch.equal(buf.view(torch.uint8)[untouched], before[lid][untouched])
     assert torch.equal(case.pool.kv_buffer[1 - lid].view(torch.uint8), before[1 - lid])
-    assert case.pool.nonfinite.tolist() == [0, 0]
 
 
 def test_decode_after_prefill_reads_what_the_prefill_stored():
@@ -265,7 +266,7 @@ def small_pool(**kw) -> MLATokenPool:
     return MLATokenPool(2, 4, 64, 8, 4, torch.float32, "cpu", kv_dtype=FP8, **kw)
 
 
-def test_store_saturates_counts_nonfinite_and_never_writes_nan():
+def test_store_saturates_and_never_writes_nan():
     pool = small_pool()
     pool.set_scales(0.5, layer=1)
     x = torch.tensor([[1e6, -1e6, float("inf"), float("-inf"), float("nan"), 1.0, -0.3, 0.0, 2.0, 3.0, 4.0, 5.0]])
@@ -274,7 +275,6 @@ def test_store_saturates_counts_nonfinite_and_never_writes_nan():
     assert not torch.isnan(got).any()
     assert got[:5].tolist() == [224.0, -224.0, 224.0, -224.0, 0.0]  # ±448 · 0.5, NaN -> 0
     assert got[5:].tolist() == stored(x[0, 5:], 0.5).float().tolist()
-    assert pool.nonfinite.tolist() == [0, 3]
 
 
 def test_debug_checks_refuse_non_finite_rows_before_writing():
@@ -306,7 +306,7 @@ def test_scales_need_one_per_layer_and_an_fp8_pool():
     floating = MLATokenPool(2, 4, 64, 8, 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         floating.set_scales([1.0, 1.0])
-    assert floating.layer_scale(0) is None and floating.nonfinite is None
+    assert floating.layer_scale(0) is None
 
 
 def test_calibration_proposes_absmax_over_448():
@@ -398,3 +398,95 @@ def test_empty_extend_on_fp8_returns_no_rows():
     d = case.cfg.dims
     out = backend.forward(case.q, torch.empty(0, d.latent_dim), None, case.layer, batch)
     assert out.shape == (0, case.cfg.num_heads, d.v_head_dim)
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint scales, engine, CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
+
+    return save_hf_checkpoint(random_hf_model("tiny_v3", seed=5), str(tmp_path_factory.mktemp("tiny_v3_fp8")))
+
+
+def _with_scales(src, dst, values, name="self_attn.kv_scale"):
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = load_file(file)
+    for i, v in values.items():
+        tensors[f"model.layers.{i}.{name}"] = torch.tensor(v, dtype=torch.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("name", ["self_attn.kv_scale", "self_attn.k_scale", "self_attn.attn.k_scale"])
+def test_loader_reads_per_layer_kv_scales_and_the_engine_uses_them(tiny_ckpt, tmp_path, name):
+    from mla_fa3.engine import Engine
+    from mla_fa3.models.loader import load_model, read_config
+
+    n = read_config(tiny_ckpt)[0].num_hidden_layers
+    want = [0.01 * (i + 1) for i in range(n)]
+    model = load_model(_with_scales(tiny_ckpt, tmp_path / "c", dict(enumerate(want)), name))
+    assert model.kv_scales == pytest.approx(want)
+    engine = Engine(model, page_size=64, max_batch_size=1, max_context=64, kv_dtype="fp8")
+    assert [float(s) for s in engine.kv_pool.scale] == pytest.approx(want)
+    assert load_model(tiny_ckpt).kv_scales is None
+
+
+@pytest.mark.parametrize("last,match", [(None, "missing"), (-1.0, "finite float > 0"),
+                                        (float("nan"), "finite float > 0"), (0.0, "finite float > 0")])
+def test_loader_refuses_partial_or_bad_kv_scales(tiny_ckpt, tmp_path, last, match):
+    from mla_fa3.models.loader import CheckpointError, load_model, read_config
+
+    n = read_config(tiny_ckpt)[0].num_hidden_layers
+    values = {i: 0.5 for i in range(n - 1)}
+    if last is not None:
+        values[n - 1] = last
+    with pytest.raises(CheckpointError, match=match):
+        load_model(_with_scales(tiny_ckpt, tmp_path / "c", values))
+
+
+def test_engine_fp8_generates_and_calibrates(tiny_ckpt):
+    from mla_fa3.engine import Engine
+    from mla_fa3.models.loader import load_model
+
+    model = load_model(tiny_ckpt)
+    with pytest.raises(ValueError, match="page_size must be 64"):
+        Engine(model, page_size=16, max_batch_size=2, max_context=64, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_scales are only used"):
+        Engine(model, page_size=64, max_batch_size=2, max_context=64, kv_scales=0.5)
+    engine = Engine(model, page_size=64, max_batch_size=2, max_context=64, kv_dtype="fp8")
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    scales = engine.calibrate_kv_scales(prompts)
+    assert all(0 < s < 1 for s in scales) and [float(s) for s in engine.kv_pool.scale] == pytest.approx(scales)
+    assert engine.allocator.num_free_pages() == engine.allocator.num_pages - 1  # calibration pages freed
+    res = engine.generate(prompts, 5)
+    assert [len(t) for t in res.token_ids] == [5, 5]
+    assert engine.backend.explain().kv_dtype == "float8_e4m3fn" and engine.backend.explain().kernel == "flashmla"
+
+
+def test_cli_generate_with_fp8_cache(tiny_ckpt, capsys):
+    from mla_fa3.cli import main
+
+    assert main(["generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1", "2", "3", "--max-new-tokens", "3",
+                 "--kv-dtype", "fp8", "--kv-scale", "0.01", "--json", "--quiet"]) == 0
+    assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 3
+    assert main(["generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1", "--kv-dtype", "fp8",
+                 "--page-size", "16", "--quiet"]) == 2
+    assert "page_size must be 64" in capsys.readouterr().err
+
+
+def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
+    from mla_fa3.bench import fp8
+
+    assert fp8.main(["--device", "cpu", "--impl", "reference", "--heads", "4", "--batch", "2", "--context", "128",
+                     "--max-iters", "1", "--budget-ms", "1", "--quiet", "--out", str(tmp_path)]) == 0
+    assert "| 4 | 2 | 128 |" in capsys.readouterr().out and (tmp_path / "fp8.csv").exists()
+    assert fp8.tokens_per_gb(FP8) == pytest.approx(2 * fp8.tokens_per_gb(torch.bfloat16))

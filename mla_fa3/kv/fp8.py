@@ -5,15 +5,15 @@ A tensor ``x`` is stored with a per-tensor scale ``s`` (float32, ``[1]``, on the
     x8 = e4m3( clamp(x / s, -448, 448) )          448 = the largest finite float8_e4m3fn
     x ~= float(x8) * s                             (the kernels' "descale" is s itself)
 
-Overflow saturates to ±448 (never NaN: a plain ``.to(float8_e4m3fn)`` of a value past 448 gives NaN).
-A non-finite input element is stored as a finite value — ±inf as ±448, NaN as 0 — and counted when a
-counter is given (the latent pool keeps one per layer: ``MLATokenPool.nonfinite``); the pool raises
-instead under ``debug_checks`` (which reads device values). Every function here runs on the device
-without reading a tensor value on the host (legal inside a CUDA graph).
+Overflow saturates to ±448 (never NaN: depending on the torch build, a plain ``.to(float8_e4m3fn)`` of
+a value past 464 gives NaN). A non-finite input element is stored as a finite value — ±inf as ±448,
+NaN as 0 — silently; the latent pool raises instead under ``debug_checks`` (which reads device values).
+Every function here runs on the device without reading a tensor value on the host (legal inside a
+CUDA graph), in few kernels (the store: divide, nan_to_num, clamp, cast).
 
-Queries are quantized per step with a scale chosen from their own absmax
-(:func:`quantize_e4m3_dynamic`): ``s = 2^ceil(log2(absmax / 448))``, a power of two, so ``x / s`` is
-exact and the only rounding is e4m3's own; the largest element lands in (224, 448].
+Queries are quantized per step with a scale from their own absmax (:func:`quantize_e4m3_dynamic`):
+``s = max(absmax, 2^-100) / 448`` (fp32), ``q8 = e4m3(q / s)`` — five small kernels (absmax, two for the
+scale, divide, cast); ``|q / s| <= 448 (1 + 2^-23)`` rounds to at most 448, so no clamp is needed.
 
 Scale proposal (calibration, :func:`propose_scale`): ``s = absmax · headroom / 448`` — the observed
 absmax of the latent rows maps to 448 / headroom.
@@ -41,15 +41,14 @@ def check_scale(value, name: str) -> float:
     return float(value)
 
 
-def quantize_e4m3(x: Tensor, scale: Tensor, *, nonfinite_count: Tensor | None = None) -> Tensor:
+def quantize_e4m3(x: Tensor, scale: Tensor) -> Tensor:
     """x (any float dtype) -> e4m3 ``clamp(x / scale, ±448)``; ±inf -> ±448, NaN -> 0.
 
-    scale: ``[1]`` (or broadcastable) float32 on x's device. nonfinite_count: an integer tensor to which
-    the number of non-finite elements of ``x`` is added in place (device op, no sync).
+    scale: ``[1]`` (or broadcastable) float32 on x's device (x / scale is computed in float32).
     """
-    if nonfinite_count is not None:
-        nonfinite_count.add_((~torch.isfinite(x)).sum())
-    y = x.float() / scale
+    y = torch.div(x, scale)
+    if y.dtype != torch.float32:
+        y = y.float()
     y = y.nan_to_num_(nan=0.0, posinf=FP8_E4M3_MAX, neginf=-FP8_E4M3_MAX)
     return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
 
@@ -63,16 +62,15 @@ def dequantize_e4m3(x8: Tensor, scale: Tensor, dtype: torch.dtype, *, out: Tenso
 
 
 def quantize_e4m3_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-tensor dynamic quantization: (x8 e4m3, descale [1] float32) with descale a power of two.
+    """Per-tensor dynamic quantization: (x8 e4m3, descale [1] float32).
 
-    descale = 2^ceil(log2(max(absmax(x), 2^-100) / 448)); x8 = e4m3(x / descale) (exact division).
+    descale = max(absmax(x), 2^-100) / 448 in float32; x8 = e4m3(x / descale) (x / descale in float32).
     """
     if x.numel() == 0:
-        scale = torch.ones(1, dtype=torch.float32, device=x.device)
-    else:
-        amax = x.detach().abs().amax().float().clamp_min(_TINY)
-        scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX))).reshape(1)
-    return quantize_e4m3(x, scale), scale
+        return x.to(FP8_DTYPE), torch.ones(1, dtype=torch.float32, device=x.device)
+    amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
+    scale = amax.clamp_min_(_TINY).div_(FP8_E4M3_MAX).reshape(1)
+    return torch.div(x, scale).to(FP8_DTYPE), scale
 
 
 def propose_scale(absmax: float, headroom: float = 1.0) -> float:

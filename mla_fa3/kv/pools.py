@@ -132,8 +132,8 @@ class MLATokenPool(_TokenPoolBase):
     (``kv/fp8.py``) with a per-layer per-tensor scale ``scale[layer]`` ([1] float32, device; default
     1.0 — set it from the checkpoint or a calibration with :meth:`set_scales`): the stored row is
     ``e4m3(clamp(x / s, ±448))``, read back as ``float(x8) · s``. A non-finite element of a stored row
-    is saturated (±inf -> ±448, NaN -> 0) and counted in ``nonfinite[layer]`` (device int64, no sync);
-    with ``debug_checks=True`` it raises ValueError instead, before anything is written.
+    is saturated (±inf -> ±448, NaN -> 0: the cache never holds NaN); with ``debug_checks=True`` it
+    raises ValueError instead (reads the device), before anything is written.
 
     Calibration: :meth:`observe_absmax` starts recording each layer's absmax of the rows stored (before
     quantization, device op); :meth:`proposed_scales` turns it into scales (``absmax / 448``).
@@ -159,7 +159,6 @@ class MLATokenPool(_TokenPoolBase):
         # [1] float32 per layer (in-place updates keep CUDA graphs valid); None for a floating pool
         self.scale: list[Tensor] | None = [torch.ones(1, dtype=torch.float32, device=self.device)
                                            for _ in range(num_layers)] if fp8 else None
-        self.nonfinite: Tensor | None = torch.zeros(num_layers, dtype=torch.int64, device=self.device) if fp8 else None
         self.absmax: Tensor | None = None  # [num_layers] float32 while observing (calibration)
 
     def _buffers(self) -> list[Tensor]:
@@ -197,7 +196,7 @@ class MLATokenPool(_TokenPoolBase):
 
     # ------------------------------------------------------------------ store
     def _store(self, layer: int, rows: Tensor, cols: slice, x: Tensor) -> None:
-        """buf[rows, cols] = x in the storage dtype (quantized, observed, counted when FP8)."""
+        """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating)."""
         if self.absmax is not None and x.numel():
             a = self.absmax[layer: layer + 1]
             torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
@@ -205,7 +204,7 @@ class MLATokenPool(_TokenPoolBase):
         if not self.is_fp8:
             buf[rows, cols] = x.to(self.dtype)
             return
-        buf[rows, cols] = quantize_e4m3(x, self.scale[layer], nonfinite_count=self.nonfinite[layer])
+        buf[rows, cols] = quantize_e4m3(x, self.scale[layer])
 
     def _check_finite(self, *named: tuple[str, Tensor]) -> None:
         """FP8 + debug_checks: a non-finite element raises (reads the device) before anything is written."""
@@ -214,7 +213,8 @@ class MLATokenPool(_TokenPoolBase):
         for name, x in named:
             if x.numel() and not bool(torch.isfinite(x).all()):
                 raise ValueError(f"{name} holds non-finite values (NaN/inf); an FP8 latent pool with "
-                                 "debug_checks refuses them (without debug_checks they saturate and are counted)")
+                                 "debug_checks refuses them (without debug_checks they saturate: inf -> ±448·scale, "
+                                 "NaN -> 0)")
 
     def set_kv(self, layer: int, loc: Tensor, c_kv: Tensor, k_rope: Tensor) -> None:
         """Write ``c_kv`` [T, r] and ``k_rope`` [T, d_rope] at slots ``loc`` [T] (cast / quantized)."""
