@@ -20,6 +20,12 @@ one KV head of width r + d_rope: FA3 gets ``q = q_rope``, ``k_cache = k_rope`` v
 view, ``qv = q_lat`` (``score = (q·k + qv·v) · scale``); FlashMLA gets ``q = [q_lat | q_rope]`` over the
 whole row with ``v = row[..., :r]``. The cache views are slices of the pool's paged buffer: no copies.
 
+FP8 latent cache (``kv_paged`` e4m3, per-tensor scale ``s_kv``): only FlashMLA reads it (FA3 refuses
+an e4m3 ``v_cache`` wider than 256). Per step the 576-wide query is quantized on the device with its
+own power-of-two scale ``s_q`` (``kv/fp8.quantize_e4m3_dynamic``; no host sync), and FlashMLA computes
+    s(t, h) = scale · (s_q · q8(h)) · (s_kv · latent8(t)),    o_lat(h) = Σ_t softmax · s_kv · c_kv8(t)
+with ``descale_q = s_q``, ``descale_k = s_kv``. The pool is never dequantized.
+
 Weights are stored in the layouts the per-head batched matmuls (``torch.bmm`` over heads) want:
 ``w_uk [H, d_nope, r]`` and ``w_uv [H, r, d_v]`` (= W_UVᵀ per head), both contiguous.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from mla_fa3 import ops
+from mla_fa3.kv.fp8 import FP8_DTYPE, quantize_e4m3_dynamic
 from mla_fa3.layer import AttentionLayer, MLADims, MLAWeights
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.policy.paths import DecodeKernel
@@ -109,7 +116,7 @@ def _kernel_tables(layer: AttentionLayer, metadata):
 
 def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata, kv_paged: torch.Tensor, *,
                      kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
-                     impl=None, validate: bool = True) -> torch.Tensor:
+                     kv_scale: torch.Tensor | None = None, impl=None, validate: bool = True) -> torch.Tensor:
     """Absorbed MLA attention of one layer for one step: q [T, H, d_nope + d_rope] -> o [T, H, d_v].
 
     ``kv_paged``: the layer's latent pool as pages, ``[num_pages, page_size, 1, r + d_rope]``
@@ -117,15 +124,24 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     ``metadata``: the step's ``AttentionMetadata`` (cu_seqlens_q / max_seqlen_q / cache_seqlens /
     page_table). ``schedule``: FlashMLA's tile schedule of the step, required for ``kernel=FLASHMLA``,
     which also requires equal q lengths per request (T = batch_size · max_seqlen_q) and page size 64 —
-    the step plan decides when it applies.
+    the step plan decides when it applies. An e4m3 ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule
+    planned with ``is_fp8=True``) and ``kv_scale``, the layer's [1] float32 scale (``MLATokenPool.layer_scale``).
     """
     if validate:
         check_query(q, layer)
+    fp8 = kv_paged.dtype == FP8_DTYPE
+    if fp8 and kernel is not DecodeKernel.FLASHMLA:
+        raise ValueError(f"kernel must be FLASHMLA for an FP8 latent cache (layer {layer.layer_id}): FA3 cannot "
+                         f"read an e4m3 latent (HeaddimV > 256 requires fp16/bf16), got {kernel}")
+    if fp8 and kv_scale is None:
+        raise ValueError(f"kv_scale is None: the FP8 latent cache of layer {layer.layer_id} needs its "
+                         "per-tensor scale (MLATokenPool.layer_scale)")
     dims, w = layer.mla, layer.mla_weights
     r = dims.kv_lora_rank
     q_nope, q_rope = split_query(q, dims)
     if kernel is DecodeKernel.FLASHMLA:
-        return project_output(_flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, impl), w)
+        o_lat = _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
+        return project_output(o_lat, w)
     q_lat = absorb_query(q_nope, w)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
     o_lat = ops.flash_attn_with_kvcache(
@@ -138,8 +154,12 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     return project_output(o_lat, w)
 
 
-def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, impl) -> torch.Tensor:
-    """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r]."""
+def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
+    """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
+
+    ``kv_scale`` given (FP8 cache): q is quantized per step (power-of-two scale, on the device) and the
+    kernel gets both descales; its output (bf16) is cast back to q's dtype.
+    """
     if schedule is None:
         raise ValueError("schedule is None: plan FlashMLA's schedule once per step (the step plan does) "
                          "before running the FLASHMLA decode kernel")
@@ -154,9 +174,13 @@ def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, impl) 
     q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
     absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
     q_cat[..., r:].copy_(q_rope)
+    descales = {}
+    if kv_scale is not None:
+        q_cat, q_scale = quantize_e4m3_dynamic(q_cat)
+        descales = dict(descale_q=q_scale, descale_k=kv_scale)
     o = ops.flash_mla_with_kvcache(
         q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table, metadata.cache_seqlens,
         head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True,
-        impl=impl,
+        impl=impl, out_dtype=q_nope.dtype, **descales,
     )
     return o.view(T, H, r)

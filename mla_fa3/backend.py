@@ -22,6 +22,12 @@ MLA layer (``LayerKind.MLA``), symbols of :mod:`mla_fa3.absorb`:
            (or k = c_kv [T, r] and v = k_rope [T, d_rope]); stored at ``batch.out_cache_loc`` first
     out    [T, H, d_v]
 
+FP8 latent pool (``MLATokenPool(kv_dtype=torch.float8_e4m3fn)``): rows are quantized as they are stored
+(per-layer scale), decode-like steps run FlashMLA's FP8 decode (q quantized per step on the device),
+extend rows read the latent dequantized chunk by chunk (MHA prefill); the pool is never dequantized
+whole. It needs page size 64 and the MLA layers' ``num_heads`` / ``mla_dims`` (checked here, before any
+kernel runs); layers with softcap, a window, local attention or another head count cannot read it.
+
 CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE): ``init_cuda_graph_state`` allocates the builder's
 capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of them and
 records the kernel baked into the graph; ``init_forward_metadata_replay_cuda_graph`` rewrites the
@@ -48,8 +54,8 @@ from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_b
 __all__ = ["MLABackend"]
 
 
-def _coerce_decode_kernel(value) -> DecodeKernel | str:
-    if isinstance(value, DecodeKernel):
+def _coerce_decode_kernel(value) -> DecodeKernel | str | None:
+    if value is None or isinstance(value, DecodeKernel):
         return value
     if isinstance(value, str):
         low = value.lower()
@@ -72,14 +78,16 @@ class _GraphEntry:
 class MLABackend:
     """Attention backend over an MLA latent pool (and optionally an MHA pool for MHA / CROSS layers)."""
 
-    def __init__(self, *, req_to_token_pool, kv_pool, page_size: int, device, decode_kernel="fa3",
+    def __init__(self, *, req_to_token_pool, kv_pool, page_size: int, device, decode_kernel=None,
                  num_heads: int | None = None, mla_dims: MLADims | None = None, prefill_path: str = "auto",
                  prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, prefill_workspace_tokens: int | None = None,
                  attention_chunk_size: int | None = None, impl=None,
                  debug_checks: bool = False):
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
-        decode_kernel: 'fa3' (default), 'flashmla' (page 64 only) or 'auto' (``policy.decode_kernel`` per step).
+        decode_kernel: 'fa3', 'flashmla' (page 64 only) or 'auto' (``policy.decode_kernel`` per step); None
+            (default) = 'fa3', or 'flashmla' for an FP8 latent pool (the only kernel that reads it; 'fa3'
+            with an FP8 pool is an error).
         num_heads: query heads of the MLA layers (per rank); required for 'flashmla' / 'auto' because the
             FlashMLA schedule is planned once per step, before any layer runs.
         mla_dims: the MLA layers' :class:`MLADims`; with ``num_heads`` they let the prefill cost model
@@ -102,6 +110,12 @@ class MLABackend:
             if not same_device(pool.device, self.device):
                 raise ValueError(f"kv_pool is on {pool.device} but the backend's device is {self.device}")
         self.decode_kernel = _coerce_decode_kernel(decode_kernel)
+        self.kv_fp8 = self.mla_pool is not None and self.mla_pool.is_fp8
+        if self.kv_fp8:
+            _check_fp8_setup(self.decode_kernel, page_size, num_heads, mla_dims, prefill_path)
+            self.decode_kernel = DecodeKernel.FLASHMLA
+        elif self.decode_kernel is None:
+            self.decode_kernel = DecodeKernel.FA3
         if self.decode_kernel is DecodeKernel.FLASHMLA and page_size != FLASHMLA_PAGE_SIZE:
             raise ValueError(f"decode_kernel=flashmla needs page_size {FLASHMLA_PAGE_SIZE}, got {page_size}")
         if num_heads is not None or self.decode_kernel is not DecodeKernel.FA3:
@@ -137,7 +151,7 @@ class MLABackend:
         self.planner = StepPlanner(
             decode_kernel=self.decode_kernel, page_size=page_size, num_heads=num_heads, mla_dims=mla_dims,
             prefill_path=override, workspace_tokens=prefill_workspace_tokens, req_to_token=self.builder.req_to_token,
-            impl=self.impl, device=self.device, kv_dtype=None if pool is None else pool.dtype,
+            impl=self.impl, device=self.device, kv_dtype=None if pool is None else pool.kv_dtype,
             latent_width=None if pool is None else pool.kv_lora_rank + pool.qk_rope_head_dim,
             other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset())
         self.step_plan: StepPlan | None = None  # the current step's plan (eager, captured or replayed)
@@ -179,16 +193,23 @@ class MLABackend:
             return mha_fallback.forward(q, k, v, layer, batch, plan.metadata, self.mha_pool,
                                         save_kv_cache=save_kv_cache, impl=self.impl)
         self._check_mla_step(q, k, v, layer, save_kv_cache)
+        if self.kv_fp8:
+            _check_fp8_layer(layer, plan)
         if save_kv_cache and k is not None:
             self._save_latent(layer, batch, k, v)
+        if self.kv_fp8 and q.shape[0] == 0:  # no rows: no kernel (FlashMLA needs a planned schedule)
+            return q.new_empty(0, layer.num_heads, layer.v_head_dim)
         kv_paged = self.mla_pool.paged(layer.layer_id)
+        kv_scale = self.mla_pool.layer_scale(layer.layer_id)  # None for a floating pool
         path, kernel = plan.route(layer)
         if path.is_mha_prefill:
             latent_new = k if (save_kv_cache and k is not None and v is None) else None
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
-                                                      impl=self.impl)
+                                                      kv_scale=kv_scale, absorbed_kernel=kernel,
+                                                      schedule=plan.flashmla_schedule, impl=self.impl)
         return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel,
-                                       schedule=plan.flashmla_schedule, impl=self.impl, validate=False)
+                                       schedule=plan.flashmla_schedule, kv_scale=kv_scale, impl=self.impl,
+                                       validate=False)
 
     # ------------------------------------------------------------------------------ checks and store
     def _plan_for(self, q, layer: AttentionLayer, batch: ForwardBatch) -> StepPlan:
@@ -321,6 +342,33 @@ class MLABackend:
         self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                                   graph=True, schedule=schedule)
         return md
+
+
+def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path) -> None:
+    """An FP8 latent pool is read by FlashMLA's FP8 decode and the (dequantizing) MHA prefill only."""
+    if decode_kernel is DecodeKernel.FA3:
+        raise ValueError("decode_kernel='fa3' cannot read an FP8 latent pool (FA3: HeaddimV > 256 requires "
+                         "fp16/bf16); use decode_kernel='flashmla', 'auto' or None")
+    if page_size != FLASHMLA_PAGE_SIZE:
+        raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent pool, got {page_size}: "
+                         f"FlashMLA's FP8 decode, the only kernel that reads an e4m3 latent, takes pages of "
+                         f"{FLASHMLA_PAGE_SIZE}")
+    if num_heads is None or mla_dims is None:
+        raise ValueError("num_heads and mla_dims are required with an FP8 latent pool (FlashMLA's schedule "
+                         "and the MHA prefill that extend rows take)")
+    if PrefillOverride.coerce(prefill_path) is PrefillOverride.ABSORBED:
+        raise ValueError("prefill_path='absorbed' cannot run on an FP8 latent pool: extend rows read it "
+                         "dequantized chunk by chunk (MHA prefill); use 'auto' or 'mha'")
+
+
+def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:
+    """The layers FlashMLA FP8 cannot serve raise (before anything is stored)."""
+    if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
+        raise ValueError(f"layer {layer.layer_id}: an FP8 latent pool is read by FlashMLA FP8 and the MHA prefill "
+                         "only, which have no softcap / sliding window / local attention")
+    if plan.num_heads is not None and layer.num_heads != plan.num_heads:
+        raise ValueError(f"layer {layer.layer_id} has {layer.num_heads} heads but the FP8 step was planned for "
+                         f"num_heads={plan.num_heads} (FlashMLA's schedule depends on it)")
 
 
 def _split_pools(kv_pool) -> tuple[MLATokenPool | None, MHATokenPool | None]:

@@ -45,6 +45,12 @@ step, the new tokens' ``[v | k]`` rows.
 
 Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's sub-metadata
 (:class:`RowSplit`) while the other rows run MHA; the outputs come back in batch order.
+
+FP8 latent pool (e4m3 rows, per-tensor scale ``s``): the prefix rows a chunk reads are gathered in e4m3
+and dequantized (``float(x8) · s``) into the chunk's workspace — never the whole pool. The new tokens
+attend to their own keys as computed (``latent_new``, not rounded to e4m3), as vLLM's and SGLang's MLA
+prefills do; read back from the pool (dequantized) only when ``latent_new`` is None. Decode rows of a
+split step run FlashMLA's FP8 decode (their own new row read from the cache, quantized).
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ from torch import Tensor
 from mla_fa3 import absorb, ops
 from mla_fa3.ops.calls import MergeCall, VarlenCall
 from mla_fa3.layer import AttentionLayer
+from mla_fa3.kv.fp8 import FP8_DTYPE, dequantize_e4m3
 from mla_fa3.metadata import AttentionMetadata
+from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.prefill_plan import PrefillPlan
 
 __all__ = ["decompress_latent", "forward_mha_prefill"]
@@ -108,7 +116,7 @@ def _flat_rows(kv: Tensor, width: int) -> Tensor:
         raise ValueError(f"kv_paged must be a view of the pool's contiguous rows, got strides {kv.stride()}") from None
 
 
-def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
+def _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale) -> None:
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan (the step plan's prefill), got {type(plan).__name__}")
     absorb.check_query(q, layer)
@@ -123,6 +131,11 @@ def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if name == "kv_paged" and t.dtype == FP8_DTYPE and t.device == q.device:
+            if not isinstance(kv_scale, Tensor) or kv_scale.dtype != torch.float32 or kv_scale.numel() != 1 \
+                    or kv_scale.device != q.device:
+                raise ValueError(f"kv_scale must be the FP8 pool's [1] float32 scale on {q.device}, got {kv_scale!r}")
+            continue
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must have q's dtype/device ({q.dtype}, {q.device}), got ({t.dtype}, {t.device})")
     if latent_new is not None and tuple(latent_new.shape) != (plan.num_tokens, width):
@@ -135,7 +148,8 @@ def _check_forward(q, latent_new, layer, kv_paged, plan) -> None:
 class _ChunkCalls:
     """One prefix chunk's buffers and validated calls for one layer configuration."""
 
-    latent: Tensor  # [num_keys, r + d_rope] workspace view: the gathered latent rows
+    latent: Tensor  # [num_keys, r + d_rope] workspace view: the gathered latent rows (pool dtype)
+    latent_dq: Tensor | None  # [num_keys, r + d_rope] workspace view: them dequantized (FP8 pool), else None
     kv: Tensor  # [num_keys, H, d_v + d_qk] workspace view: [v | k_nope | k_rope]
     decompress: _Decompress  # latent -> kv
     q_rows: slice  # the chunk's q rows (q_lo:q_hi)
@@ -149,7 +163,8 @@ class _LayerCalls:
     """Every call of one layer configuration in this step, validated once (first layer)."""
 
     impl: ops.Impl  # resolved: FA3 or REFERENCE
-    latent_new: Tensor  # [N, r + d_rope]: the new rows when they are read back from the pool
+    latent_new: Tensor  # [N, r + d_rope]: the new rows when they are read back from the pool (pool dtype)
+    latent_new_dq: Tensor | None  # [N, r + d_rope]: them dequantized (FP8 pool), else None
     kv_new: Tensor  # [N, H, d_v + d_qk]: the new tokens' [v | k]
     attn_new: VarlenCall  # causal attention of the MHA rows over their own tokens
     chunks: tuple[_ChunkCalls, ...]
@@ -173,6 +188,7 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
     if plan.chunks:
         ws = plan.workspace
         lat_buf = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)
+        dq_buf = ws.buffer("latent_dq", (rows.shape[1],), q.dtype, q.device) if rows.dtype == FP8_DTYPE else None
         kv_buf = ws.buffer("kv", (H, dv + dqk), q.dtype, q.device)
         lse = torch.empty(N, H, dtype=torch.float32, device=q.device)
         o = q.new_empty(N, H, dv)
@@ -185,14 +201,20 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
         o_c, lse_c = o[ch.q_lo: ch.q_hi], lse[ch.q_lo: ch.q_hi]
         merge = ops.prepare_merge_state(o_c, lse_c, o_c, lse_c, impl=impl)
         lat = lat_buf[: ch.num_keys]
-        chunks.append(_ChunkCalls(lat, kv, _Decompress(lat, kv, H, dims), slice(ch.q_lo, ch.q_hi), attn, merge,
-                                  ch.q_lo == 0 and ch.q_hi == N))
-    calls = plan.calls[key] = _LayerCalls(chosen, rows.new_empty(N, rows.shape[1]), kv_new, attn_new, tuple(chunks))
+        dq = None if dq_buf is None else dq_buf[: ch.num_keys]
+        chunks.append(_ChunkCalls(lat, dq, kv, _Decompress(lat if dq is None else dq, kv, H, dims),
+                                  slice(ch.q_lo, ch.q_hi), attn, merge, ch.q_lo == 0 and ch.q_hi == N))
+    new_dq = q.new_empty(N, rows.shape[1]) if rows.dtype == FP8_DTYPE else None
+    calls = plan.calls[key] = _LayerCalls(chosen, rows.new_empty(N, rows.shape[1]), new_dq, kv_new, attn_new,
+                                          tuple(chunks))
     return calls
 
 
-def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, impl) -> Tensor:
+def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, kv_scale, impl) -> Tensor:
     """The MHA rows: causal attention over the new tokens, then every prefix chunk merged in.
+
+    An FP8 pool (``kv_scale`` given): each chunk's gathered rows are dequantized into the workspace —
+    never the whole pool; the step's own new tokens use their fresh (unquantized) rows when given.
 
     The LSEs here come straight from ``ops`` (natural log, ``ops.LSE_BASE``) and go straight back to
     ``ops.run_merge_state``; ``lse.merge_states`` is the typed form of the same merge for other callers.
@@ -200,11 +222,15 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
     calls = _layer_calls(plan, q, layer, rows, impl)
     if latent is None:
         latent = torch.index_select(rows, 0, plan.new_slot_ids, out=calls.latent_new)
+        if kv_scale is not None:
+            latent = dequantize_e4m3(latent, kv_scale, q.dtype, out=calls.latent_new_dq)
     decompress_latent(latent, layer, out=calls.kv_new)
     o, lse = ops.run_flash_attn_varlen(calls.impl, calls.attn_new.with_q(q))
     w_vk = layer.mla_weights.w_vk
     for ch, c in zip(plan.chunks, calls.chunks):
         torch.index_select(rows, 0, ch.slot_ids, out=c.latent)
+        if kv_scale is not None:
+            dequantize_e4m3(c.latent, kv_scale, q.dtype, out=c.latent_dq)
         c.decompress.run(w_vk)
         if c.whole:
             o_c, lse_c = ops.run_flash_attn_varlen(calls.impl, c.attn.with_q(q))
@@ -219,23 +245,30 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
 
 
 def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLayer, metadata: AttentionMetadata,
-                        kv_paged: Tensor, plan: PrefillPlan, *, impl=None) -> Tensor:
+                        kv_paged: Tensor, plan: PrefillPlan, *, kv_scale: Tensor | None = None,
+                        absorbed_kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
+                        impl=None) -> Tensor:
     """One MLA layer of an extend-like step on the MHA path: q [T, H, d_qk] -> o [T, H, d_v], batch order.
 
     latent_new ``[T, r + d_rope]``: the step's new latent rows (None: read them back from the pool at
     the plan's slots — they must be stored already). kv_paged: the layer's latent pool,
     ``MLATokenPool.paged(layer_id)`` ``[pages, page_size, 1, r + d_rope]`` (or flat ``[slots, r + d_rope]``).
-    plan: the step's :class:`PrefillPlan`. Decode rows of a split
-    step run ``absorb.forward_absorbed`` on the plan's sub-metadata; outputs come back in batch order.
+    plan: the step's :class:`PrefillPlan`. Decode rows of a split step run ``absorb.forward_absorbed``
+    on the plan's sub-metadata with ``absorbed_kernel`` (and FlashMLA's ``schedule`` for those rows);
+    outputs come back in batch order. An FP8 (e4m3) pool needs ``kv_scale`` ([1] float32:
+    ``MLATokenPool.layer_scale``); its prefix rows are dequantized chunk by chunk.
     """
-    _check_forward(q, latent_new, layer, kv_paged, plan)
+    _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale)
+    if kv_paged.dtype != FP8_DTYPE:
+        kv_scale = None
     rows = _flat_rows(kv_paged, layer.mla.latent_dim)
     split = plan.split
     if split is None:
-        return _mha_rows(q, latent_new, layer, rows, plan, impl)
+        return _mha_rows(q, latent_new, layer, rows, plan, kv_scale, impl)
     q_mha, q_abs = split.split(q)
     lat_mha = None if latent_new is None else latent_new.index_select(0, split.mha_tokens)
-    o_mha = _mha_rows(q_mha, lat_mha, layer, rows, plan, impl)
+    o_mha = _mha_rows(q_mha, lat_mha, layer, rows, plan, kv_scale, impl)
     paged = rows.view(-1, plan.page_size, 1, rows.shape[1])
-    o_abs = absorb.forward_absorbed(q_abs, layer, split.absorbed_metadata, paged, impl=impl, validate=False)
+    o_abs = absorb.forward_absorbed(q_abs, layer, split.absorbed_metadata, paged, kernel=absorbed_kernel,
+                                    schedule=schedule, kv_scale=kv_scale, impl=impl, validate=False)
     return split.merge(o_mha, o_abs)

@@ -42,7 +42,7 @@ __all__ = ["main", "build_parser", "UsageError"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
-_BENCHES = ("decode", "prefill", "serve")
+_BENCHES = ("decode", "prefill", "serve", "fp8")
 TINY_NAMES = ("tiny_v3", "tiny_v2", "v3_mla_dims")  # mla_fa3.models.tiny.TINY_CONFIGS (not imported: fast --help)
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p, *, checkpoint_required: bool) -> None:
         p.add_argument("--checkpoint", required=checkpoint_required, metavar="DIR",
                        help="HF checkpoint dir (config.json + safetensors)")
-        p.add_argument("--page-size", type=_positive, default=16, help="KV page size (1 or a power of 2)")
+        p.add_argument("--page-size", type=_positive, default=None,
+                       help="KV page size (1 or a power of 2; default 16, 64 with --kv-dtype fp8)")
         p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model / KV dtype")
         p.add_argument("--device", type=_device, default="cpu", help="cpu (reference kernels) or cuda[:N] (FA3)")
         p.add_argument("--threads", type=_positive, default=None,
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-prefill-tokens", type=_positive, default=None, help="chunked prefill budget")
         p.add_argument("--cuda-graph", action="store_true", help="decode through CUDA graphs (needs --device cuda)")
         p.add_argument("--quiet", action="store_true", help="no progress bars or info messages on stderr")
+        p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                       help="latent KV cache dtype: auto (= --dtype) or fp8 (e4m3, page size 64, FlashMLA)")
+        p.add_argument("--kv-scale", type=float, default=None,
+                       help="fp8: one scale for every layer (default: the checkpoint's, else 1.0)")
 
     v = sub.add_parser("validate", help="compare our model on the backend with transformers")
     common(v, checkpoint_required=False)
@@ -199,6 +204,8 @@ def _setup(args):
     """Check --device / --cuda-graph against this machine, set CPU threads; returns the torch dtype."""
     import torch
 
+    if args.page_size is None:
+        args.page_size = 64 if args.kv_dtype == "fp8" else 16
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UsageError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}); "
@@ -258,7 +265,8 @@ def _validate(args) -> int:
     with _Bars(args.quiet) as bars:
         report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
                               device=args.device, seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
-                              use_cuda_graph=args.cuda_graph, config=args.config, progress=bars)
+                              use_cuda_graph=args.cuda_graph, config=args.config, progress=bars,
+                              kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report.passed else 1
 
@@ -300,7 +308,8 @@ def _run_generate(args, dtype, prompt: list[int], eos: list[int], tokenizer) -> 
         model = load_model(args.checkpoint, dtype=dtype, device=args.device, progress=bars)
         engine = Engine(model, page_size=args.page_size, max_batch_size=1,
                         max_context=len(prompt) + args.max_new_tokens, max_prefill_tokens=args.max_prefill_tokens,
-                        use_cuda_graph=args.cuda_graph, allow_past_max_position=args.allow_past_max_position)
+                        use_cuda_graph=args.cuda_graph, allow_past_max_position=args.allow_past_max_position,
+                        kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
         tokens = engine.generate([prompt], args.max_new_tokens, eos_token_id=eos or None,
                                  progress=bars).token_ids[0]
     if tokenizer is None:
@@ -338,8 +347,10 @@ def _bench(args) -> int:
         from mla_fa3.bench.decode import main as entry
     elif args.which == "prefill":
         from mla_fa3.bench.prefill import main as entry
-    else:
+    elif args.which == "serve":
         from mla_fa3.bench.serve import main as entry
+    else:
+        from mla_fa3.bench.fp8 import main as entry
     return int(entry(list(args.args)) or 0)
 
 

@@ -17,6 +17,11 @@ logit rows and how many requests' greedy tokens agree. Thresholds come from the 
 In bf16 / fp16 the same transformers model cast to that dtype is run too (the *baseline*: what torch
 itself gets in that precision, MoE routing flips included): a step also passes when our error is at
 most twice the baseline's (``rel <= 2 rel_base``, ``1 - cos <= 2 (1 - cos_base)``).
+
+Over every compared position (each prompt position of the prefill, each decode step) the report also
+gives the top-1 agreement (our argmax == HF's) and the mean logit cosine. With an FP8 latent cache
+(``kv_dtype="fp8"``) the thresholds are :data:`FP8_KV_TOLERANCES` (the cache is quantized to e4m3:
+3 mantissa bits), with the same baseline rule.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ TOLERANCES = {
 }
 
 
+# FP8 latent cache (any model dtype): (max relative logit error, min cosine, min greedy agreement)
+FP8_KV_TOLERANCES = (0.25, 0.99, 0.8)
+
+
 @dataclass
 class StepRow:
     step: int  # 0 = prefill, i = decode step i
@@ -55,6 +64,9 @@ class StepRow:
     total: int
     base_rel: float | None = None  # the baseline's (HF in the low dtype) relative error, when run
     base_cosine: float | None = None
+    top1: int = 0  # compared positions (logit rows) whose argmax equals HF's
+    positions: int = 0  # logit rows compared (prefill: every prompt position; decode: one per request)
+    cos_sum: float = 0.0  # sum of the rows' logit cosines
 
     def within(self, rel_tol: float, cos_tol: float) -> bool:
         rel_ok = self.rel <= rel_tol or (self.base_rel is not None and self.rel <= 2 * self.base_rel)
@@ -72,6 +84,16 @@ class ValidateReport:
     thresholds: tuple[float, float, float]
     prompts: list[list[int]] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    kv_dtype: str = "auto"
+
+    @property
+    def top1_agreement(self) -> float:
+        """Fraction of every compared position (prefill and decode) whose argmax equals HF's."""
+        return sum(r.top1 for r in self.rows) / max(1, sum(r.positions for r in self.rows))
+
+    @property
+    def mean_cosine(self) -> float:
+        return sum(r.cos_sum for r in self.rows) / max(1, sum(r.positions for r in self.rows))
 
     @property
     def agree_fraction(self) -> float:
@@ -131,7 +153,8 @@ def _prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]
 def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: torch.dtype = torch.float32,
                  steps: int = 16, device: str = "cpu", seed: int = 0, prompt_lengths=(11, 6, 17),
                  max_prefill_tokens: int | None = None, use_cuda_graph: bool = False, config: str | None = None,
-                 progress: Callable[[str, int, int], None] | None = None) -> ValidateReport:
+                 progress: Callable[[str, int, int], None] | None = None, kv_dtype: str = "auto",
+                 kv_scales=None) -> ValidateReport:
     """Run the comparison (module docstring). ``checkpoint=None`` builds the embedded ``config``
     (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
     head dims are the ones FA3 implements). What it does is logged (``logging``, INFO);
@@ -164,7 +187,7 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
         prompts = _prompts(ours.config.vocab_size, tuple(prompt_lengths), seed + 1)
         engine = Engine(ours, page_size=page_size, max_batch_size=len(prompts),
                         max_context=max(map(len, prompts)) + steps + 1, max_prefill_tokens=max_prefill_tokens,
-                        use_cuda_graph=use_cuda_graph)
+                        use_cuda_graph=use_cuda_graph, kv_dtype=kv_dtype, kv_scales=kv_scales)
         res = engine.generate(prompts, steps + 1, return_logits=True, return_prefill_logits=True,
                               progress=progress)
         say("transformers reference forward (teacher-forced on our tokens)")
@@ -186,7 +209,9 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
     # step 0's agreement: the first new token (from the prefill) against HF's argmax at the prompt end
     first = sum(int(ref[len(p) - 1].argmax()) == toks[0] for p, ref, toks in zip(prompts, refs, res.token_ids))
     rows[0].agree, rows[0].total = first, len(prompts)
-    return ValidateReport(rows, dtype, page_size, label, TOLERANCES[dtype], prompts, res.token_ids)
+    fp8 = kv_dtype in ("fp8", "float8_e4m3fn", torch.float8_e4m3fn)
+    return ValidateReport(rows, dtype, page_size, label, FP8_KV_TOLERANCES if fp8 else TOLERANCES[dtype], prompts,
+                          res.token_ids, "float8_e4m3fn" if fp8 else "auto")
 
 
 def _teacher_forced(hf, prompts, token_ids, device) -> list[torch.Tensor]:
@@ -212,8 +237,12 @@ def _row(step: int, items) -> StepRow:
     cos = 1.0
     base_rel, base_cos = 0.0, 1.0
     has_base = False
-    agree = total = 0
+    agree = total = top1 = positions = 0
+    cos_sum = 0.0
     for ours, ref, base, tok in items:
+        top1 += int((ours.argmax(dim=-1) == ref.argmax(dim=-1)).sum())
+        positions += ours.shape[0]
+        cos_sum += float(F.cosine_similarity(ours.double(), ref.double(), dim=-1).sum())
         d, r, c = _errors(ours, ref)
         max_abs, rel, cos = max(max_abs, d), max(rel, r), min(cos, c)
         if base is not None:
@@ -224,14 +253,15 @@ def _row(step: int, items) -> StepRow:
             agree += int(int(ref[-1].argmax()) == tok)
             total += 1
     return StepRow(step, max_abs, rel, cos, agree, total,
-                   base_rel if has_base else None, base_cos if has_base else None)
+                   base_rel if has_base else None, base_cos if has_base else None, top1, positions, cos_sum)
 
 
 def format_report(report: ValidateReport) -> str:
     """The human-readable table plus a PASS / FAIL line."""
     rel_t, cos_t, agree_t = report.thresholds
     lines = [f"checkpoint: {report.checkpoint}",
-             f"dtype: {str(report.dtype).replace('torch.', '')}   page_size: {report.page_size}   "
+             f"dtype: {str(report.dtype).replace('torch.', '')}   kv cache: {report.kv_dtype}   "
+             f"page_size: {report.page_size}   "
              f"requests: {len(report.prompts)} (prompt lengths {[len(p) for p in report.prompts]})",
              f"{'step':>7} {'max abs err':>12} {'rel err':>10} {'min cos':>10} {'token agree':>12}"
              + ("   baseline rel / cos (HF in this dtype)" if report.rows[0].base_rel is not None else "")]
@@ -243,6 +273,8 @@ def format_report(report: ValidateReport) -> str:
         lines.append(line + ("" if r.within(rel_t, cos_t) else "   <- over threshold"))
     lines.append(f"greedy tokens identical to transformers: {'yes' if report.greedy_identical else 'no'} "
                  f"(decode agreement {report.agree_fraction:.1%})")
+    lines.append(f"top-1 agreement over {sum(r.positions for r in report.rows)} positions (prefill + decode): "
+                 f"{report.top1_agreement:.1%}; mean logit cosine {report.mean_cosine:.6f}")
     verdict = "PASS" if report.passed else "FAIL"
     rule = f"rel err <= {rel_t:g}, cosine >= {cos_t:g}"
     if report.rows[0].base_rel is not None:
@@ -253,4 +285,6 @@ def format_report(report: ValidateReport) -> str:
 
 def report_json(report: ValidateReport) -> str:
     return json.dumps({"passed": report.passed, "greedy_identical": report.greedy_identical,
+                       "kv_dtype": report.kv_dtype, "top1_agreement": report.top1_agreement,
+                       "mean_cosine": report.mean_cosine,
                        "rows": [r.__dict__ for r in report.rows], "token_ids": report.token_ids})

@@ -14,6 +14,11 @@
                                                   row split) from prefill_plan.build_prefill_plan
         -> StepPlan(metadata, path, kernel, schedule, prefill, record)
 
+FP8 latent pool (e4m3): every decode-like step runs FlashMLA's FP8 decode (the only kernel that reads
+it; page 64, checked when the backend is built); extend-like steps run the MHA prefill, which
+dequantizes the rows it reads chunk by chunk, and their decode rows (MIXED) run FlashMLA FP8 with a
+schedule planned here for those rows; a step whose rows are all decode rows runs FlashMLA FP8 whole.
+
 Every layer then asks :meth:`StepPlan.route` which (path, kernel) applies to it. The route is a fixed
 rule of the plan, not a new decision: layers with softcap, a sliding window or local attention (which
 neither FlashMLA nor the MHA prefill model) and layers whose head count differs from the planned one
@@ -32,6 +37,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch, queries_per_request
+from mla_fa3.kv.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule
@@ -55,7 +61,7 @@ class PathRecord:
     reason: str  # why this path / kernel (policy reasons, overrides, constraints, per-layer rules)
     graph: bool = False  # the metadata views CUDA-graph capture buffers (capture or replay)
     impl: str | None = None  # "fa3" / "reference": the ops implementation the step's kernels run
-    kv_dtype: str | None = None  # dtype of the latent pool the step reads ("bfloat16", ...)
+    kv_dtype: str | None = None  # storage dtype of the latent pool the step reads ("bfloat16", "float8_e4m3fn")
     other_paths: frozenset[AttentionPath] = frozenset()  # paths of the backend's non-MLA layers
     decision: PathDecision | None = None  # the prefill cost model's decision, when one was consulted
     kv_bytes: int | None = None  # latent-cache bytes one MLA layer reads this step (None: unknown, graphs)
@@ -66,7 +72,8 @@ class PathRecord:
         impl = f" ({self.impl})" if self.impl else ""
         graph = " [graph]" if self.graph else ""
         others = ", also " + ", ".join(sorted(p.value for p in self.other_paths)) if self.other_paths else ""
-        return f"{self.mode}: {self.path.value}{kernel}{impl}{graph}{others} — {self.reason}"
+        kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
+        return f"{self.mode}: {self.path.value}{kernel}{impl}{kv}{graph}{others} — {self.reason}"
 
 
 @dataclass
@@ -79,7 +86,7 @@ class StepPlan:
     kernel: DecodeKernel  # absorbed kernel of the plain MLA layers (FA3 for the others)
     num_heads: int | None  # the head count the FlashMLA schedule was planned for
     record: PathRecord
-    flashmla_schedule: FlashMLASchedule | None = None  # when kernel is FLASHMLA
+    flashmla_schedule: FlashMLASchedule | None = None  # when kernel is FLASHMLA (of the split rows on an MHA path)
     prefill: PrefillPlan | None = None  # when path is an MHA prefill
     graph_bs: int | None = None  # a CUDA-graph step: its captured size (the padded static batch is its batch)
     _seen: list[ForwardBatch] = field(default_factory=list, repr=False)  # batches already matched
@@ -153,7 +160,8 @@ class StepPlanner:
         self.req_to_token = req_to_token  # [rows, max_context] int32, device: the ReqToTokenPool's table
         self.impl = impl  # the backend's ops implementation (None: the ops global setting at call time)
         self.device = device
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = kv_dtype  # storage dtype of the latent pool
+        self.kv_fp8 = kv_dtype == FP8_DTYPE  # e4m3 latent: FlashMLA FP8 decode, MHA prefill (dequantized)
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
         self._workspace: PrefillWorkspace | None = None  # the MHA prefill's chunk buffers, reused
@@ -162,6 +170,10 @@ class StepPlanner:
     def choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
                              mean_seqlen_k: float | None = None) -> tuple[DecodeKernel, str]:
         """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown)."""
+        if self.kv_fp8:
+            choice = explain_decode_kernel(self.num_heads, max(batch_size, 1), max(max_seqlen_k, 1), self.page_size,
+                                           kv_fp8=True)
+            return choice.kernel, choice.reason
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
         if self.page_size != FLASHMLA_PAGE_SIZE:
@@ -172,6 +184,8 @@ class StepPlanner:
 
     def graph_kernels(self) -> tuple[DecodeKernel, ...]:
         """Kernels worth a graph per batch size: both when the choice is per step on page 64, else one."""
+        if self.kv_fp8:
+            return (DecodeKernel.FLASHMLA,)
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return (self.decode_kernel,)
         if self.page_size != FLASHMLA_PAGE_SIZE:
@@ -181,7 +195,8 @@ class StepPlanner:
     def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
         """FlashMLA's tile schedule for the step (not graph-legal: plan outside, ``copy_`` into a captured one)."""
         sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
-        return ops.get_mla_decode_metadata(metadata.cache_seqlens, self.num_heads * sq, impl=self.impl)
+        return ops.get_mla_decode_metadata(metadata.cache_seqlens, self.num_heads * sq, is_fp8=self.kv_fp8,
+                                           impl=self.impl)
 
     # ------------------------------------------------------------------------------ plans
     def plan(self, batch: ForwardBatch, metadata: AttentionMetadata) -> StepPlan:
@@ -211,6 +226,8 @@ class StepPlanner:
                         graph_bs=metadata.batch_size if graph else None)
 
     def _plan_extend(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
+        if self.kv_fp8:
+            return self._plan_extend_fp8(batch, md)
         mode = md.mode.name
         absorbed = (AttentionPath.ABSORBED, DecodeKernel.FA3.value)
         if self.prefill_path is PrefillOverride.ABSORBED:
@@ -231,9 +248,37 @@ class StepPlanner:
         reason = decision.explain() + "; absorbed FA3 for layers with softcap / window / local attention"
         return self._extend(batch, md, decision.path, None, reason, decision, prefill)
 
-    def _extend(self, batch, md, path, kernel, reason, decision=None, prefill=None) -> StepPlan:
+    def _plan_extend_fp8(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
+        """Extend-like step over an FP8 pool: MHA rows dequantize chunk by chunk; decode rows FlashMLA FP8."""
+        fp8 = "FP8 latent pool: extend rows read it dequantized chunk by chunk (MHA prefill; FA3's absorbed " \
+              "kernel cannot read e4m3)"
+        if batch.batch_size == 0 or int(md.extend_lens_cpu.sum()) == 0:
+            return self._extend(batch, md, AttentionPath.ABSORBED, None, f"{md.mode.name} with no new tokens: "
+                                "nothing to compute")
+        if self._workspace is None:
+            self._workspace = PrefillWorkspace(self.workspace_tokens)
+        decision, prefill = plan_extend(md, self.req_to_token, batch.req_pool_indices, num_heads=self.num_heads,
+                                        dims=self.mla_dims, workspace_tokens=self.workspace_tokens,
+                                        page_size=self.page_size, prefill_path=PrefillOverride.MHA,
+                                        workspace=self._workspace)
+        flashmla = "decode rows: FlashMLA FP8 (the only kernel that reads e4m3)"
+        if prefill is None:  # every row is a decode row (one new token over a prefix)
+            schedule = ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads, is_fp8=True, impl=self.impl)
+            return self._extend(batch, md, AttentionPath.ABSORBED, DecodeKernel.FLASHMLA.value,
+                                f"{decision.explain()}; {flashmla}", decision, kernel_enum=DecodeKernel.FLASHMLA,
+                                schedule=schedule)
+        schedule = None
+        if prefill.split is not None:
+            schedule = ops.get_mla_decode_metadata(prefill.split.absorbed_metadata.cache_seqlens, self.num_heads,
+                                                   is_fp8=True, impl=self.impl)
+        reason = f"{fp8}; {decision.explain()}" + (f"; {flashmla}" if schedule is not None else "")
+        return self._extend(batch, md, decision.path, None, reason, decision, prefill,
+                            kernel_enum=DecodeKernel.FLASHMLA, schedule=schedule)
+
+    def _extend(self, batch, md, path, kernel, reason, decision=None, prefill=None, *,
+                kernel_enum: DecodeKernel = DecodeKernel.FA3, schedule: FlashMLASchedule | None = None) -> StepPlan:
         record = self._record(md.mode.name, path, kernel, reason, decision=decision, kv_bytes=self._kv_bytes(batch))
-        return StepPlan(batch, md, path, DecodeKernel.FA3, self.num_heads, record, prefill=prefill)
+        return StepPlan(batch, md, path, kernel_enum, self.num_heads, record, schedule, prefill=prefill)
 
     def _record(self, mode: str, path: AttentionPath, kernel: str | None, reason: str, **extra) -> PathRecord:
         return PathRecord(mode, path, kernel, reason, impl=ops.resolve_impl(self.impl, self.device).value,

@@ -251,3 +251,16 @@ def q_rows_of(extend_lens) -> list[tuple[int, int]]:
         out.append((start, start + n))
         start += n
     return out
+
+
+# ---------------------------------------------------------------- the FP8 latent cache (page 64: FlashMLA FP8)
+FP8_SPECS = {
+    "decode": BatchSpec(ForwardMode.DECODE, (70, 130, 5, 0), (1, 1, 1, 1), page_size=64),
+    "verify_k3": BatchSpec(ForwardMode.TARGET_VERIFY, (63, 100, 2), (3, 3, 3), page_size=64),
+    "draft_decode": BatchSpec(ForwardMode.DRAFT_DECODE, (11, 90), (1, 1), page_size=64),
+    "extend_no_prefix": BatchSpec(ForwardMode.EXTEND, (0, 0), (7, 12), page_size=64),
+    "extend_chunked_prefix": BatchSpec(ForwardMode.EXTEND, (60, 3, 130), (9, 70, 5), page_size=64),
+    "mixed": BatchSpec(ForwardMode.MIXED, (65, 10, 130, 0), (1, 3, 1, 5), page_size=64),
+    "draft_extend": BatchSpec(ForwardMode.DRAFT_EXTEND, (12, 7), (3, 2), page_size=64),
+    "extend_all_decode_rows": BatchSpec(ForwardMode.EXTEND, (20, 30), (1, 1), page_size=64),
+}

@@ -134,7 +134,7 @@ class BackendBench:
         self.cfg, self.cell, self.heads = cfg, cell, heads
         dev = cell.device
         self.backend = MLABackend(req_to_token_pool=cell.req_pool, kv_pool=cell.pool, page_size=cell.page, device=dev,
-                                  decode_kernel="auto", num_heads=heads, impl=cfg.impl)
+                                  decode_kernel="auto", num_heads=heads, mla_dims=DIMS, impl=cfg.impl)
         scale = DIMS.qk_head_dim ** -0.5
         rows = heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
         self.layers = []

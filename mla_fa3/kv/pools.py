@@ -8,7 +8,9 @@ from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every nam
 - :class:`MLATokenPool` — the latent cache: per layer one ``[S, r + d_rope]`` buffer whose rows are
   ``[c_kv | k_rope]``; ``paged(layer)`` views it as ``[P, p, 1, r + d_rope]`` (one KV head) and
   ``c_kv_paged`` / ``k_rope_paged`` slice the last dim — zero-copy views that FA3 takes as
-  ``v_cache`` / ``k_cache`` of the absorbed path.
+  ``v_cache`` / ``k_cache`` of the absorbed path. Optionally FP8 e4m3 with a per-layer per-tensor scale
+  (``kv/fp8.py``): half the bytes per token; read by FlashMLA's FP8 decode and, dequantized chunk by
+  chunk, by the MHA prefill.
 - :class:`MHATokenPool` — regular K/V per layer, optionally FP8 e4m3 with per-layer per-tensor scales:
   stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
 
@@ -25,10 +27,10 @@ from torch import Tensor
 
 from mla_fa3.batch import to_device
 from mla_fa3.checks import check_int
+from mla_fa3.kv.fp8 import FP8_DTYPE, FP8_E4M3_MAX, check_scale, dequantize_e4m3, propose_scale, quantize_e4m3
 
 __all__ = ["MLATokenPool", "MHATokenPool", "check_page_size", "same_device", "FP8_E4M3_MAX"]
 
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -123,45 +125,121 @@ class _TokenPoolBase:
 
 
 class MLATokenPool(_TokenPoolBase):
-    """Latent KV cache: ``kv_buffer[layer]`` [S, r + d_rope] of ``dtype`` (bf16 / fp16 / fp32)."""
+    """Latent KV cache: ``kv_buffer[layer]`` [S, r + d_rope] of ``kv_dtype`` (default ``dtype``).
+
+    ``dtype`` (bf16 / fp16 / fp32) is the compute dtype: what the set methods receive and what
+    :meth:`dequantized` gives. ``kv_dtype=torch.float8_e4m3fn`` stores every row quantized
+    (``kv/fp8.py``) with a per-layer per-tensor scale ``scale[layer]`` ([1] float32, device; default
+    1.0 — set it from the checkpoint or a calibration with :meth:`set_scales`): the stored row is
+    ``e4m3(clamp(x / s, ±448))``, read back as ``float(x8) · s``. A non-finite element of a stored row
+    is saturated (±inf -> ±448, NaN -> 0: the cache never holds NaN); with ``debug_checks=True`` it
+    raises ValueError instead (reads the device), before anything is written.
+
+    Calibration: :meth:`observe_absmax` starts recording each layer's absmax of the rows stored (before
+    quantization, device op); :meth:`proposed_scales` turns it into scales (``absmax / 448``).
+    """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
                  qk_rope_head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
-                 debug_checks: bool = False):
+                 kv_dtype: torch.dtype | None = None, debug_checks: bool = False):
         super().__init__(num_layers, num_pages, page_size, device, debug_checks)
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
+        if kv_dtype not in (None, FP8_DTYPE, *_FLOAT_DTYPES):
+            raise TypeError(f"kv_dtype must be None, torch.float8_e4m3fn or a float dtype, got {kv_dtype}")
         self.kv_lora_rank = check_int(kv_lora_rank, "kv_lora_rank")
         self.qk_rope_head_dim = check_int(qk_rope_head_dim, "qk_rope_head_dim")
         self.width = kv_lora_rank + qk_rope_head_dim
-        self.dtype = dtype
-        self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=dtype, device=self.device)
+        self.dtype = dtype  # compute dtype
+        self.kv_dtype = kv_dtype or dtype  # storage dtype
+        self.is_fp8 = self.kv_dtype == FP8_DTYPE
+        self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=self.kv_dtype, device=self.device)
                           for _ in range(num_layers)]
+        fp8 = self.is_fp8
+        # [1] float32 per layer (in-place updates keep CUDA graphs valid); None for a floating pool
+        self.scale: list[Tensor] | None = [torch.ones(1, dtype=torch.float32, device=self.device)
+                                           for _ in range(num_layers)] if fp8 else None
+        self.absmax: Tensor | None = None  # [num_layers] float32 while observing (calibration)
 
     def _buffers(self) -> list[Tensor]:
         return self.kv_buffer
 
+    # ------------------------------------------------------------------ FP8 scales
+    def set_scales(self, scales: Sequence[float] | float, layer: int | None = None) -> None:
+        """Set the FP8 scales: one float for ``layer``, or one per layer (``layer=None``). In place.
+
+        Raises ValueError for a floating pool and for a missing, non-positive or non-finite scale. Rows
+        already stored keep the codes of their old scale: set the scales before the pool holds tokens
+        (after a calibration prefill, free its pages and prefill again).
+        """
+        if not self.is_fp8:
+            raise ValueError("scales only exist for a kv_dtype=torch.float8_e4m3fn latent pool")
+        if layer is not None:
+            self._check_layer(layer)
+            values = {layer: check_scale(scales, f"scales (layer {layer})")}
+        else:
+            if isinstance(scales, (int, float)) or not isinstance(scales, Sequence) or len(scales) != self.num_layers:
+                raise ValueError(f"scales must hold one scale per layer ({self.num_layers}), got {scales!r}")
+            values = {i: check_scale(v, f"scales[{i}]") for i, v in enumerate(scales)}
+        for i, v in values.items():  # all checked before any is written
+            self.scale[i].fill_(v)
+
+    def observe_absmax(self, enable: bool = True) -> None:
+        """Start (reset to 0) or stop recording each layer's absmax of the stored rows (calibration)."""
+        self.absmax = torch.zeros(self.num_layers, dtype=torch.float32, device=self.device) if enable else None
+
+    def proposed_scales(self, headroom: float = 1.0) -> list[float]:
+        """Per-layer scales from the observed absmax: ``absmax · headroom / 448`` (reads the device)."""
+        if self.absmax is None:
+            raise ValueError("no absmax observed: call observe_absmax() and run a prefill first")
+        return [propose_scale(a, headroom) for a in self.absmax.tolist()]
+
+    # ------------------------------------------------------------------ store
+    def _store(self, layer: int, rows: Tensor, cols: slice, x: Tensor) -> None:
+        """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating)."""
+        if self.absmax is not None and x.numel():
+            a = self.absmax[layer: layer + 1]
+            torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
+        buf = self.kv_buffer[layer]
+        if not self.is_fp8:
+            buf[rows, cols] = x.to(self.dtype)
+            return
+        buf[rows, cols] = quantize_e4m3(x, self.scale[layer])
+
+    def _check_finite(self, *named: tuple[str, Tensor]) -> None:
+        """FP8 + debug_checks: a non-finite element raises (reads the device) before anything is written."""
+        if not (self.is_fp8 and self.debug_checks):
+            return
+        for name, x in named:
+            if x.numel() and not bool(torch.isfinite(x).all()):
+                raise ValueError(f"{name} holds non-finite values (NaN/inf); an FP8 latent pool with "
+                                 "debug_checks refuses them (without debug_checks they saturate: inf -> ±448·scale, "
+                                 "NaN -> 0)")
+
     def set_kv(self, layer: int, loc: Tensor, c_kv: Tensor, k_rope: Tensor) -> None:
-        """Write ``c_kv`` [T, r] and ``k_rope`` [T, d_rope] at slots ``loc`` [T] (cast to the pool dtype)."""
+        """Write ``c_kv`` [T, r] and ``k_rope`` [T, d_rope] at slots ``loc`` [T] (cast / quantized)."""
         self._check_layer(layer)
         self._check_loc(loc)
         t = loc.shape[0]
         self._check_rows(c_kv, "c_kv", t, (self.kv_lora_rank,))
         self._check_rows(k_rope, "k_rope", t, (self.qk_rope_head_dim,))
+        self._check_finite(("c_kv", c_kv), ("k_rope", k_rope))
         loc = to_device(loc, self.device, torch.int64)
-        buf = self.kv_buffer[layer]
-        buf[loc, : self.kv_lora_rank] = c_kv.to(self.dtype)
-        buf[loc, self.kv_lora_rank:] = k_rope.to(self.dtype)
+        r = self.kv_lora_rank
+        self._store(layer, loc, slice(None, r), c_kv)
+        self._store(layer, loc, slice(r, None), k_rope)
 
     def set_latent(self, layer: int, loc: Tensor, latent: Tensor) -> None:
         """Write whole rows ``latent`` [T, r + d_rope] (``c_kv | k_rope`` already concatenated)."""
         self._check_layer(layer)
         self._check_loc(loc)
         self._check_rows(latent, "latent", loc.shape[0], (self.width,))
-        self.kv_buffer[layer][to_device(loc, self.device, torch.int64)] = latent.to(self.dtype)
+        self._check_finite(("latent", latent))
+        self._store(layer, to_device(loc, self.device, torch.int64), slice(None), latent)
 
+    # ------------------------------------------------------------------ read
     def paged(self, layer: int) -> Tensor:
-        """[P, p, 1, r + d_rope] view of the layer's buffer (no copy)."""
+        """[P, p, 1, r + d_rope] view of the layer's buffer (storage dtype; no copy)."""
         self._check_layer(layer)
         return self._paged(self.kv_buffer[layer]).unsqueeze(2)
 
@@ -172,6 +250,21 @@ class MLATokenPool(_TokenPoolBase):
     def k_rope_paged(self, layer: int) -> Tensor:
         """[P, p, 1, d_rope] view: the RoPE key part (FA3's ``k_cache`` on the absorbed path)."""
         return self.paged(layer)[..., self.kv_lora_rank:]
+
+    def layer_scale(self, layer: int) -> Tensor | None:
+        """The layer's FP8 scale ([1] float32, device; the kernels' descale), None for a floating pool."""
+        self._check_layer(layer)
+        return None if self.scale is None else self.scale[layer]
+
+    def dequantized(self, layer: int, slots: Sequence[int] | Tensor | None = None) -> Tensor:
+        """Rows of the given slots (all when None) in the compute dtype: ``float(x8) · scale`` for FP8."""
+        self._check_layer(layer)
+        rows = self.kv_buffer[layer]
+        if slots is not None:
+            rows = rows[to_device(torch.as_tensor(slots, dtype=torch.int64), self.device)]
+        if not self.is_fp8:
+            return rows.to(self.dtype)
+        return dequantize_e4m3(rows, self.scale[layer], self.dtype)
 
 
 class MHATokenPool(_TokenPoolBase):
@@ -211,11 +304,9 @@ class MHATokenPool(_TokenPoolBase):
         self._check_layer(layer)
         if not self.is_fp8:
             raise ValueError("k_scale/v_scale only exist for a kv_dtype=torch.float8_e4m3fn pool")
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
-        self.k_scale[layer].fill_(float(k_scale))
-        self.v_scale[layer].fill_(float(v_scale))
+        k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
+        self.k_scale[layer].fill_(k_scale)
+        self.v_scale[layer].fill_(v_scale)
 
     def descales(self, layer: int, batch_size: int) -> tuple[Tensor, Tensor] | tuple[None, None]:
         """``(k_descale, v_descale)`` as [bs, h_kv] float32 expanded views, or ``(None, None)``."""
@@ -228,7 +319,7 @@ class MHATokenPool(_TokenPoolBase):
     def _store(self, x: Tensor, scale: Tensor | None) -> Tensor:
         if scale is None:
             return x.to(self.kv_dtype)
-        return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.kv_dtype)
+        return quantize_e4m3(x, scale)
 
     def _buffers(self) -> list[Tensor]:
         return self.k_buffer + self.v_buffer
@@ -263,4 +354,4 @@ class MHATokenPool(_TokenPoolBase):
             k, v = k[idx], v[idx]
         if not self.is_fp8:
             return k.to(self.dtype), v.to(self.dtype)
-        return (k.float() * self.k_scale[layer]).to(self.dtype), (v.float() * self.v_scale[layer]).to(self.dtype)
+        return dequantize_e4m3(k, self.k_scale[layer], self.dtype), dequantize_e4m3(v, self.v_scale[layer], self.dtype)

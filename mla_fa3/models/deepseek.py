@@ -269,6 +269,7 @@ class DeepseekForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope, interleaved=cfg.rope_interleave).to(device)
         self.model = _Body(cfg, self.rotary, dtype=dtype, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.kv_scales: list[float] | None = None  # per-layer FP8 latent-cache scales (from the checkpoint)
         self.tie_weights()
 
     def tie_weights(self) -> None:

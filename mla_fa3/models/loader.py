@@ -11,6 +11,10 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
   ``mlp.experts.down_proj``) is accepted too;
 - FP8 weights (float8_e4m3fn) come with ``<name>_scale_inv`` block scales and are dequantized at load
   (``models/fp8.py``, blocks from ``quantization_config.weight_block_size``);
+- per-layer FP8 KV-cache scales (one float per layer, shape ``[]`` or ``[1]``) under any one of
+  ``model.layers.{i}.self_attn.kv_scale``, ``model.layers.{i}.self_attn.k_scale`` or
+  ``model.layers.{i}.self_attn.attn.k_scale`` (:data:`KV_SCALE_NAMES`) land on ``model.kv_scales``
+  (a list, None when the checkpoint carries none); all layers or none, finite and > 0;
 - tensors of layers ``>= num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer
   ``model.layers.{N}``) and ``rotary_emb.inv_freq`` buffers are ignored on purpose.
 
@@ -23,6 +27,7 @@ truncated or corrupt ``.safetensors`` file, bad JSON in ``config.json`` / the in
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -37,9 +42,10 @@ from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from mla_fa3.models.fp8 import FP8_DTYPE, dequantize_block_fp8
 
 __all__ = ["CheckpointError", "read_config", "read_json", "eos_token_ids", "checkpoint_files", "check_checkpoint",
-           "iter_checkpoint_tensors", "load_model"]
+           "iter_checkpoint_tensors", "load_model", "KV_SCALE_NAMES"]
 
 LoadProgress = Callable[[str, int, int], None]  # ("load", tensors copied, tensors in all)
+KV_SCALE_NAMES = ("self_attn.kv_scale", "self_attn.k_scale", "self_attn.attn.k_scale")  # after model.layers.{i}.
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SCALE_SUFFIX = "_scale_inv"
@@ -148,7 +154,52 @@ def _read_meta(files: dict[str, str]) -> dict[str, _Meta]:
     return meta
 
 
+def _kv_scale_layer(name: str) -> int | None:
+    """The layer of a per-layer KV-cache scale tensor name, else None."""
+    m = _LAYER.match(name)
+    if m and name[m.end():] in KV_SCALE_NAMES:
+        return int(m.group(1))
+    return None
+
+
+def _kv_scale_names(meta: dict[str, "_Meta"], cfg: DeepseekConfig) -> dict[int, str]:
+    """layer -> its KV-scale tensor name; all layers or none, one name per layer, one element each."""
+    found: dict[int, str] = {}
+    for name in sorted(meta):
+        layer = _kv_scale_layer(name)
+        if layer is None or layer >= cfg.num_hidden_layers:
+            continue
+        if layer in found:
+            raise CheckpointError(f"layer {layer} has two KV scales: {found[layer]} and {name}", [found[layer], name])
+        if math.prod(meta[name].shape) != 1:
+            raise CheckpointError(f"{name} must hold one float (per-tensor KV scale), got shape "
+                                  f"{list(meta[name].shape)}", [name])
+        found[layer] = name
+    if found and len(found) != cfg.num_hidden_layers:
+        missing = [f"model.layers.{i}.{KV_SCALE_NAMES[0]}" for i in range(cfg.num_hidden_layers) if i not in found]
+        raise CheckpointError(f"KV scales are given for {len(found)} of {cfg.num_hidden_layers} layers; missing: "
+                              f"{', '.join(missing[:5])}", missing)
+    return found
+
+
+def _read_kv_scales(path: str, names: dict[int, str]) -> list[float] | None:
+    """The per-layer KV scales (checked finite and > 0), or None when the checkpoint has none."""
+    if not names:
+        return None
+    files, out = checkpoint_files(path), []
+    for layer in sorted(names):
+        name = names[layer]
+        with safe_open(files[name], framework="pt") as f:
+            value = float(f.get_tensor(name).float().reshape(-1)[0])
+        if not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{name} must be a finite float > 0, got {value}", [name])
+        out.append(value)
+    return out
+
+
 def _is_ignored(name: str, cfg: DeepseekConfig) -> bool:
+    if _kv_scale_layer(name) is not None:
+        return True  # read separately (_read_kv_scales)
     m = _LAYER.match(name)
     if m and int(m.group(1)) >= cfg.num_hidden_layers:
         return True  # MTP / extra layers beyond the decoder stack
@@ -269,7 +320,8 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
                config: DeepseekConfig | None = None, progress: LoadProgress | None = None) -> DeepseekForCausalLM:
     """Build the model of ``path/config.json`` and load its weights (FP8 dequantized to ``dtype``).
 
-    Returns the model in eval mode with every layer's AttentionLayer prepared (W_UK / W_UV derived).
+    Returns the model in eval mode with every layer's AttentionLayer prepared (W_UK / W_UV derived) and
+    ``model.kv_scales`` (per-layer FP8 KV-cache scales from the checkpoint, or None).
     Raises CheckpointError (a ValueError) naming the first offending tensor or unreadable file.
     ``progress("load", i, n)`` is called after each of the n tensors is copied (the CLI draws a bar).
     """
@@ -289,6 +341,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: torch.d
     meta = _read_meta(checkpoint_files(path))
     _check_names_and_shapes(meta, dest, fused_alt, cfg, block)
     total = sum(1 for n in meta if not n.endswith(_SCALE_SUFFIX) and not _is_ignored(n, cfg))
+    model.kv_scales = _read_kv_scales(path, _kv_scale_names(meta, cfg))  # FP8 latent-cache scales or None
     with torch.no_grad():
         for i, (name, t) in enumerate(iter_checkpoint_tensors(path, cfg, raw, dtype=dtype)):
             dest[name].copy_(t)

@@ -351,6 +351,7 @@ def flash_mla_with_kvcache(
     causal: bool,
     descale_q: Optional[Tensor] = None,
     descale_k: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
     return_lse: bool = False,
     impl: Optional[ImplLike] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -362,13 +363,15 @@ def flash_mla_with_kvcache(
     is False, ours was True: code ported either way must say which; bottom-right aligned when True,
     and it only matters for sq > 1). Other differences from sgl-kernel: docs/SGL_KERNEL_DIFFERENCES.md.
     FP8: e4m3 q and cache with descale_q / descale_k of shape (1,) float32 (schedule planned with
-    is_fp8=True); output bf16. Returns out ``[bs, sq, H, head_dim_v]``, or (out, lse ``[bs, sq, H]``).
+    is_fp8=True); output bf16. ``out_dtype`` (a float dtype) overrides the output dtype (FlashMLA's
+    output is cast; the reference rounds its fp32 result once). Returns out ``[bs, sq, H, head_dim_v]``,
+    or (out, lse ``[bs, sq, H]``).
     """
     chosen = _resolve(impl, validate.device_of(q, "q"))
     args = validate.check_flash_mla(
         q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
-        impl=chosen,
+        out_dtype=out_dtype, impl=chosen,
     )
     return _run_attention(chosen, "flash_mla_with_kvcache", args, return_lse)
 

@@ -276,6 +276,7 @@ def flash_mla_with_kvcache(call: FlashMLACall, *, return_lse: bool) -> Tuple[Ten
             call.schedule.tile_scheduler_metadata, call.schedule.num_splits,
             softmax_scale=call.softmax_scale, causal=call.causal, **extra,
         )
+    out = out.to(call.out_dtype)  # no-op unless out_dtype asked for another dtype than the kernel's
     if not return_lse:
         return out, None
     bs, sq, H = q.shape[0], q.shape[1], q.shape[2]

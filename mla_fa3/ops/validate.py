@@ -231,7 +231,7 @@ def check_mla_metadata(cache_seqlens, num_q_heads_per_kv, *, is_fp8) -> None:
 
 def check_flash_mla(
     q, kv_cache, page_table, cache_seqlens, *, head_dim_v, schedule, softmax_scale, causal, descale_q, descale_k,
-    impl: Impl,
+    impl: Impl, out_dtype=None,
 ) -> FlashMLACall:
     """Validate ``flash_mla_with_kvcache`` arguments for implementation ``impl``."""
     for x, name in ((q, "q"), (kv_cache, "kv_cache")):
@@ -266,6 +266,8 @@ def check_flash_mla(
     chk.descales_fit(q.dtype, required=((descale_q, "descale_q"), (descale_k, "descale_k")), optional=())
     if schedule.is_fp8 != fp8:
         raise ValueError(f"schedule was planned with is_fp8={schedule.is_fp8} but q is {q.dtype}")
+    if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}")
     if impl is Impl.FA3:
         if schedule.impl is not Impl.FA3 or schedule.tile_scheduler_metadata is None:
             raise ValueError("schedule was planned by the reference; plan it with impl='fa3' for FlashMLA")
@@ -285,7 +287,7 @@ def check_flash_mla(
     return FlashMLACall(
         q=q, kv_cache=kv_cache, page_table=page_table, cache_seqlens=cache_seqlens, head_dim_v=head_dim_v,
         schedule=schedule, softmax_scale=scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
-        is_fp8=fp8, out_dtype=chk.out_dtype(q.dtype),
+        is_fp8=fp8, out_dtype=chk.out_dtype(q.dtype) if out_dtype is None else out_dtype,
     )
 
 

@@ -64,6 +64,20 @@ TIE_DISTANCE = 0.05  # shapes this close to the nearest distance are equally nea
 MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 mean of equal lengths)
 
 
+# FlashMLA FP8 decode vs bf16 FlashMLA, kernel alone (shared/device/README.md, H200, sgl-kernel 0.4.5,
+# page 64): heads -> (batch, context, speedup). Whole-step ratios: ``mla-fa3 bench fp8`` (docs/PERFORMANCE.md).
+FP8_DECODE_SPEEDUP = {16: ((64, 8192, 1.44), (64, 32768, 1.59), (1, 65536, 1.83)),
+                      128: ((64, 8192, 1.0), (32, 131072, 1.05))}
+
+
+def fp8_decode_note(num_heads: int) -> str:
+    """What the FP8 decode is expected to gain at ``num_heads`` (the nearest measured head count)."""
+    near = min(FP8_DECODE_SPEEDUP, key=lambda h: abs(math.log2(h) - math.log2(max(num_heads, 1))))
+    ratios = [r for _, _, r in FP8_DECODE_SPEEDUP[near]]
+    return (f"the only kernel that reads e4m3; measured {min(ratios):.2f}-{max(ratios):.2f}x bf16 FlashMLA "
+            f"at {near} heads")
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     """The chosen decode kernel and why (for ``MLABackend.explain()``)."""
@@ -108,8 +122,12 @@ def explain_decode_kernel(
     mean_seqlen_k: float | None = None,
     table: Sequence[Measured] | None = None,
     min_gain: float = MIN_GAIN,
+    kv_fp8: bool = False,
 ) -> KernelChoice:
     """Choose FA3 or FlashMLA for one decode step's shape and say why.
+
+    ``kv_fp8``: the latent cache is e4m3 — FlashMLA's FP8 decode is then the only kernel that reads it
+    (FA3 refuses an e4m3 latent: ``HeaddimV > 256 requires fp16 and bf16``); page 64 is required.
 
     ``max_seqlen_k`` / ``mean_seqlen_k``: the longest and the mean KV length of the batch (host
     numbers, from ``seq_lens_cpu``); ``mean_seqlen_k=None`` treats the lengths as equal. ``table``
@@ -125,6 +143,11 @@ def explain_decode_kernel(
     skew = _query_skew(max_seqlen_k, mean_seqlen_k)
     if not (is_real(min_gain) and min_gain > 0):
         raise ValueError(f"min_gain must be a positive number, got {min_gain!r}")
+    if kv_fp8:
+        if page_size != FLASHMLA_PAGE_SIZE:
+            raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent cache (FlashMLA's FP8 "
+                             f"decode is the only kernel that reads it), got {page_size}")
+        return KernelChoice(DecodeKernel.FLASHMLA, f"FP8 latent cache: FlashMLA FP8 ({fp8_decode_note(num_heads)})")
     if page_size != FLASHMLA_PAGE_SIZE:
         return KernelChoice(DecodeKernel.FA3,
                             f"page_size {page_size} != {FLASHMLA_PAGE_SIZE} (FlashMLA's block size) -> FA3")

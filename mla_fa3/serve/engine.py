@@ -65,6 +65,8 @@ class Engine:
         use_cuda_graph: decode through CUDA graphs (``mla_fa3.graphs.runner``); batch sizes
             ``cuda_graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
         decode_kernel / prefill_path / impl: passed to :class:`MLABackend`.
+        kv_dtype / kv_scales: the latent cache's storage dtype ("fp8": e4m3, page 64) and its per-layer
+            scales (default: the checkpoint's, else 1.0); :meth:`calibrate_kv_scales` measures them.
         allow_past_max_position: accept requests longer than the config's ``max_position_embeddings``
             (a warning is logged); by default they raise ValueError.
     """
@@ -73,14 +75,16 @@ class Engine:
                  max_context: int = 2048, num_pages: int | None = None, max_prefill_tokens: int | None = None,
                  use_cuda_graph: bool = False, cuda_graph_batch_sizes: Sequence[int] | None = None,
                  decode_kernel: str = "auto", prefill_path: str = "auto", impl=None,
-                 allow_past_max_position: bool = False) -> None:
+                 allow_past_max_position: bool = False, kv_dtype=None,
+                 kv_scales: Sequence[float] | float | None = None) -> None:
         if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool)
                                                or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1):
             raise ValueError(f"max_prefill_tokens must be a positive int or None, got {max_prefill_tokens!r}")
         self.loop = ServingLoop(model, page_size=page_size, max_running=max_batch_size, max_context=max_context,
                                 num_pages=num_pages, token_budget=max_prefill_tokens or max_batch_size * max_context,
                                 use_cuda_graph=use_cuda_graph, cuda_graph_batch_sizes=cuda_graph_batch_sizes,
-                                decode_kernel=decode_kernel, prefill_path=prefill_path, impl=impl)
+                                decode_kernel=decode_kernel, prefill_path=prefill_path, impl=impl,
+                                kv_dtype=kv_dtype, kv_scales=kv_scales)
         self.model, self.cfg, self.device = model, model.config, self.loop.device
         self.max_batch_size, self.max_context = max_batch_size, max_context
         self.max_prefill_tokens = max_prefill_tokens
@@ -124,6 +128,23 @@ class Engine:
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
         return frozenset(ids)
+
+    def calibrate_kv_scales(self, prompts: Sequence[Sequence[int]], *, headroom: float = 1.0,
+                            apply: bool = True) -> list[float]:
+        """Prefill ``prompts`` once, measuring each layer's absmax of the latent rows stored (before
+        quantization); returns the proposed per-layer scales ``absmax · headroom / 448`` and, with
+        ``apply``, sets them on the FP8 pool (the calibration's pages are freed first)."""
+        if not self.kv_pool.is_fp8:
+            raise ValueError("calibrate_kv_scales needs an FP8 latent pool (kv_dtype='fp8')")
+        self.kv_pool.observe_absmax()
+        try:
+            self.generate(prompts, 1)
+            scales = self.kv_pool.proposed_scales(headroom)
+        finally:
+            self.kv_pool.observe_absmax(False)
+        if apply:
+            self.kv_pool.set_scales(scales)
+        return scales
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

@@ -40,6 +40,7 @@ from mla_fa3.batch import ForwardBatch, ForwardMode, to_device
 from mla_fa3.checks import check_int
 from mla_fa3.graphs.runner import GraphRunner
 from mla_fa3.kv.allocator import PagedAllocator
+from mla_fa3.kv.fp8 import kv_dtype_of
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.models.deepseek import DeepseekForCausalLM
@@ -137,6 +138,10 @@ class ServingLoop:
         record_logits: keep each sampled token's logits (float32, host); record_prefill_logits: every
             prompt position's logits (first computation only).
         time_attention: events around the attention calls of eager steps (StepRecord.attn_ms).
+        kv_dtype: the latent cache's storage dtype: None (the model's dtype) or ``torch.float8_e4m3fn``
+            / ``"fp8"`` (half the bytes per token; page_size 64; FlashMLA FP8 decode).
+        kv_scales: per-layer FP8 scales (a list, or one float for every layer); None = the checkpoint's
+            (``model.kv_scales``), else 1.0.
     """
 
     def __init__(self, model: DeepseekForCausalLM, *, page_size: int = 16, max_running: int = 8,
@@ -145,7 +150,8 @@ class ServingLoop:
                  cuda_graph_batch_sizes: Sequence[int] | None = None, decode_kernel: str = "auto",
                  prefill_path: str = "auto", impl=None, record_logits: bool = False,
                  record_prefill_logits: bool = False, time_attention: bool = False,
-                 memory_plan: MemoryPlan | None = None):
+                 memory_plan: MemoryPlan | None = None, kv_dtype=None,
+                 kv_scales: Sequence[float] | float | None = None):
         if not isinstance(model, DeepseekForCausalLM):
             raise TypeError(f"model must be a DeepseekForCausalLM, got {type(model).__name__}")
         for name, value in (("page_size", page_size), ("max_running", max_running), ("max_context", max_context),
@@ -174,7 +180,14 @@ class ServingLoop:
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context, self.device)
         self.allocator = PagedAllocator(num_pages, page_size, self.device)
         self.kv_pool = MLATokenPool(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank,
-                                    cfg.qk_rope_head_dim, self.dtype, self.device)
+                                    cfg.qk_rope_head_dim, self.dtype, self.device, kv_dtype=kv_dtype_of(kv_dtype))
+        if not self.kv_pool.is_fp8:
+            if kv_scales is not None:
+                raise ValueError("kv_scales are only used with kv_dtype='fp8'")
+        elif (kv_scales if kv_scales is not None else model.kv_scales) is not None:
+            scales = kv_scales if kv_scales is not None else model.kv_scales
+            self.kv_pool.set_scales([scales] * cfg.num_hidden_layers if isinstance(scales, (int, float))
+                                    else list(scales))
         self.backend = MLABackend(req_to_token_pool=self.req_to_token_pool, kv_pool=self.kv_pool,
                                   page_size=page_size, device=self.device, decode_kernel=decode_kernel,
                                   num_heads=cfg.num_attention_heads, mla_dims=cfg.mla_dims, prefill_path=prefill_path,

@@ -1,0 +1,161 @@
+"""FP8 latent cache benchmark: the whole backend decode step per layer, FP8 pool vs bf16 pool, on the H200.
+
+``python -m mla_fa3.bench.fp8`` (or ``mla-fa3 bench fp8``). Shapes: heads H x batch bs x context L
+(equal lengths, page 64, DeepSeek-V3 latent dims, one query token per request, bf16 compute). Per shape
+the decode benchmark's ``backend`` measurement (``bench.decode.BackendBench``: ``MLABackend.forward``
+of one layer — latent store, q absorption, kernel, W_UV projection — replayed from a CUDA graph by
+``GraphRunner``, plus the step's replay update / 61 layers) runs twice over the same page layout:
+
+* ``bf16``: a bf16 latent pool, the backend's own kernel choice (``decode_kernel=auto``);
+* ``fp8``: an e4m3 pool (``MLATokenPool(kv_dtype=torch.float8_e4m3fn)``): store quantized, q quantized
+  per step on the device, FlashMLA's FP8 decode.
+
+Columns: per-layer microseconds of each, ``speedup`` = bf16 / fp8, and the pool's capacity: tokens per
+GB of latent pool per layer (bf16: 1e9 / 1152, fp8: 1e9 / 576) and for the 61 layers of DeepSeek-V3.
+Each pool cycles through enough layer copies to stream > 3x the L2 per replay (so the FP8 pool, half
+the bytes, cycles twice as many). Outputs: the markdown table on stdout; with ``--out DIR``
+``fp8.csv`` and ``fp8.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints, rotations
+from mla_fa3.bench.timing import Progress
+from mla_fa3.kv.fp8 import FP8_DTYPE
+from mla_fa3.kv.pools import MLATokenPool
+
+FULL = dict(heads=(16, 128), batch=(1, 4, 16, 64), context=(4096, 16384, 32768, 65536))
+QUICK = dict(heads=(16, 128), batch=(1, 64), context=(16384, 65536))
+PAGE = 64
+
+
+@dataclass
+class Row:
+    heads: int
+    batch: int
+    context: int
+    bf16_us: float
+    fp8_us: float
+    bf16_kernel: str
+    fp8_kernel: str
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.fp8_us
+
+
+def tokens_per_gb(kv_dtype: torch.dtype, layers: int = 1) -> float:
+    """Latent rows (r + d_rope wide) that one GB of pool holds across ``layers`` layers."""
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return 1e9 / (DIMS.latent_dim * elem * layers)
+
+
+def fp8_cell(cell: Cell) -> Cell:
+    """The same page layout with an e4m3 pool (random rows), rotated for its own (half) size."""
+    twin = copy.copy(cell)
+    dev = cell.device
+    twin.rotate = rotations(cell.bs * cell.ctx * DIMS.latent_dim) if dev.type == "cuda" else 1
+    num_pages = cell.pool.num_pages
+    twin.pool = MLATokenPool(twin.rotate, num_pages, PAGE, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim, torch.bfloat16,
+                             dev, kv_dtype=FP8_DTYPE)
+    twin.pool.set_scales([1.0 / 32] * twin.rotate)
+    for buf in twin.pool.kv_buffer:
+        for s in range(0, buf.shape[0], 1 << 20):  # bounded temporaries
+            buf[s: s + (1 << 20)] = (torch.randn(buf[s: s + (1 << 20)].shape, device=dev) * 32).to(FP8_DTYPE)
+    return twin
+
+
+def sweep(cfg: Config) -> list[Row]:
+    dev = torch.device(cfg.device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    shapes = [(bs, ctx) for bs in cfg.batch for ctx in cfg.context]
+    with Progress(len(shapes) * len(cfg.heads), quiet=cfg.quiet) as prog:
+        for bs, ctx in shapes:
+            cell = Cell(PAGE, bs, ctx, dev, gen)
+            cell8 = fp8_cell(cell)
+            lens = [ctx] * bs
+            for heads in cfg.heads:
+                est = bs * ctx * DIMS.latent_dim * 2 / 4.0e9  # ms at ~4 TB/s
+                times = {}
+                for name, c in (("bf16", cell), ("fp8", cell8)):
+                    bench = BackendBench(cfg, c, heads, gen)
+                    try:
+                        ms, _, kernel = bench.measure(lens, est)
+                    finally:
+                        bench.close()
+                    times[name] = (1e3 * ms, kernel)
+                rows.append(Row(heads, bs, ctx, times["bf16"][0], times["fp8"][0], times["bf16"][1], times["fp8"][1]))
+                prog.step(f"H {heads} bs {bs} ctx {ctx}: bf16 {times['bf16'][0]:.1f} us, fp8 {times['fp8'][0]:.1f} us")
+            del cell, cell8
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| heads | bs | context | bf16 pool (us) | kernel | fp8 pool (us) | speedup |",
+             "|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.heads} | {r.batch} | {r.context} | {r.bf16_us:.1f} | {r.bf16_kernel} | {r.fp8_us:.1f} | "
+                     f"{r.speedup:.2f}x |")
+    b, f = tokens_per_gb(torch.bfloat16), tokens_per_gb(FP8_DTYPE)
+    lines.append("")
+    lines.append(f"Pool capacity: bf16 {b:,.0f} tokens per GB per layer ({tokens_per_gb(torch.bfloat16, 61):,.0f} "
+                 f"for 61 layers); fp8 {f:,.0f} ({tokens_per_gb(FP8_DTYPE, 61):,.0f} for 61 layers): {f / b:.1f}x.")
+    return "\n".join(lines)
+
+
+def parse_args(argv) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="mla-fa3 bench fp8", description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=_ints)
+    p.add_argument("--batch", type=_ints)
+    p.add_argument("--context", type=_ints)
+    p.add_argument("--quick", action="store_true", help="H 16,128 x bs 1,64 x ctx 16k,64k")
+    p.add_argument("--out", help="directory for fp8.csv and fp8.md")
+    p.add_argument("--budget-ms", type=float, default=120.0)
+    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--impl", default="auto", choices=["auto", "fa3", "reference"])
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    base = QUICK if a.quick else FULL
+    cfg = Config(heads=a.heads or base["heads"], batch=a.batch or base["batch"], context=a.context or base["context"],
+                 page=(PAGE,), lengths=("equal",), device=a.device, impl=a.impl, budget_ms=a.budget_ms,
+                 max_iters=a.max_iters, quiet=a.quiet)
+    return cfg, a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run on the H200, or pass --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    rows = sweep(cfg)
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fp8.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), "speedup"] if rows else ["heads"])
+            w.writeheader()
+            for r in rows:
+                w.writerow({**asdict(r), "speedup": round(r.speedup, 4)})
+        with open(os.path.join(args.out, "fp8.md"), "w") as f:
+            f.write("# FP8 vs bf16 latent pool: backend decode step per layer (H200)\n\n" + table + "\n")
+        print(f"wrote {args.out}/fp8.csv, {args.out}/fp8.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

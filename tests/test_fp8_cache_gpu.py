@@ -1,0 +1,100 @@
+"""The FP8 latent cache on the H200: FlashMLA FP8 through the backend, CUDA graphs, and the model.
+
+1. Every mode of ``test_fp8_cache.FP8_SPECS`` (DeepSeek-V3 dims, 16 and 128 heads, bf16 compute) on an
+   e4m3 pool, FA3/FlashMLA kernels, against the fp64 oracle fed the dequantized cache and the
+   quantized query (``test_fp8_cache.fp8_oracle``). FlashMLA's FP8 kernel also rounds the softmax
+   probabilities to e4m3 for its PV product, so the bound is a cosine (>= 0.999) and a relative error
+   printed next to the same step run by the torch reference on the same pool.
+2. CUDA-graph capture and replay of FP8 decode steps equal the eager step.
+3. A tiny random-weight DeepSeek-V3-dims model built with transformers, teacher-forced over >= 256
+   positions (prefill and decode) against transformers in fp32: logit cosine and top-1 agreement with
+   a bf16 cache and an FP8 cache side by side (printed; ``-s`` shows them). Target (issue 12): FP8 top-1
+   within 1 percentage point of the bf16 cache's.
+
+Run on the H200: ``pytest -q -s tests/test_fp8_cache_gpu.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_cases import fp8_backend, fp8_case, fp8_oracle
+from mla_cases import cosine, make_mla_case, rel_err
+from specs import FP8_SPECS, BatchSpec, MLAConfig
+
+from mla_fa3.batch import ForwardMode
+from mla_fa3.graphs.runner import GraphRunner, InputSpec
+from mla_fa3.layer import MLADims
+
+pytestmark = pytest.mark.gpu
+
+BF16, DEV = torch.bfloat16, "cuda"
+V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+MIN_COSINE = 0.999
+
+
+def _run(case, **kw):
+    backend = fp8_backend(case, **kw)
+    backend.init_forward_metadata(case.batch)
+    out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
+    return out, backend
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("name", list(FP8_SPECS))
+def test_flashmla_fp8_every_mode_against_the_oracle(name, heads):
+    cfg = MLAConfig(heads, V3)
+    case = fp8_case(name, cfg, seed=len(name), dtype=BF16, device=DEV)
+    out, backend = _run(case, impl="fa3", prefill_workspace_tokens=64)
+    ref = fp8_oracle(case)
+    torch.cuda.synchronize()
+    twin = fp8_case(name, cfg, seed=len(name), dtype=BF16, device=DEV)
+    out_ref, _ = _run(twin, impl="reference", prefill_workspace_tokens=64)
+    cos, err, err_ref = cosine(out, ref), rel_err(out, ref), rel_err(out_ref, ref)
+    print(f"\n{name} H={heads}: {backend.explain().summary()}\n  fa3/flashmla rel err {err:.3e} cos {cos:.6f}; "
+          f"torch reference on the same pool rel err {err_ref:.3e}")
+    assert torch.isfinite(out).all()
+    assert cos >= MIN_COSINE
+    assert err <= max(0.08, 2 * err_ref)
+
+
+def test_fp8_decode_graph_replay_equals_eager():
+    spec = BatchSpec(ForwardMode.DECODE, (700, 1300, 65), (1, 1, 1), page_size=64)
+    case = fp8_case(spec, MLAConfig(16, V3), seed=3, dtype=BF16, device=DEV)
+    backend = fp8_backend(case, impl="fa3")
+    d = V3
+    specs = {"q": InputSpec((16, d.qk_head_dim), BF16), "latent": InputSpec((d.latent_dim,), BF16)}
+
+    def step(batch, inputs):
+        return backend.forward(inputs["q"], inputs["latent"], None, case.layer, batch)
+
+    runner = GraphRunner(backend, step, batch_sizes=(4, 8), mode=ForwardMode.DECODE,
+                         max_context=case.layout.req_to_token_pool.req_to_token.shape[1], input_specs=specs, device=DEV)
+    out = runner.run(case.batch, {"q": case.q, "latent": case.new_latent})[:3].clone()
+    assert backend.explain().graph and backend.step_plan.flashmla_schedule.is_fp8
+    backend.init_forward_metadata(case.batch)
+    eager = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)  # same kernels, same inputs, same schedule
+    assert cosine(out, fp8_oracle(case)) >= MIN_COSINE
+
+
+def test_model_accuracy_bf16_cache_vs_fp8_cache():
+    """Teacher-forced vs transformers fp32: >= 256 positions, bf16 and FP8 caches side by side."""
+    from mla_fa3.models.hf_compare import run_validate
+
+    kw = dict(dtype=BF16, device=DEV, config="v3_mla_dims", page_size=64, steps=48, prompt_lengths=(96, 80),
+              seed=0)
+    reports = {kv: run_validate(kv_dtype=kv, **kw) for kv in ("auto", "fp8")}
+    positions = sum(r.positions for r in reports["fp8"].rows)
+    print(f"\nmodel accuracy (v3_mla_dims, bf16 model, page 64, {positions} positions, vs transformers fp32)")
+    print(f"{'cache':>14} {'top-1 agree':>12} {'mean cos':>10} {'min cos':>10}")
+    for kv, rep in reports.items():
+        name = "bf16" if kv == "auto" else "float8_e4m3fn"
+        print(f"{name:>14} {rep.top1_agreement:12.2%} {rep.mean_cosine:10.6f} {min(r.cosine for r in rep.rows):10.6f}")
+    gap = reports["auto"].top1_agreement - reports["fp8"].top1_agreement
+    print(f"FP8 top-1 gap to the bf16 cache: {100 * gap:.2f} points (target <= 1): "
+          f"{'MET' if gap <= 0.01 else 'MISSED'}")
+    assert positions >= 256
+    assert reports["fp8"].mean_cosine >= 0.995
+    assert gap <= 0.05  # the hard floor; the 1-point target is printed above
