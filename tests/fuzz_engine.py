@@ -200,7 +200,11 @@ def misuse(world: FuzzWorld, kind: int) -> None:
         return
     req = live[0]
     if kind == 1:
-        refused(world, lambda: world.pool.free([req.row, req.row]))
+        refused(world, lambda: world.pool.free([req.row, req.row]))  # a live request's row
+        if world.pool.available_size():  # a fresh row holding no tokens: only the duplicate is wrong
+            row = world.pool.alloc(1)[0]
+            refused(world, lambda: world.pool.free([row, row]))
+            world.pool.free(row)
     elif kind == 2 and world.alloc.request_pages(req.row):  # someone else's page
         refused(world, lambda: world.alloc.free_pages(world.alloc.request_pages(req.row)[:1]))
     elif kind == 3:  # seq_lens past the allocation (on the planned path of this backend)
