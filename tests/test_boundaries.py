@@ -211,3 +211,7 @@ def test_check_batch_compares_host_lengths_only():
         plan.check_batch(dataclasses.replace(case.batch, seq_lens_cpu=case.batch.seq_lens_cpu + 1))
     with pytest.raises(ValueError, match="planned for"):
         plan.check_batch(follow_up(case, VER, (9, 30), (4, 4)).batch)
+    swapped = follow_up(case, VER, (30, 9, 1), (4, 4, 4), requests=[1, 0, 2]).batch  # other rows, same sizes
+    swapped = dataclasses.replace(swapped, seq_lens_cpu=case.batch.seq_lens_cpu.clone())
+    with pytest.raises(ValueError, match="planned for"):
+        plan.check_batch(swapped)
