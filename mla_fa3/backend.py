@@ -16,6 +16,17 @@ The step, as the engine and the model drive it:
             MHA / CROSS layers        -> mha_fallback.forward(...)
             IDLE                      -> an empty [0, H, d_v] output; no kernel, no pool access
 
+Checked before anything is written (``MetadataBuilder.validate``, host values only): every row of the
+batch is held in the ``ReqToTokenPool`` and ``seq_lens`` stay within the tokens allocated to it, on every
+path; ``out_cache_loc`` slots are the request's own (``req_to_token``) and distinct — on the host for
+CPU tensors, on a GPU only with ``debug_checks=True`` (reading device values syncs). ``forward`` with a
+batch other than the planned one raises (``StepPlan.check_batch``).
+
+Empty batches: IDLE, and an EXTEND / MIXED / DRAFT_EXTEND batch with no requests (or no new tokens),
+work on every ``prefill_path`` ('absorbed', 'auto', 'mha'): the plan is the absorbed path ("no new
+tokens: nothing to compute"), ``forward`` returns an empty ``[0, H, d_v]`` output, nothing is written
+and a retry plans the same.
+
 MLA layer (``LayerKind.MLA``), symbols of :mod:`mla_fa3.absorb`:
     q      [T, H, d_nope + d_rope]   RoPE applied
     k      [T, r + d_rope]           the new tokens' latent rows [c_kv (normed) | k_rope (roped)], v None

@@ -30,6 +30,8 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
+from mla_fa3.checks import check_int
+
 __all__ = ["ForwardMode", "ForwardBatch", "to_device", "queries_per_request"]
 
 IntsLike = Union[Sequence[int], Tensor]
@@ -84,6 +86,16 @@ def to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None =
     return t.to(device=device, dtype=dtype, non_blocking=True)
 
 
+def _host_ints(values: object, name: str) -> list[int]:
+    """A list of Python ints from a sequence: bools and floats raise TypeError (``1.5`` is never truncated)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = list(values)
+    if all(type(v) is int for v in out):  # the common case, without a call per element
+        return out
+    return [check_int(v, f"{name}[{i}]", minimum=None) for i, v in enumerate(out)]
+
+
 def _cpu_int32(values: IntsLike, name: str) -> Tensor:
     """A 1-D int32 CPU tensor from a list / tuple / CPU integer tensor; rejects CUDA (that would sync)."""
     if isinstance(values, Tensor):
@@ -94,10 +106,7 @@ def _cpu_int32(values: IntsLike, name: str) -> Tensor:
             raise TypeError(f"{name} must hold integers, got {values.dtype}")
         t = values.to(torch.int32)
     else:
-        try:
-            t = torch.tensor(list(values), dtype=torch.int32)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from exc
+        t = torch.tensor(_host_ints(values, name), dtype=torch.int32)
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     if t.numel() and int(t.min()) < 0:
@@ -107,19 +116,24 @@ def _cpu_int32(values: IntsLike, name: str) -> Tensor:
 
 def _index_tensor(values: IntsLike, name: str, device: torch.device) -> Tensor:
     """A 1-D int64 tensor on ``device`` (a device tensor is kept as is: no value is read)."""
+    return _index_tensors(values, name, device)[0]
+
+
+def _index_tensors(values: IntsLike, name: str, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """(1-D int64 tensor on ``device``, its CPU copy when the values came from the host, else None)."""
     if isinstance(values, Tensor):
         if values.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32 or int64, got {values.dtype}")
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-        return to_device(values, device, torch.int64)
-    try:
-        t = torch.tensor(list(values), dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from exc
+        if values.device.type != "cpu":
+            return to_device(values, device, torch.int64), None
+        t = values.to(torch.int64)
+    else:
+        t = torch.tensor(_host_ints(values, name), dtype=torch.int64)
     if t.numel() and int(t.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-    return to_device(t, device)
+    return to_device(t, device), t
 
 
 def _default_positions(seq_lens_cpu: Tensor, new_lens_cpu: Tensor, device: torch.device) -> Tensor:
@@ -157,6 +171,8 @@ class ForwardBatch:
     num_draft_tokens: int = 0  # TARGET_VERIFY: k draft tokens per request (T = bs * k)
     draft_step: int = 0  # DRAFT_DECODE: step i of a multi-step draft
     positions: Tensor | None = None  # [T] int64, device — absolute position of each new token
+    req_pool_indices_cpu: Tensor | None = None  # [bs] int64, cpu — copy of req_pool_indices (None: given
+    #   on the device only; the builder then checks row ownership on the host only for CPU / debug_checks)
 
     def __post_init__(self) -> None:
         self.check()
@@ -169,10 +185,10 @@ class ForwardBatch:
         """
         if not isinstance(self.forward_mode, ForwardMode):
             raise TypeError(f"forward_mode must be a ForwardMode, got {type(self.forward_mode).__name__}")
-        bs = self.batch_size
-        if not isinstance(bs, int) or bs < 0:
-            raise ValueError(f"batch_size must be a non-negative int, got {bs!r}")
+        bs = check_int(self.batch_size, "batch_size", minimum=0)
         _check(self.req_pool_indices, "req_pool_indices", (torch.int64,), bs)
+        if self.req_pool_indices_cpu is not None:
+            _check(self.req_pool_indices_cpu, "req_pool_indices_cpu", (torch.int64,), bs, cpu=True)
         _check(self.seq_lens, "seq_lens", (torch.int32,), bs)
         _check(self.seq_lens_cpu, "seq_lens_cpu", (torch.int32,), bs, cpu=True)
         _check(self.out_cache_loc, "out_cache_loc", (torch.int64,), None)
@@ -195,9 +211,7 @@ class ForwardBatch:
                                  f"{self.seq_lens_cpu.tolist()} vs {self.extend_prefix_lens_cpu.tolist()} "
                                  f"+ {self.extend_seq_lens_cpu.tolist()}")
         elif mode is ForwardMode.TARGET_VERIFY:
-            k = self.num_draft_tokens
-            if not isinstance(k, int) or k < 1:
-                raise ValueError(f"num_draft_tokens must be an int >= 1 for TARGET_VERIFY, got {k!r}")
+            k = check_int(self.num_draft_tokens, "num_draft_tokens (TARGET_VERIFY)")
             if num_tokens != bs * k:
                 raise ValueError(f"out_cache_loc must hold batch_size * num_draft_tokens = {bs * k} "
                                  f"slots, got {num_tokens}")
@@ -214,8 +228,8 @@ class ForwardBatch:
             _check(self.encoder_out_cache_loc, "encoder_out_cache_loc", (torch.int64,), None)
         if self.positions is not None:
             _check(self.positions, "positions", (torch.int64,), num_tokens)
-        if not isinstance(self.draft_step, int) or self.draft_step < 0:
-            raise ValueError(f"draft_step must be a non-negative int, got {self.draft_step!r}")
+        check_int(self.num_draft_tokens, "num_draft_tokens", minimum=0)
+        check_int(self.draft_step, "draft_step", minimum=0)
 
     # ------------------------------------------------------------------ derived host values
     @property
@@ -276,8 +290,7 @@ class ForwardBatch:
                device: torch.device | str, num_draft_tokens: int,
                positions: IntsLike | None = None, encoder_lens: IntsLike | None = None) -> "ForwardBatch":
         """TARGET_VERIFY batch: ``k = num_draft_tokens`` queries per request; ``seq_lens`` include them."""
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        check_int(num_draft_tokens, "num_draft_tokens")
         device = torch.device(device)
         seq_cpu = _cpu_int32(seq_lens, "seq_lens")
         loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
@@ -290,8 +303,7 @@ class ForwardBatch:
                      device: torch.device | str, step: int, positions: IntsLike | None = None,
                      encoder_lens: IntsLike | None = None) -> "ForwardBatch":
         """DRAFT_DECODE step ``step``: one query per request; ``seq_lens`` include this step's token."""
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        check_int(step, "step", minimum=0)
         device = torch.device(device)
         seq_cpu = _cpu_int32(seq_lens, "seq_lens")
         loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
@@ -316,7 +328,7 @@ class ForwardBatch:
               prefix_cpu: Tensor | None = None, num_draft_tokens: int = 0,
               draft_step: int = 0) -> "ForwardBatch":
         bs = seq_cpu.shape[0]
-        rows = _index_tensor(req_pool_indices, "req_pool_indices", device)
+        rows, rows_cpu = _index_tensors(req_pool_indices, "req_pool_indices", device)
         if rows.shape[0] != bs:
             raise ValueError(f"req_pool_indices must have one row per request ({bs}), got {rows.shape[0]}")
         if bs and int((seq_cpu - new_cpu).min()) < 0:
@@ -346,7 +358,8 @@ class ForwardBatch:
                    extend_seq_lens=to_device(new_cpu, device) if extend_like else None,
                    extend_seq_lens_cpu=new_cpu if extend_like else None,
                    encoder_lens=enc_dev, encoder_lens_cpu=enc_cpu, encoder_out_cache_loc=enc_loc,
-                   num_draft_tokens=num_draft_tokens, draft_step=draft_step, positions=pos)
+                   num_draft_tokens=num_draft_tokens, draft_step=draft_step, positions=pos,
+                   req_pool_indices_cpu=rows_cpu)
 
 
 def _check(t: object, name: str, dtypes: tuple, length: int | None, *, cpu: bool = False) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_real", "is_real"]
+import torch
+
+__all__ = ["check_int", "check_ids", "check_real", "is_real"]
 
 
 def check_int(value: object, name: str, minimum: int | None = 1, maximum: int | None = None) -> int:
@@ -27,6 +29,30 @@ def check_int(value: object, name: str, minimum: int | None = 1, maximum: int | 
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be an int <= {maximum}, got {value}")
     return value
+
+
+def check_ids(value: object, name: str, size: int) -> list[int]:
+    """Ids in ``[0, size)`` as a list of Python ints: from an int, a list / tuple of ints, or a CPU
+    integer tensor (0-d or 1-D); numpy integers count as ints. Bools, floats and device tensors (reading
+    one would sync) raise TypeError; an id out of range ValueError. Nothing is read twice, nothing changed.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise TypeError(f"{name} must be host ints or a CPU tensor (reading a {value.device} tensor "
+                            "would sync)")
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {value.dtype}")
+        if value.dim() > 1:
+            raise ValueError(f"{name} must be 0-D or 1-D, got shape {tuple(value.shape)}")
+        ids = [int(v) for v in value.reshape(-1).tolist()]
+    elif isinstance(value, (list, tuple)):
+        ids = [check_int(v, f"{name}[{i}]", minimum=None) for i, v in enumerate(value)]
+    else:
+        ids = [check_int(value, name, minimum=None)]
+    for i in ids:
+        if not 0 <= i < size:
+            raise ValueError(f"{name} holds {i}, outside [0, {size})")
+    return ids
 
 
 def is_real(value: object) -> bool:

@@ -63,15 +63,22 @@ class MultiStepDraftBackend:
         return self._planning_batch(batch, i, out_cache_loc)
 
     def _planning_batch(self, batch: ForwardBatch, i: int, out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
-        """Step ``i``'s batch for metadata planning only (keeps step 0's out_cache_loc when none is given:
-        planning never writes through it)."""
+        """Step ``i``'s batch for metadata planning (when no ``out_cache_loc`` is given: the slots
+        ``req_to_token`` holds for step ``i``'s tokens, gathered on the device — no sync)."""
         self._check_base(batch)
-        self.step(i)
+        backend = self.step(i)
         changes = {"draft_step": i}
         if i:
             changes.update(seq_lens=batch.seq_lens + i, seq_lens_cpu=batch.seq_lens_cpu + i)
             if batch.positions is not None:
                 changes["positions"] = batch.positions + i
+            if out_cache_loc is None:
+                col = batch.seq_lens.long() + (i - 1)
+                if batch.encoder_lens is not None:
+                    p = backend.page_size
+                    col = col + (batch.encoder_lens.long() + p - 1) // p * p
+                table = backend.builder.req_to_token  # col clamped: a too-long batch fails validation, named
+                out_cache_loc = table[batch.req_pool_indices, col.clamp(max=table.shape[1] - 1)].long()
         if out_cache_loc is not None:
             changes["out_cache_loc"] = out_cache_loc
         return dataclasses.replace(batch, **changes)

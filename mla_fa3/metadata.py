@@ -113,6 +113,9 @@ class MetadataBuilder:
         if not isinstance(table, Tensor) or table.dim() != 2 or table.dtype != torch.int32:
             raise TypeError("req_to_token_pool must be a ReqToTokenPool or a 2-D int32 tensor")
         self.req_to_token = table
+        # the pool's host-side ownership (held rows, allocated_len) checks every batch; a bare tensor
+        # carries none, so only ranges and max_context are checked then
+        self.req_pool = req_to_token_pool if isinstance(req_to_token_pool, ReqToTokenPool) else None
         self.max_context = table.shape[1]
         self.page_size = check_page_size(page_size)
         self.device = torch.device(device)
@@ -153,30 +156,88 @@ class MetadataBuilder:
                 raise ValueError(f"seq_lens exceed max_context {self.max_context} (encoder region included): "
                                  f"{span.tolist()}")
         check_values = self.debug_checks or batch.seq_lens.device.type == "cpu"
+        # host-readable rows: the device tensor itself (CPU / debug_checks), else the batch's CPU copy
+        rows = batch.req_pool_indices.cpu() if check_values else batch.req_pool_indices_cpu
+        if rows is not None:
+            self._check_rows(batch, rows)
         if check_values:
-            rows = batch.req_pool_indices
-            if int(rows.min()) < 0 or int(rows.max()) >= self.req_to_token.shape[0]:
-                raise ValueError(f"req_pool_indices must be in [0, {self.req_to_token.shape[0]}), "
-                                 f"got {rows.tolist()}")
-            loc = batch.out_cache_loc
-            if self.num_slots is not None and loc.numel() and (
-                    int(loc.min()) < 0 or int(loc.max()) >= self.num_slots):
-                raise ValueError(f"out_cache_loc must be in [0, {self.num_slots}), got values in "
-                                 f"[{int(loc.min())}, {int(loc.max())}]")
+            self._check_out_cache_loc(batch, rows)
         if self.debug_checks:
-            for dev, cpu in (("seq_lens", "seq_lens_cpu"), ("extend_prefix_lens", "extend_prefix_lens_cpu"),
+            for dev, cpu in (("req_pool_indices", "req_pool_indices_cpu"), ("seq_lens", "seq_lens_cpu"),
+                             ("extend_prefix_lens", "extend_prefix_lens_cpu"),
                              ("extend_seq_lens", "extend_seq_lens_cpu"), ("encoder_lens", "encoder_lens_cpu")):
                 d, c = getattr(batch, dev), getattr(batch, cpu)
                 if d is not None and not torch.equal(d.cpu(), c):
                     raise ValueError(f"{dev} differs from {cpu}: {d.tolist()} vs {c.tolist()}")
+
+    def _check_rows(self, batch: ForwardBatch, rows: Tensor) -> None:
+        """Rows in range; with a ReqToTokenPool: held, and ``seq_lens`` (after the encoder region) within
+        the tokens allocated to each row. Host ints only (the batch's CPU copies)."""
+        size = self.req_to_token.shape[0]
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= size:
+            raise ValueError(f"req_pool_indices must be in [0, {size}), got {lo if lo < 0 else hi} "
+                             f"in {rows.tolist()}")
+        if self.req_pool is None:
+            return
+        span = (batch.seq_lens_cpu.to(torch.int64) + self._encoder_cols_cpu(batch)).tolist()
+        held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
+        for b, (row, need) in enumerate(zip(rows.tolist(), span)):
+            if not held(row):
+                raise ValueError(f"req_pool_indices[{b}] = {row} is not a held request row (never allocated, "
+                                 "or freed)")
+            if need > allocated[row]:
+                enc = need - int(batch.seq_lens_cpu[b])
+                raise ValueError(f"seq_lens[{b}] = {int(batch.seq_lens_cpu[b])}"
+                                 f"{f' after an encoder region of {enc} columns' if enc else ''} exceeds the "
+                                 f"{allocated[row]} tokens allocated to request row {row}")
+
+    def _check_out_cache_loc(self, batch: ForwardBatch, rows: Tensor) -> None:
+        """Host values (CPU tensors, or a GPU under debug_checks): every new token's slot is in the pool,
+        is the slot ``req_to_token`` gives that token of its request (so the request owns it and the
+        kernels read it back), and no two tokens share one. A CUDA-graph padding request (every new
+        token to slot 0, no cached keys) is exempt: it writes and reads only the padding page."""
+        loc = batch.out_cache_loc.cpu()
+        if not loc.numel():
+            return
+        lo, hi = int(loc.min()), int(loc.max())
+        if self.num_slots is not None and (lo < 0 or hi >= self.num_slots):
+            raise ValueError(f"out_cache_loc must be in [0, {self.num_slots}), got {lo if lo < 0 else hi}")
+        if lo < 0:
+            raise ValueError(f"out_cache_loc must be >= 0, got {lo}")
+        new = self.new_tokens_cpu(batch).to(torch.int64)
+        seq = batch.seq_lens_cpu.to(torch.int64)
+        req = torch.repeat_interleave(torch.arange(batch.batch_size), new)  # request of each new token
+        pad_req = (seq == new) & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
+        live = ~pad_req[req]
+        loc_live = loc[live]
+        if loc_live.unique().numel() != loc_live.numel():
+            dup = torch.sort(loc_live).values
+            dup = dup[1:][dup[1:] == dup[:-1]]
+            raise ValueError(f"out_cache_loc holds slot {int(dup[0])} twice: two new tokens of one step "
+                             "would overwrite each other")
+        # column of each new token in its request's row: first_col + seq_b - n_b + i
+        first_row = torch.cumsum(new, 0) - new
+        col = (seq - new + self._encoder_cols_cpu(batch))[req] + torch.arange(loc.numel()) - first_row[req]
+        want = self.req_to_token[to_device(rows[req], self.req_to_token.device),
+                                 to_device(col, self.req_to_token.device)].cpu().to(torch.int64)
+        bad = (want != loc) & live
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0])
+            b = int(req[t])
+            raise ValueError(f"out_cache_loc[{t}] = {int(loc[t])} is not the slot of request {b}'s token "
+                             f"{int(col[t])} (req_to_token[{int(rows[b])}, {int(col[t])}] = {int(want[t])}): "
+                             "a token may only be written to a slot its own request holds")
 
     def _check_pages(self, name: str, page_table: Tensor) -> None:
         if self.num_slots is None or page_table.numel() == 0:
             return
         if self.debug_checks or page_table.device.type == "cpu":
             num_pages = self.num_slots // self.page_size
-            hi = int(page_table.max())
-            if hi >= num_pages or int(page_table.min()) < 0:
+            lo, hi = int(page_table.min()), int(page_table.max())
+            if lo < 0:
+                raise ValueError(f"{name} holds page id {lo}, negative (req_to_token holds a negative slot)")
+            if hi >= num_pages:
                 raise ValueError(f"{name} holds page id {hi}, outside the pool's {num_pages} pages "
                                  f"(req_to_token holds a slot outside the pool)")
 

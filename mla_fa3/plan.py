@@ -132,6 +132,8 @@ def _same_step(a: ForwardBatch, b: ForwardBatch) -> bool:
         return False
     pairs = [(a.seq_lens_cpu, b.seq_lens_cpu), (a.extend_seq_lens_cpu, b.extend_seq_lens_cpu),
              (a.extend_prefix_lens_cpu, b.extend_prefix_lens_cpu), (a.encoder_lens_cpu, b.encoder_lens_cpu)]
+    if a.req_pool_indices_cpu is not None and b.req_pool_indices_cpu is not None:  # rows, when both know them
+        pairs.append((a.req_pool_indices_cpu, b.req_pool_indices_cpu))
     for x, y in pairs:
         if (x is None) != (y is None) or (x is not None and x is not y and not torch.equal(x, y)):
             return False

@@ -29,3 +29,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the tests marked long (the 10,000-batch engine fuzz)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: long fuzz runs; skipped unless --long")
+
+
+def pytest_runtest_setup(item):
+    if "long" in item.keywords and not item.config.getoption("--long"):
+        pytest.skip("long run: pass --long")

@@ -75,6 +75,9 @@ def make_layout(alloc_lens, page_size: int, *, device="cpu", seed: int = 0, extr
         slots.append(s)
         table[rows[b], :n] = s.to(torch.int32)
     pool.req_to_token.copy_(table.to(pool.req_to_token.device))
+    # the fixture owns its layout: it holds its rows with the tokens it gave slots; row 0 is the
+    # CUDA-graph padding row (its table is stale: padding requests read it, never write through it)
+    pool.claim([0] + rows, [max_context] + [int(n) for n in alloc_lens])
     return CacheLayout(p, num_pages, pool, rows, slots, torch.device(device))
 
 

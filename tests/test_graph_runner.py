@@ -118,6 +118,7 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
     page-table ops — no padding reset, no other device op."""
     dims, heads, page, ctx = MLA_CONFIGS["tiny"].dims, 4, 16, 256
     req_pool = ReqToTokenPool(9, ctx, "meta")
+    req_pool.claim(list(range(9)), ctx)  # a layout the test owns (the meta device holds no values)
     pool = MLATokenPool(1, 2 + 8 * ctx // page, page, dims.kv_lora_rank, dims.qk_rope_head_dim, torch.float32, "meta")
     backend = MLABackend(req_to_token_pool=req_pool, kv_pool=pool, page_size=page, device="meta",
                          decode_kernel="fa3", num_heads=heads)

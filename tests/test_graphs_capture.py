@@ -102,7 +102,7 @@ def test_replay_refuses_what_does_not_fit_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="num_draft_tokens must be 3"):
         builder.replay(ver, cap_v)
     enc_batch = make_batch(w, M.DECODE, [1] * 5)
-    enc_batch.encoder_lens, enc_batch.encoder_lens_cpu = (torch.ones(5, dtype=torch.int32),) * 2
+    enc_batch.encoder_lens, enc_batch.encoder_lens_cpu = (torch.zeros(5, dtype=torch.int32),) * 2
     with pytest.raises(ValueError, match="encoder_lens must be None"):
         builder.replay(enc_batch, cap5)
     with pytest.raises(ValueError, match="capture"):
@@ -175,7 +175,9 @@ def meta_batch(mode: ForwardMode, k: int, rows: list[int], seq: list[int], enc: 
 @pytest.mark.parametrize("name", list(META_CASES))
 def test_replay_is_one_host_copy_and_a_few_table_ops_without_reading_the_device(name: str) -> None:
     mode, k, chunk, with_enc, expected = META_CASES[name]
-    builder = MetadataBuilder(ReqToTokenPool(8, 512, "meta"), 16, "meta", attention_chunk_size=chunk)
+    pool = ReqToTokenPool(8, 512, "meta")
+    pool.claim(list(range(8)), 512)  # a layout the test owns (the meta device holds no values)
+    builder = MetadataBuilder(pool, 16, "meta", attention_chunk_size=chunk)
     builder.init_capture_buffers(6, 512, max_num_draft_tokens=4, with_encoder=with_enc)
     cap = builder.capture(4, mode, num_draft_tokens=k)
     enc = [3, 0, 40] if with_enc else None

@@ -82,6 +82,7 @@ def test_allocator_fuzz(page_size: int, seed: int) -> None:
 
 def test_alloc_continues_the_last_partial_page() -> None:
     pool = ReqToTokenPool(2, 32, "cpu")
+    pool.alloc(2)
     alloc = PagedAllocator(8, 4, "cpu")
     a = alloc.alloc_for_request(pool, 1, 0, 3).tolist()
     b = alloc.alloc_for_request(pool, 1, 3, 2).tolist()
@@ -92,6 +93,7 @@ def test_alloc_continues_the_last_partial_page() -> None:
 
 def test_encoder_region_then_decoder_starts_on_a_page_border() -> None:
     pool = ReqToTokenPool(1, 64, "cpu")
+    pool.alloc(1)
     alloc = PagedAllocator(10, 8, "cpu")
     enc = alloc.alloc_for_request(pool, 0, 0, 5)
     col = encoder_region_columns(5, 8)
@@ -111,6 +113,7 @@ def test_page_size_must_be_a_power_of_two(page_size) -> None:
 
 def test_allocator_named_errors() -> None:
     pool = ReqToTokenPool(2, 16, "cpu")
+    pool.alloc(2)
     alloc = PagedAllocator(4, 4, "cpu")
     with pytest.raises(ValueError, match="start"):
         alloc.alloc_for_request(pool, 0, 4, 1)  # would skip a whole page

@@ -49,6 +49,7 @@ def test_build_and_replay_without_sync_match_cpu(mode_name: str, page_size: int,
     cpu = MetadataBuilder(w.pool, page_size, "cpu", attention_chunk_size=chunk, num_slots=w.num_slots)
     gpu_pool = ReqToTokenPool(w.pool.size, w.pool.max_context, "cuda")
     gpu_pool.req_to_token.copy_(w.pool.req_to_token)
+    gpu_pool.claim(w.rows, [w.pool.allocated_len[r] for r in w.rows])
     gpu = MetadataBuilder(gpu_pool, page_size, "cuda", attention_chunk_size=chunk, num_slots=w.num_slots)
     gpu.init_capture_buffers(6, w.pool.max_context, max_num_draft_tokens=4, with_encoder=enc)
     cap = gpu.capture(5, mode, num_draft_tokens=q)
@@ -74,6 +75,7 @@ def test_extend_build_without_sync_matches_cpu() -> None:
     cpu = MetadataBuilder(w.pool, 16, "cpu", attention_chunk_size=32)
     gpu_pool = ReqToTokenPool(w.pool.size, w.pool.max_context, "cuda")
     gpu_pool.req_to_token.copy_(w.pool.req_to_token)
+    gpu_pool.claim(w.rows, [w.pool.allocated_len[r] for r in w.rows])
     gpu = MetadataBuilder(gpu_pool, 16, "cuda", attention_chunk_size=32)
     with _NoSync():
         md = gpu.build(make_batch(w, M.EXTEND, new, device="cuda"))
@@ -88,6 +90,7 @@ def test_replays_queued_behind_a_busy_stream_each_land_their_own_values() -> Non
     cpu = MetadataBuilder(w.pool, 16, "cpu", num_slots=w.num_slots)
     gpu_pool = ReqToTokenPool(w.pool.size, w.pool.max_context, "cuda")
     gpu_pool.req_to_token.copy_(w.pool.req_to_token)
+    gpu_pool.claim(w.rows, [w.pool.allocated_len[r] for r in w.rows])
     gpu = MetadataBuilder(gpu_pool, 16, "cuda", num_slots=w.num_slots)
     gpu.init_capture_buffers(6, w.pool.max_context)
     cap = gpu.capture(5, M.DECODE)

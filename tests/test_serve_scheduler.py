@@ -177,6 +177,7 @@ def test_add_refuses_what_can_never_run():
 def test_alloc_for_requests_equals_one_row_at_a_time():
     """The batched allocation (one scatter) writes what alloc_for_request writes row by row."""
     a_pool, b_pool = ReqToTokenPool(4, 64, "cpu"), ReqToTokenPool(4, 64, "cpu")
+    a_pool.alloc(4), b_pool.alloc(4)  # the rows are held: the allocator serves only held rows
     a, b = PagedAllocator(40, 4, "cpu"), PagedAllocator(40, 4, "cpu")
     for rows, starts, counts in [([0, 2, 3], [0, 0, 0], [5, 1, 9]), ([0, 2], [5, 1], [1, 1]),
                                  ([3, 0, 2], [9, 6, 2], [7, 1, 3])]:
@@ -184,9 +185,10 @@ def test_alloc_for_requests_equals_one_row_at_a_time():
         want = torch.cat([b.alloc_for_request(b_pool, r, s, n) for r, s, n in zip(rows, starts, counts)])
         assert torch.equal(got, want)
         assert torch.equal(a_pool.req_to_token, b_pool.req_to_token)
-    small = PagedAllocator(4, 4, "cpu")  # 3 usable pages
+    small, small_pool = PagedAllocator(4, 4, "cpu"), ReqToTokenPool(2, 64, "cpu")  # 3 usable pages
+    small_pool.alloc(2)
     with pytest.raises(ValueError, match="pages"):
-        small.alloc_for_requests(ReqToTokenPool(2, 64, "cpu"), [0, 1], [0, 0], [5, 5])  # 4 pages
+        small.alloc_for_requests(small_pool, [0, 1], [0, 0], [5, 5])  # 4 pages
     assert small.num_free_pages() == 3
     free = a.num_free_pages()
     with pytest.raises(ValueError):

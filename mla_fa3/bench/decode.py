@@ -100,6 +100,7 @@ class Cell:
         # L2 rotation on a GPU only (a CPU smoke run has no L2 to defeat and no time to spare)
         self.rotate = rotations(bs * ctx * DIMS.latent_dim * 2) if device.type == "cuda" else 1
         self.req_pool = ReqToTokenPool(bs, ctx, device)
+        self.req_pool.claim(list(range(bs)), ctx)  # the benchmark writes its rows itself, all ctx tokens
         self.pool = MLATokenPool(self.rotate, num_pages, page, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim,
                                  torch.bfloat16, device)
         for buf in self.pool.kv_buffer:

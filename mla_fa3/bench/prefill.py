@@ -116,6 +116,7 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
     dtype = pool.dtype
     total = prefix + new
     r2t = ReqToTokenPool(2, total + page, device)
+    r2t.claim([1], total)  # the benchmark writes its row itself
     slots = _layout(pool.num_pages, total, page, gen).to(device)
     r2t.req_to_token[1, :total] = slots.to(torch.int32)
     batch = ForwardBatch.extend([1], [prefix], [new], slots[prefix:], device)
