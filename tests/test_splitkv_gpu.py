@@ -19,7 +19,7 @@ import torch
 from ops_cases import BAD_PAGE, check, cosine
 
 from mla_fa3 import ops
-from mla_fa3.ops import Impl
+from mla_fa3.ops import Impl, KernelConfig
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
@@ -81,10 +81,10 @@ def oracle_and_lowp(dense):
     return torch.stack([o for o, _ in oracle]), torch.stack([l for _, l in oracle]), torch.stack(lowp)
 
 
-def run_splitkv(q, kv, table, lens, *, page, schedule=None, **extra):
+def run_splitkv(q, kv, table, lens, *, page, schedule=None, config=None, **extra):
     if schedule is None:
         schedule = ops.get_splitkv_schedule(lens.cpu(), num_heads=q.shape[2], num_q_tokens=q.shape[1],
-                                            page_size=page, device=DEV)
+                                            page_size=page, device=DEV, config=config)
     return ops.splitkv_mla_with_kvcache(q, kv, table, lens, head_dim_v=R, schedule=schedule, softmax_scale=SCALE,
                                         causal=True, impl="triton", **extra)
 
@@ -134,6 +134,27 @@ def test_splitkv_matches_oracle_reference_fa3_flashmla(name):
         assert cosine(out, fm) >= 0.9999
 
 
+# every kernel switch: one page id per block (page >= block_n) or per key, half-precision partials, the tile
+# loaded once or twice, 16-key blocks, 16 warps; blocks spanning a request's end
+SWITCHES = {
+    "n16_half_reload": KernelConfig(block_n=16, num_warps=4, num_stages=4, half_partials=True, reload_kv=True),
+    "n32_w2_half": KernelConfig(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
+    "n64_w16_reload": KernelConfig(block_n=64, num_warps=16, num_stages=2, reload_kv=True),
+    "n32_w8_m32_half": KernelConfig(block_n=32, num_warps=8, num_stages=3, max_rows=32, half_partials=True),
+}
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_splitkv_kernel_switches(name, page):
+    lens, heads = (1, 31, 65, 4097, 127), (16 if "w16" not in name else 128)
+    q, kv, table, seqlens, dense, _ = build(lens, 2, heads, page, seed=7)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, config=SWITCHES[name])
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_splitkv_fp8_latent_with_descales(heads):
     lens, page = (1, 65, 3000), 64
@@ -167,12 +188,13 @@ def test_graph_replay_follows_new_lengths_and_schedules():
     for lens, planned in [((9000, 1, 65), 3), ((1, 1, 1), 3), ((0, 4097, 64), 3), ((8000, 64, 700), 2),
                           ((9000, 4097, 700), 3)]:
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-        sched.copy_(ops.get_splitkv_schedule(list(lens[:planned]), num_heads=heads, page_size=page))
+        sched.copy_(ops.get_splitkv_schedule(list(lens[:planned]), num_heads=heads, page_size=page,
+                                             config=sched.config))
         graph.replay()
         torch.cuda.synchronize()
         dense = [(q_b, kv_b[:L]) for (q_b, kv_b), L in zip(dense_max, lens)]
         ref_out, ref_lse, lowp = oracle_and_lowp(dense)
-        eager, eager_lse = run_splitkv(q, kv, table, seqlens, page=page)
+        eager, eager_lse = run_splitkv(q, kv, table, seqlens, page=page, config=sched.config)
         live = slice(0, planned)
         assert torch.equal(out[live], eager[live]) and torch.equal(lse[live], eager_lse[live])
         ref_impl, _ = run_reference(q, kv, table, seqlens)
