@@ -57,7 +57,7 @@ def _coerce_decode_kernel(value) -> DecodeKernel | str:
         for k in DecodeKernel:
             if k.value == low:
                 return k
-    raise ValueError(f"decode_kernel must be 'auto', 'fa3', 'flashmla' or a DecodeKernel, got {value!r}")
+    raise ValueError(f"decode_kernel must be 'auto', 'fa3', 'flashmla', 'splitkv' or a DecodeKernel, got {value!r}")
 
 
 @dataclass
@@ -77,7 +77,8 @@ class MLABackend:
                  debug_checks: bool = False):
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
-        decode_kernel: 'fa3' (default), 'flashmla' (page 64 only) or 'auto' (``policy.decode_kernel`` per step).
+        decode_kernel: 'fa3' (default), 'flashmla' (page 64 only), 'splitkv' (the Triton split-KV kernel; any
+            page size) or 'auto' (``policy.decode_kernel`` per step).
         num_heads: query heads of the MLA layers (per rank); required for 'flashmla' / 'auto' because the
             FlashMLA schedule is planned once per step, before any layer runs.
         mla_dims: the MLA layers' :class:`MLADims`; with ``num_heads`` they let the prefill cost model
@@ -174,8 +175,9 @@ class MLABackend:
             latent_new = k if (save_kv_cache and k is not None and v is None) else None
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
                                                       impl=self.impl)
+        schedule = plan.splitkv_schedule if kernel is DecodeKernel.SPLITKV else plan.flashmla_schedule
         return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel,
-                                       schedule=plan.flashmla_schedule, impl=self.impl, validate=False)
+                                       schedule=schedule, impl=self.impl, validate=False)
 
     # ------------------------------------------------------------------------------ checks and store
     def _plan_for(self, q, layer: AttentionLayer, batch: ForwardBatch) -> StepPlan:
@@ -304,6 +306,8 @@ class MLABackend:
         schedule = entry.plan.flashmla_schedule
         if schedule is not None:
             schedule.copy_(self.planner.flashmla_schedule(md))
+        if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
+            schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
         self.graph_kernel = kernel
         self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                                   graph=True, schedule=schedule)

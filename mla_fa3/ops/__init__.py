@@ -80,6 +80,7 @@ __all__ = [
     "SplitKVSchedule",
     "KernelConfig",
     "get_splitkv_schedule",
+    "splitkv_available",
     "splitkv_mla_with_kvcache",
 ]
 
@@ -356,6 +357,16 @@ def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
         why = _splitkv_kernels() if here else f"the tensors are on {device}, it needs a CUDA device"
         raise KernelUnavailableError(f"split-KV Triton kernel unavailable: {why}; pass impl='reference'")
     return chosen
+
+
+def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``splitkv_mla_with_kvcache`` runs on ``device`` with ``impl`` (the Triton kernel, or the
+    reference where that is the choice) — without raising. Host only."""
+    try:
+        _resolve_splitkv(impl, torch.device(device))
+    except (KernelUnavailableError, ValueError):
+        return False
+    return True
 
 
 def get_splitkv_schedule(

@@ -167,9 +167,11 @@ class SplitKVSchedule:
         return out.copy_(host)
 
     def to(self, device: Union[str, torch.device]) -> "SplitKVSchedule":
+        """These buffers on ``device`` (host->device copies are asynchronous: no stream sync on the hot path)."""
         return SplitKVSchedule(
-            work=self.work.to(device), num_work=self.num_work.to(device),
-            split_offsets=self.split_offsets.to(device), chunk=self.chunk, planned_work=self.planned_work,
+            work=self.work.to(device, non_blocking=True), num_work=self.num_work.to(device, non_blocking=True),
+            split_offsets=self.split_offsets.to(device, non_blocking=True), chunk=self.chunk,
+            planned_work=self.planned_work,
             planned_batch=self.planned_batch, config=self.config,
         )
 

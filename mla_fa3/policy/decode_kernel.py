@@ -111,12 +111,14 @@ def explain_decode_kernel(
     mean_seqlen_k: float | None = None,
     table: Sequence[Measured] | None = None,
     min_gain: float = MIN_GAIN,
+    allow_splitkv: bool = True,
 ) -> KernelChoice:
     """Choose FA3 or FlashMLA for one decode step's shape and say why.
 
     ``max_seqlen_k`` / ``mean_seqlen_k``: the longest and the mean KV length of the batch (host
     numbers, from ``seq_lens_cpu``); ``mean_seqlen_k=None`` treats the lengths as equal. ``table``
-    defaults to ``MEASURED``. Pure host arithmetic: no tensors, no sync.
+    defaults to ``MEASURED``. ``allow_splitkv=False``: the split-KV kernel cannot run here (no Triton):
+    choose between FA3 and FlashMLA only. Pure host arithmetic: no tensors, no sync.
     """
     for name, value in (
         ("num_heads", num_heads),
@@ -151,7 +153,7 @@ def explain_decode_kernel(
     where = f"nearest measured shape{'s' if len(near) > 1 else ''} ({', '.join(sources)}) {where}"
     what = "gain" if len(near) == 1 else "geometric-mean gain"
     skv = [m.splitkv_gain for m in near]
-    if all(g is not None for g in skv):
+    if allow_splitkv and all(g is not None for g in skv):
         skv_gain = math.exp(sum(math.log(g) for g in skv) / len(skv))
         where += "; split-KV " + ", ".join(f"{m.splitkv_ms:.4g} ms" for m in near[:4])
         if skv_gain >= min_gain:
@@ -162,6 +164,11 @@ def explain_decode_kernel(
     if gain >= 1.0:
         return KernelChoice(DecodeKernel.FA3, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
     return KernelChoice(DecodeKernel.FA3, f"{where} -> FA3 {1 / gain:.3f}x faster")
+
+
+def splitkv_measured(table: Sequence[Measured] | None = None) -> bool:
+    """Whether ``table`` (default ``MEASURED``) has any split-KV time, i.e. whether the choice can pick it."""
+    return any(m.splitkv_ms is not None for m in (MEASURED if table is None else table))
 
 
 def choose_decode_kernel(
