@@ -22,6 +22,7 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
         m, l, acc = -inf, 0, 0                      # [rows], [rows], [rows, r]; rows = heads x sq
         for n0 in range(start, end, BLOCK_N):
             kv_blk = kv[page_table[b, j // page_size], j % page_size]  for j in n0 .. n0+BLOCK_N-1 (< end)
+                     (CONTIG, page >= BLOCK_N: one page id per block, a strided [BLOCK_N, D] tile)
             s2 = (q_lat @ kv_blk[:, :r].T + q_rope @ kv_blk[:, r:].T) · scale · log2 e,  masked
             m_new = max(m, rowmax(s2)); alpha = 2^(m - m_new); p = 2^(s2 - m_new)
             l = l·alpha + rowsum(p);  acc = acc·alpha + p @ kv_blk[:, :r];  m = m_new
@@ -32,6 +33,17 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
         S = slots split_offsets[b] .. split_offsets[b+1]
         M = max_s part_lse2[s];  w_s = 2^(part_lse2[s] - M);  W = Σ_s w_s
         out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
+
+Launch switches (``KernelConfig``, ``splitkv_config.py``; the schedule carries the one it was planned
+with): ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows``; ``half_partials`` stores ``part_o``
+in the output dtype (half the workspace traffic; one extra rounding per split); ``reload_kv`` loads
+the latent tile a second time for P·V (an L2 hit), so that each load feeds a single dot — the
+compiler can then stage each in shared memory for its one consumer. The c_kv tile otherwise serves
+both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
+
+Why the combine is a second launch, not "the last program of a request combines": that program
+would read every split of the request alone (bs 1, 16 heads, 256 splits: 4-8 MB through one SM,
+tens of µs); the separate launch spreads the same bytes over bs·sq·H·(r/64) programs.
 
 Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
 page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
