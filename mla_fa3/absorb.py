@@ -17,8 +17,8 @@ and since ``q_nope·(W_UK c_kv) = (q_nope W_UK)·c_kv`` the up-projection can be
     o(h)     = W_UV[h] · o_lat(h) = o_lat(h) · W_UVᵀ[h]  [H, d_v]       (``project_output``)
 Every step is exact algebra, so the absorbed output equals the MHA one up to rounding. The kernel sees
 one KV head of width r + d_rope: FA3 gets ``q = q_rope``, ``k_cache = k_rope`` view, ``v_cache = c_kv``
-view, ``qv = q_lat`` (``score = (q·k + qv·v) · scale``); FlashMLA gets ``q = [q_lat | q_rope]`` over the
-whole row with ``v = row[..., :r]``. The cache views are slices of the pool's paged buffer: no copies.
+view, ``qv = q_lat`` (``score = (q·k + qv·v) · scale``); FlashMLA and split-KV get ``q = [q_lat | q_rope]``
+over the whole row with ``v = row[..., :r]``. The cache views are slices of the pool's paged buffer: no copies.
 
 FP8 latent cache (``kv_paged`` e4m3, per-tensor scale ``s_kv``): only FlashMLA reads it (FA3 refuses
 an e4m3 ``v_cache`` wider than 256). Per step the 576-wide query is quantized on the device with its
@@ -115,17 +115,19 @@ def _kernel_tables(layer: AttentionLayer, metadata):
 
 
 def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata, kv_paged: torch.Tensor, *,
-                     kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
+                     kernel: DecodeKernel = DecodeKernel.FA3,
+                     schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | None = None,
                      kv_scale: torch.Tensor | None = None, impl=None, validate: bool = True) -> torch.Tensor:
     """Absorbed MLA attention of one layer for one step: q [T, H, d_nope + d_rope] -> o [T, H, d_v].
 
     ``kv_paged``: the layer's latent pool as pages, ``[num_pages, page_size, 1, r + d_rope]``
     (``MLATokenPool.paged(layer_id)``); the new tokens' rows must already be written.
     ``metadata``: the step's ``AttentionMetadata`` (cu_seqlens_q / max_seqlen_q / cache_seqlens /
-    page_table). ``schedule``: FlashMLA's tile schedule of the step, required for ``kernel=FLASHMLA``,
-    which also requires equal q lengths per request (T = batch_size · max_seqlen_q) and page size 64 —
-    the step plan decides when it applies. An e4m3 ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule
-    planned with ``is_fp8=True``) and ``kv_scale``, the layer's [1] float32 scale (``MLATokenPool.layer_scale``).
+    page_table). ``schedule``: the step's kernel schedule — FlashMLA's tile schedule for ``kernel=FLASHMLA`` (page
+    size 64), the ``SplitKVSchedule`` for ``kernel=SPLITKV`` (any page size); both need equal q lengths
+    per request (T = batch_size · max_seqlen_q) — the step plan decides when they apply. An e4m3
+    ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule planned with ``is_fp8=True``) and ``kv_scale``,
+    the layer's [1] float32 scale (``MLATokenPool.layer_scale``).
     """
     if validate:
         check_query(q, layer)
@@ -139,8 +141,9 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     dims, w = layer.mla, layer.mla_weights
     r = dims.kv_lora_rank
     q_nope, q_rope = split_query(q, dims)
-    if kernel is DecodeKernel.FLASHMLA:
-        o_lat = _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
+    if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
+        o_lat = _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule,
+                                  kv_scale if fp8 else None, impl)
         return project_output(o_lat, w)
     q_lat = absorb_query(q_nope, w)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
@@ -154,22 +157,23 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     return project_output(o_lat, w)
 
 
-def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
-    """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
+def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
+    """o_lat [T, H, r] through FlashMLA or split-KV: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
 
+    q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy.
     ``kv_scale`` given (FP8 cache): q is quantized per step (power-of-two scale, on the device) and the
-    kernel gets both descales; its output (bf16) is cast back to q's dtype.
-    """
+    kernel gets both descales; its output (bf16) is cast back to q's dtype."""
+    name = kernel.value.upper()
     if schedule is None:
-        raise ValueError("schedule is None: plan FlashMLA's schedule once per step (the step plan does) "
-                         "before running the FLASHMLA decode kernel")
+        raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
+                         f"before running the {name} decode kernel")
     if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
-        raise ValueError(f"layer {layer.layer_id}: FLASHMLA has no softcap / window / local attention; use FA3")
+        raise ValueError(f"layer {layer.layer_id}: {name} has no softcap / window / local attention; use FA3")
     T, H = q_nope.shape[0], layer.num_heads
     r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
     bs, sq = metadata.batch_size, metadata.max_seqlen_q
     if T != bs * sq:
-        raise ValueError(f"q has {T} tokens but FLASHMLA needs batch_size * max_seqlen_q = {bs} * {sq} "
+        raise ValueError(f"q has {T} tokens but {name} needs batch_size * max_seqlen_q = {bs} * {sq} "
                          "(equal query length per request)")
     q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
     absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
@@ -178,9 +182,11 @@ def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_sca
     if kv_scale is not None:
         q_cat, q_scale = quantize_e4m3_dynamic(q_cat)
         descales = dict(descale_q=q_scale, descale_k=kv_scale)
-    o = ops.flash_mla_with_kvcache(
-        q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table, metadata.cache_seqlens,
-        head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True,
-        impl=impl, out_dtype=q_nope.dtype, **descales,
-    )
+    kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl, **descales)
+    if kernel is DecodeKernel.SPLITKV:
+        o, _ = ops.splitkv_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
+                                            metadata.cache_seqlens, **kw)
+    else:
+        o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
+                                       metadata.cache_seqlens, out_dtype=q_nope.dtype, **kw)
     return o.view(T, H, r)

@@ -75,7 +75,7 @@ def _coerce_decode_kernel(value) -> DecodeKernel | str | None:
         for k in DecodeKernel:
             if k.value == low:
                 return k
-    raise ValueError(f"decode_kernel must be 'auto', 'fa3', 'flashmla' or a DecodeKernel, got {value!r}")
+    raise ValueError(f"decode_kernel must be 'auto', 'fa3', 'flashmla', 'splitkv' or a DecodeKernel, got {value!r}")
 
 
 @dataclass
@@ -96,9 +96,9 @@ class MLABackend:
                  debug_checks: bool = False):
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
-        decode_kernel: 'fa3', 'flashmla' (page 64 only) or 'auto' (``policy.decode_kernel`` per step); None
-            (default) = 'fa3', or 'flashmla' for an FP8 latent pool (the only kernel that reads it; 'fa3'
-            with an FP8 pool is an error).
+        decode_kernel: 'fa3', 'flashmla' (page 64 only), 'splitkv' (the Triton split-KV kernel; any page
+            size) or 'auto' (``policy.decode_kernel`` per step); None (default) = 'fa3', or 'flashmla' for an
+            FP8 latent pool (the only kernel that reads it; 'fa3' with an FP8 pool is an error).
         num_heads: query heads of the MLA layers (per rank); required for 'flashmla' / 'auto' because the
             FlashMLA schedule is planned once per step, before any layer runs.
         mla_dims: the MLA layers' :class:`MLADims`; with ``num_heads`` they let the prefill cost model
@@ -218,9 +218,9 @@ class MLABackend:
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
                                                       kv_scale=kv_scale, absorbed_kernel=kernel,
                                                       schedule=plan.flashmla_schedule, impl=self.impl)
-        return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel,
-                                       schedule=plan.flashmla_schedule, kv_scale=kv_scale, impl=self.impl,
-                                       validate=False)
+        schedule = plan.splitkv_schedule if kernel is DecodeKernel.SPLITKV else plan.flashmla_schedule
+        return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel, schedule=schedule,
+                                       kv_scale=kv_scale, impl=self.impl, validate=False)
 
     # ------------------------------------------------------------------------------ checks and store
     def _plan_for(self, q, layer: AttentionLayer, batch: ForwardBatch) -> StepPlan:
@@ -349,6 +349,8 @@ class MLABackend:
         schedule = entry.plan.flashmla_schedule
         if schedule is not None:
             schedule.copy_(self.planner.flashmla_schedule(md))
+        if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
+            schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
         self.graph_kernel = kernel
         self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                                   graph=True, schedule=schedule)

@@ -7,12 +7,14 @@
         IDLE                                   -> path IDLE (no kernel, no pool access)
         DECODE / DRAFT_DECODE / TARGET_VERIFY  -> path ABSORBED, kernel = decode_kernel setting, or per step
                                                   from policy.decode_kernel (host lengths, page 64 only);
-                                                  FLASHMLA -> its tile schedule planned here (ops)
+                                                  FLASHMLA -> its tile schedule planned here (ops);
+                                                  SPLITKV -> its split schedule planned here from
+                                                  batch.seq_lens_cpu (host, no sync)
         EXTEND / MIXED / DRAFT_EXTEND          -> policy.prefill_cost picks ABSORBED / MHA_ONESHOT /
                                                   MHA_CHUNKED from host lengths (or the prefill_path
                                                   override); an MHA path gets its PrefillPlan (chunks,
                                                   row split) from prefill_plan.build_prefill_plan
-        -> StepPlan(metadata, path, kernel, schedule, prefill, record)
+        -> StepPlan(metadata, path, kernel, schedule, splitkv_schedule, prefill, record)
 
 FP8 latent pool (e4m3): every decode-like step runs FlashMLA's FP8 decode (the only kernel that reads
 it; page 64, checked when the backend is built); extend-like steps run the MHA prefill, which
@@ -21,8 +23,12 @@ schedule planned here for those rows; a step whose rows are all decode rows runs
 
 Every layer then asks :meth:`StepPlan.route` which (path, kernel) applies to it. The route is a fixed
 rule of the plan, not a new decision: layers with softcap, a sliding window or local attention (which
-neither FlashMLA nor the MHA prefill model) and layers whose head count differs from the planned one
-run the absorbed path on FA3. The :class:`PathRecord` (``explain()``) is written once, with the plan.
+neither FlashMLA, split-KV nor the MHA prefill model) and layers whose head count differs from the
+planned one run the absorbed path on FA3.
+
+CUDA graphs: a captured SPLITKV step holds a ``SplitKVSchedule`` with room for any plan of its batch
+size (planned at capture with every request at ``max_context``; its ``KernelConfig`` fixed), and each
+replay ``copy_``-s the plan of the live host lengths into it — host->device copies, outside the graph. The :class:`PathRecord` (``explain()``) is written once, with the plan.
 
 The plan knows the batch it was made for: :meth:`StepPlan.check_batch` refuses a forward with another
 batch (compared by identity, else by its host lengths: a few CPU ints, never a device value).
@@ -40,8 +46,8 @@ from mla_fa3.batch import ForwardBatch, queries_per_request
 from mla_fa3.kv.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
-from mla_fa3.ops import FlashMLASchedule
-from mla_fa3.policy.decode_kernel import explain_decode_kernel
+from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
+from mla_fa3.policy.decode_kernel import explain_decode_kernel, splitkv_measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
@@ -65,10 +71,12 @@ class PathRecord:
     other_paths: frozenset[AttentionPath] = frozenset()  # paths of the backend's non-MLA layers
     decision: PathDecision | None = None  # the prefill cost model's decision, when one was consulted
     kv_bytes: int | None = None  # latent-cache bytes one MLA layer reads this step (None: unknown, graphs)
+    num_splits: int | None = None  # split-KV work items (splits) per head tile, when the kernel is splitkv
 
     def summary(self) -> str:
         """One line for logs: ``DECODE: absorbed/fa3 (reference) — reason``."""
         kernel = f"/{self.kernel}" if self.kernel else ""
+        kernel += f" ({self.num_splits} splits)" if self.num_splits is not None else ""
         impl = f" ({self.impl})" if self.impl else ""
         graph = " [graph]" if self.graph else ""
         others = ", also " + ", ".join(sorted(p.value for p in self.other_paths)) if self.other_paths else ""
@@ -87,6 +95,7 @@ class StepPlan:
     num_heads: int | None  # the head count the FlashMLA schedule was planned for
     record: PathRecord
     flashmla_schedule: FlashMLASchedule | None = None  # when kernel is FLASHMLA (of the split rows on an MHA path)
+    splitkv_schedule: SplitKVSchedule | None = None  # when kernel is SPLITKV
     prefill: PrefillPlan | None = None  # when path is an MHA prefill
     graph_bs: int | None = None  # a CUDA-graph step: its captured size (the padded static batch is its batch)
     _seen: list[ForwardBatch] = field(default_factory=list, repr=False)  # batches already matched
@@ -98,7 +107,7 @@ class StepPlan:
             return AttentionPath.ABSORBED, DecodeKernel.FA3
         if self.prefill is not None:
             return self.path, self.kernel
-        if self.kernel is DecodeKernel.FLASHMLA and layer.num_heads != self.num_heads:
+        if self.kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV) and layer.num_heads != self.num_heads:
             return AttentionPath.ABSORBED, DecodeKernel.FA3
         return AttentionPath.ABSORBED, self.kernel
 
@@ -181,18 +190,25 @@ class StepPlanner:
         if self.page_size != FLASHMLA_PAGE_SIZE:
             return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
         choice = explain_decode_kernel(self.num_heads, max(batch_size, 1), max(max_seqlen_k, 1), self.page_size,
-                                       mean_seqlen_k=mean_seqlen_k)
+                                       mean_seqlen_k=mean_seqlen_k, allow_splitkv=self._splitkv_usable())
         return choice.kernel, f"auto: {choice.reason}"
 
     def graph_kernels(self) -> tuple[DecodeKernel, ...]:
-        """Kernels worth a graph per batch size: both when the choice is per step on page 64, else one."""
+        """Kernels worth a graph per batch size: those the per-step choice can pick on page 64, else one.
+
+        Split-KV only where the measured table can pick it (a ``splitkv_ms`` column) and its kernel runs here."""
         if self.kv_fp8:
             return (DecodeKernel.FLASHMLA,)
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return (self.decode_kernel,)
         if self.page_size != FLASHMLA_PAGE_SIZE:
             return (DecodeKernel.FA3,)
+        if self._splitkv_usable() and splitkv_measured():
+            return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
         return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+
+    def _splitkv_usable(self) -> bool:
+        return ops.splitkv_available(self.device, self.impl)
 
     def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
         """FlashMLA's tile schedule for the step (not graph-legal: plan outside, ``copy_`` into a captured one)."""
@@ -212,20 +228,46 @@ class StepPlanner:
         kernel, reason = self.choose_decode_kernel(batch.batch_size, metadata.max_seqlen_k, mean_seqlen(batch))
         return self.decode_plan(batch, metadata, kernel, reason, graph=False)
 
+    def splitkv_schedule(self, metadata: AttentionMetadata, lens_cpu: torch.Tensor | None, *,
+                         into: SplitKVSchedule | None = None) -> SplitKVSchedule:
+        """The split-KV schedule of the step, from host lengths (never a device value: no sync).
+
+        ``lens_cpu`` None (a capture): every request at ``max_seqlen_k``, sized for any plan of this batch
+        size. ``into``: a captured schedule; the plan of ``lens_cpu`` (with its config) is copied into it."""
+        sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
+        kw = dict(num_heads=self.num_heads, num_q_tokens=sq, page_size=self.page_size)
+        if into is not None:
+            return into.copy_(ops.get_splitkv_schedule(lens_cpu, **kw, config=into.config))
+        if lens_cpu is None:
+            bs = metadata.batch_size
+            return ops.get_splitkv_schedule([max(metadata.max_seqlen_k, 1)] * bs, **kw, device=self.device,
+                                            max_batch=bs)
+        return ops.get_splitkv_schedule(lens_cpu, **kw, device=self.device)
+
     def decode_plan(self, batch: ForwardBatch | None, metadata: AttentionMetadata, kernel: DecodeKernel,
-                    reason: str, *, graph: bool, schedule: FlashMLASchedule | None = None) -> StepPlan:
+                    reason: str, *, graph: bool, schedule: FlashMLASchedule | SplitKVSchedule | None = None
+                    ) -> StepPlan:
         """The plan of a decode-like / verify step on ``kernel`` (eager, captured or replayed).
 
-        ``schedule``: FlashMLA's schedule already planned for this step (a replay's captured one); planned
-        here when the kernel is FLASHMLA and none is given."""
-        if kernel is DecodeKernel.FLASHMLA:
-            schedule = self.flashmla_schedule(metadata) if schedule is None else schedule
+        ``schedule``: the kernel's schedule already planned for this step (a replay's captured one, its new
+        plan copied in); planned here when the kernel is FLASHMLA / SPLITKV and none is given (a captured
+        SPLITKV graph: sized for any lengths of its batch size)."""
+        splits = None
+        if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
             reason += (f"; FA3 for layers with softcap / window / local attention or other than "
                        f"{self.num_heads} heads")
+        if kernel is DecodeKernel.FLASHMLA and schedule is None:
+            schedule = self.flashmla_schedule(metadata)
+        if kernel is DecodeKernel.SPLITKV:
+            if schedule is None:
+                schedule = self.splitkv_schedule(metadata, None if graph else metadata.cache_seqlens_cpu)
+            splits = schedule.planned_work
         record = self._record(metadata.mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=graph,
-                              kv_bytes=self._kv_bytes(batch))
-        return StepPlan(batch, metadata, AttentionPath.ABSORBED, kernel, self.num_heads, record, schedule,
-                        graph_bs=metadata.batch_size if graph else None)
+                              kv_bytes=self._kv_bytes(batch), num_splits=splits)
+        flashmla = schedule if kernel is DecodeKernel.FLASHMLA else None
+        splitkv = schedule if kernel is DecodeKernel.SPLITKV else None
+        return StepPlan(batch, metadata, AttentionPath.ABSORBED, kernel, self.num_heads, record, flashmla,
+                        splitkv_schedule=splitkv, graph_bs=metadata.batch_size if graph else None)
 
     def _plan_extend(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
         if self.kv_fp8:

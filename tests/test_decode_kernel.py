@@ -261,8 +261,9 @@ def test_decode_bench_cpu_smoke_feeds_kernel_choice(tmp_path):
         ("16", "2", "96", "64", "equal"), ("16", "2", "96", "64", "skewed")]
     for r in recs:
         fa3, mla, backend = float(r["fa3_ms"]), float(r["flashmla_ms"]), float(r["backend_ms"])
+        skv = float(r["splitkv_ms"])
         assert r["backend_kernel"] in ("fa3", "flashmla")
-        assert float(r["backend_over_best"]) == pytest.approx(backend / min(fa3, mla), rel=1e-4)
+        assert float(r["backend_over_best"]) == pytest.approx(backend / min(fa3, mla, skv), rel=1e-4)
         kv = sum(lengths_of(r["lengths"], 2, 96))
         assert int(r["bytes"]) == kv * 576 * 2 and int(r["flops"]) == 2 * 16 * kv * (576 + 512)
     table = kc.table_from_csv(str(tmp_path / "decode.csv"))
@@ -290,3 +291,45 @@ def test_far_from_every_measured_shape_falls_back_to_fa3():
     # the same shape with a table measured there follows the measurement
     near = (kc.Measured(16, 4, 64, fa3_ms=0.010, flashmla_ms=0.005, source="test"),)
     assert kc.choose_decode_kernel(16, 3, 64, 64, table=near) is MLA
+
+
+# ------------------------------------------------------------------------------------------ split-KV column
+
+def _skv_rows():
+    """Decode-bench rows with a third kernel column: split-KV 1.5x faster at 16 heads bs 1 64k, slower elsewhere."""
+    base = dict(page="64", lengths="equal")
+    rows = []
+    for h, bs, ctx, fa3, mla, skv in [(16, 1, 65536, 0.040, 0.053, 0.026), (16, 64, 65536, 1.18, 1.15, 1.4),
+                                      (128, 1, 16384, 0.036, 0.040, 0.036), (128, 64, 16384, 1.0, 0.9, "")]:
+        rows.append(dict(base, heads=str(h), batch=str(bs), context=str(ctx), kv_tokens=str(bs * ctx),
+                         fa3_ms=str(fa3), flashmla_ms=str(mla), splitkv_ms=str(skv)))
+    return rows
+
+
+def test_splitkv_picked_only_where_measured_faster():
+    table = kc.table_from_rows(_skv_rows(), source="test rows")
+    assert [m.splitkv_ms for m in table] == [0.026, 1.4, 0.036, None]
+    pick = lambda h, bs, ctx: kc.explain_decode_kernel(h, bs, ctx, 64, table=table)  # noqa: E731
+    hit = pick(16, 1, 65536)
+    assert hit.kernel is DecodeKernel.SPLITKV and "split-KV gain 1.538x" in hit.reason
+    assert pick(16, 64, 65536).kernel is MLA  # measured slower there: FlashMLA's 1.026x stands
+    assert pick(128, 1, 16384).kernel is FA3  # a tie (gain 1.0 < MIN_GAIN) keeps FA3
+    assert pick(128, 64, 16384).kernel is MLA  # no split-KV measurement: never split-KV
+    assert kc.explain_decode_kernel(16, 1, 65536, 16, table=table).kernel is FA3  # page != 64
+    # the built-in table has no split-KV column yet: no shape picks it
+    assert all(kc.choose_decode_kernel(h, bs, ctx, 64) is not DecodeKernel.SPLITKV
+               for h in (16, 128) for bs in (1, 4, 64) for ctx in (16384, 65536, 131072))
+
+
+def test_splitkv_column_round_trips_through_the_literal_and_the_evaluation(tmp_path):
+    table = kc.table_from_rows(_skv_rows(), source="test rows")
+    scope = {"Measured": kc.Measured}
+    exec(kc.format_table(table), scope)
+    assert scope["MEASURED"] == table
+    path = tmp_path / "decode.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(_skv_rows()[0]))
+        w.writeheader()
+        w.writerows(_skv_rows())
+    ev = kc.evaluate_on_csv(str(path), table=table)
+    assert ev.fitted.splitkv_picks == 1 and ev.fitted.worst_slowdown == pytest.approx(1.0)

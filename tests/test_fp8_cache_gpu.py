@@ -81,7 +81,7 @@ def test_fp8_decode_graph_replay_equals_eager():
 
 def test_model_accuracy_bf16_cache_vs_fp8_cache():
     """Teacher-forced vs transformers fp32: >= 256 positions, bf16 and FP8 caches side by side."""
-    from mla_fa3.models.hf_compare import run_validate
+    from mla_fa3.hf_compare import run_validate
 
     kw = dict(dtype=BF16, device=DEV, config="v3_mla_dims", page_size=64, steps=48, prompt_lengths=(96, 80),
               seed=0)

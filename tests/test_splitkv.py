@@ -25,6 +25,7 @@ from ops_cases import build_flashmla, flashmla_oracle, tolerances
 from mla_fa3 import ops
 from mla_fa3.ops import KernelUnavailableError, SplitKVSchedule, validate
 from mla_fa3.ops import splitkv_plan as sp
+from mla_fa3.ops.splitkv_config import KernelConfig, choose_config
 from mla_fa3.ops.types import Impl
 
 I32 = torch.int32
@@ -115,10 +116,10 @@ def test_head_tiles_cover_128_heads_and_verify():
 
 
 def test_schedule_copy_writes_in_place_and_resets_the_tail():
-    big = ops.get_splitkv_schedule([4000, 3000, 10], num_heads=16, page_size=64, num_sms=16, max_batch=4)
+    big = ops.get_splitkv_schedule([4000, 3000, 10], num_heads=16, page_size=64, num_sms=16, max_batch=4, waves=1)
     assert big.capacity == 16 + 4 and big.max_batch == 4
     work, offsets = big.work, big.split_offsets
-    small = ops.get_splitkv_schedule([300], num_heads=16, page_size=64, num_sms=16)
+    small = ops.get_splitkv_schedule([300], num_heads=16, page_size=64, num_sms=16, waves=1)
     n = small.planned_work
     big.copy_(small)
     assert big.work is work and big.split_offsets is offsets, "buffers stay (graph-captured addresses)"
@@ -133,7 +134,26 @@ def test_schedule_capacity_holds_any_batch_up_to_max_batch():
     cap = ops.get_splitkv_schedule([1], num_heads=128, page_size=16, num_sms=132, max_batch=8)
     for _ in range(50):
         lens = [rng.choice([0, 1, 65, rng.randint(1, 200_000)]) for _ in range(rng.randint(1, 8))]
-        cap.copy_(ops.get_splitkv_schedule(lens, num_heads=128, page_size=16, num_sms=132))
+        cap.copy_(ops.get_splitkv_schedule(lens, num_heads=128, page_size=16, num_sms=132, config=cap.config))
+
+
+def test_config_table_nearest_row_of_the_head_class_and_the_schedule_carries_it():
+    table = {(16, 1, 65536): KernelConfig(block_n=16), (16, 8, 4096): KernelConfig(block_n=64),
+             (128, 1, 16384): KernelConfig(max_rows=128)}
+    assert choose_config(8, 1, 131072, table).block_n == 16  # nearest 16-head row in (log2 bs, log2 ctx)
+    assert choose_config(16, 16, 2048, table).block_n == 64
+    assert choose_config(64, 8, 4096, table).max_rows == 128  # wide heads: only the 128-head row
+    cfg = KernelConfig(block_n=16, max_rows=32, waves=3.0)
+    s = ops.get_splitkv_schedule([65536], num_heads=64, page_size=64, num_sms=10, config=cfg)
+    assert s.config == cfg and s.planned_work == 10 * 3 // 2  # 64 heads at 32 rows: 2 tiles -> 15 splits
+    assert ops.get_splitkv_schedule([65536], num_heads=64, page_size=64, num_sms=10, config=cfg,
+                                    waves=1).planned_work == 5
+    auto = ops.get_splitkv_schedule([65536], num_heads=16, page_size=64)
+    assert auto.config == choose_config(16, 1, 65536)
+    with pytest.raises(ValueError, match="^block_n must be"):
+        KernelConfig(block_n=128)
+    with pytest.raises(TypeError, match="^config must be a KernelConfig"):
+        ops.get_splitkv_schedule([5], num_heads=16, page_size=64, config="fast")
 
 
 def test_schedule_copy_refuses_what_does_not_fit():
@@ -172,11 +192,12 @@ def test_schedule_bad_arguments_are_named(name):
         ops.get_splitkv_schedule(kw.pop("seqlens"), **kw)
 
 
-def _op_args(heads=4, sq=1, lens=(9, 40), page=8, r=32, d_rope=16, dtype=torch.float32, fp8=False, num_sms=4):
+def _op_args(heads=4, sq=1, lens=(9, 40), page=8, r=32, d_rope=16, dtype=torch.float32, fp8=False, num_sms=4,
+             config=None):
     c = dict(lens=lens, sq=sq, heads=heads, r=r, d_rope=d_rope, page=page, fp8=fp8)
     q, kv, table, seqlens, dense, extra = build_flashmla(c, dtype=dtype)
     sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=num_sms,
-                                     min_split_tokens=8)
+                                     min_split_tokens=8, config=config)
     kw = dict(head_dim_v=r, schedule=sched, softmax_scale=0.2, **extra)
     return c, [q, kv, table, seqlens], kw, dense
 
@@ -274,6 +295,17 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp32_page64_pm1_padded": ((63, 65, 129), 1, 4, 64, "float32", False, True),
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
     "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_SPLITS
+    # the one-page-per-block fast path (page >= block_n), blocks spanning a request's end, and the switches
+    "fp32_page64_block64_spans_end": ((63, 64, 65, 200), 1, 4, 64, "float32", False, False),
+    "fp16_page32_verify_sq3_half_reload": ((31, 32, 97), 3, 4, 32, "float16", False, True),
+    "fp8_page64_block16_reload": ((70, 129), 1, 4, 64, "float32", True, False),
+    "fp32_page16_block64_gather": ((100, 30), 2, 4, 16, "float32", False, False),
+}
+INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choice)
+    "fp32_page64_block64_spans_end": dict(block_n=64),
+    "fp16_page32_verify_sq3_half_reload": dict(block_n=32, half_partials=True, reload_kv=True),
+    "fp8_page64_block16_reload": dict(block_n=16, reload_kv=True),
+    "fp32_page16_block64_gather": dict(block_n=64, num_stages=3),
 }
 
 
@@ -289,9 +321,12 @@ def _interpreter_run() -> dict:
     failures = {}
     for name, (lens, sq, heads, page, dtype, fp8, padded, *sms) in INTERPRETER_CASES.items():
         dt = getattr(torch, dtype)
-        c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8, num_sms=(sms or [4])[0])
+        cfg = KernelConfig(**INTERPRETER_CONFIGS[name]) if name in INTERPRETER_CONFIGS else None
+        c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8,
+                                      num_sms=(sms or [4])[0], config=cfg)
         if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request
-            big = ops.get_splitkv_schedule([1], num_heads=heads, page_size=page, num_sms=4, max_batch=len(lens) + 1)
+            big = ops.get_splitkv_schedule([1], num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=4,
+                                           max_batch=len(lens) + 1, config=kw["schedule"].config)
             kw["schedule"] = big.copy_(kw["schedule"])
         try:
             out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")

@@ -16,10 +16,13 @@ import math
 import pytest
 import torch
 
+from mla_cases import follow_up, make_mla_case, padded
 from ops_cases import BAD_PAGE, check, cosine
+from specs import SPECS, BatchSpec
 
 from mla_fa3 import ops
-from mla_fa3.ops import Impl
+from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.ops import Impl, KernelConfig
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
@@ -81,10 +84,10 @@ def oracle_and_lowp(dense):
     return torch.stack([o for o, _ in oracle]), torch.stack([l for _, l in oracle]), torch.stack(lowp)
 
 
-def run_splitkv(q, kv, table, lens, *, page, schedule=None, **extra):
+def run_splitkv(q, kv, table, lens, *, page, schedule=None, config=None, **extra):
     if schedule is None:
         schedule = ops.get_splitkv_schedule(lens.cpu(), num_heads=q.shape[2], num_q_tokens=q.shape[1],
-                                            page_size=page, device=DEV)
+                                            page_size=page, device=DEV, config=config)
     return ops.splitkv_mla_with_kvcache(q, kv, table, lens, head_dim_v=R, schedule=schedule, softmax_scale=SCALE,
                                         causal=True, impl="triton", **extra)
 
@@ -134,6 +137,27 @@ def test_splitkv_matches_oracle_reference_fa3_flashmla(name):
         assert cosine(out, fm) >= 0.9999
 
 
+# every kernel switch: one page id per block (page >= block_n) or per key, half-precision partials, the tile
+# loaded once or twice, 16-key blocks, 16 warps; blocks spanning a request's end
+SWITCHES = {
+    "n16_half_reload": KernelConfig(block_n=16, num_warps=4, num_stages=4, half_partials=True, reload_kv=True),
+    "n32_w2_half": KernelConfig(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
+    "n64_w16_reload": KernelConfig(block_n=64, num_warps=16, num_stages=2, reload_kv=True),
+    "n32_w8_m32_half": KernelConfig(block_n=32, num_warps=8, num_stages=3, max_rows=32, half_partials=True),
+}
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_splitkv_kernel_switches(name, page):
+    lens, heads = (1, 31, 65, 4097, 127), (16 if "w16" not in name else 128)
+    q, kv, table, seqlens, dense, _ = build(lens, 2, heads, page, seed=7)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, config=SWITCHES[name])
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_splitkv_fp8_latent_with_descales(heads):
     lens, page = (1, 65, 3000), 64
@@ -167,15 +191,88 @@ def test_graph_replay_follows_new_lengths_and_schedules():
     for lens, planned in [((9000, 1, 65), 3), ((1, 1, 1), 3), ((0, 4097, 64), 3), ((8000, 64, 700), 2),
                           ((9000, 4097, 700), 3)]:
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-        sched.copy_(ops.get_splitkv_schedule(list(lens[:planned]), num_heads=heads, page_size=page))
+        sched.copy_(ops.get_splitkv_schedule(list(lens[:planned]), num_heads=heads, page_size=page,
+                                             config=sched.config))
         graph.replay()
         torch.cuda.synchronize()
         dense = [(q_b, kv_b[:L]) for (q_b, kv_b), L in zip(dense_max, lens)]
         ref_out, ref_lse, lowp = oracle_and_lowp(dense)
-        eager, eager_lse = run_splitkv(q, kv, table, seqlens, page=page)
+        eager, eager_lse = run_splitkv(q, kv, table, seqlens, page=page, config=sched.config)
         live = slice(0, planned)
         assert torch.equal(out[live], eager[live]) and torch.equal(lse[live], eager_lse[live])
         ref_impl, _ = run_reference(q, kv, table, seqlens)
         check(out[live], lse[live], ref_out[live], ref_lse[live], lowp[live], ref_impl[live])
         if planned < 3:  # a request past the plan: no split, out 0 and lse -inf
             assert (out[planned:] == 0).all() and torch.isneginf(lse[planned:]).all()
+
+
+# ------------------------------------------------------------------------------------------ through the backend
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("spec_name", ["small_decode", "decode_page64_long", "verify_k2_page64", "draft_decode"])
+@pytest.mark.parametrize("cfg_name", ["deepseek_v3", "deepseek_v3_h128"])
+def test_backend_splitkv_step_vs_oracle_and_fa3(spec_name, cfg_name, page):
+    """MLABackend(decode_kernel='splitkv') on the H200: the Triton kernel runs, the step matches the fp64 oracle
+    within the torch-bf16 error, and FA3's step on the same inputs."""
+    from test_backend_gpu import MIN_COSINE, backend_for, check_precision
+
+    s = SPECS[spec_name]
+    spec = BatchSpec(s.mode, s.prefix_lens, s.extend_lens, page_size=page)
+    outs = {}
+    for kernel in ("fa3", "splitkv"):
+        case = make_mla_case(spec, cfg_name, dtype=BF16, device=DEV, seed=3)
+        backend = backend_for(case, decode_kernel=kernel, num_heads=case.cfg.num_heads)
+        backend.init_forward_metadata(case.batch)
+        out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
+        assert ops.last_impl() is (Impl.TRITON if kernel == "splitkv" else Impl.FA3)
+        assert backend.explain().kernel == kernel
+        check_precision(out, case)
+        outs[kernel] = out.double()
+    assert torch.nn.functional.cosine_similarity(outs["fa3"].flatten(), outs["splitkv"].flatten(), dim=0) >= MIN_COSINE
+
+
+def test_backend_splitkv_graph_replay_and_no_sync():
+    """A real CUDA graph of backend.forward on split-KV: replays with new lengths (plan copied into the captured
+    schedule outside the graph) match the oracle; the eager planning + forward never syncs."""
+    from test_backend_gpu import backend_for, check_precision
+
+    k, cap = 1, 4
+    spec = BatchSpec(ForwardMode.DECODE, (40, 3, 1500), (k,) * 3, page_size=64)
+    case = make_mla_case(spec, "deepseek_v3", dtype=BF16, device=DEV, seed=5)
+    d, H = case.cfg.dims, case.cfg.num_heads
+    eager = backend_for(case, decode_kernel="splitkv", num_heads=H)
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager.init_forward_metadata(case.batch)
+        out = eager.forward(case.q, case.new_latent, None, case.layer, case.batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    check_precision(out, case)
+    backend = backend_for(case, decode_kernel="splitkv", num_heads=H)
+    backend.init_cuda_graph_state(cap, case.layout.req_to_token_pool.max_context)
+    q_buf = torch.zeros(cap * k, H, d.qk_head_dim, dtype=BF16, device=DEV)
+    lat_buf = torch.zeros(cap * k, d.latent_dim, dtype=BF16, device=DEV)
+    loc_buf = torch.zeros(cap * k, dtype=torch.int64, device=DEV)
+    static = ForwardBatch.decode([0] * cap, [1] * cap, loc_buf, DEV)
+    backend.init_forward_metadata_capture_cuda_graph(static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backend.forward(q_buf, lat_buf, None, case.layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out_buf = backend.forward(q_buf, lat_buf, None, case.layer, static)
+    for step in (follow_up(case, ForwardMode.DECODE, (40, 3, 1500), (k,) * 3, requests=[0, 1, 2], seed=0, pad_to=cap),
+                 follow_up(case, ForwardMode.DECODE, (1400, 30), (k, k), requests=[2, 0], seed=1, pad_to=cap)):
+        backend.init_forward_metadata_replay_cuda_graph(step.batch)
+        assert backend.explain().num_splits >= 2
+        q_buf.copy_(padded(step.q, cap * k))
+        lat_buf.copy_(padded(step.new_latent, cap * k))
+        loc_buf.copy_(step.batch.out_cache_loc)
+        graph.replay()
+        check_precision(out_buf[: step.q.shape[0]].clone(), step)

@@ -13,7 +13,9 @@ lengths (geometric from L down to L/16: ``L_b = L · 16^(-b/(bs-1))``), DeepSeek
 (b) ``fa3``: ``ops.flash_attn_with_kvcache`` alone (q_rope / k_rope, qv = q_lat / c_kv), graph replay.
 (c) ``flashmla``: ``ops.flash_mla_with_kvcache`` alone over the 576-wide rows (page 64 only), with
     the tile schedule planned outside the graph.
-(d) ``roofline``: ``max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)`` (``bench.roofline``).
+(d) ``splitkv``: ``ops.splitkv_mla_with_kvcache`` alone (our Triton split-KV kernel, page 64 only), with
+    its split schedule planned outside the graph.
+(e) ``roofline``: ``max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)`` (``bench.roofline``).
 
 L2: a shape whose cache is smaller than 3x the 50 MiB L2 cycles through ``R`` copies (pool layers,
 R <= 64) inside one graph, and times are per copy. Pages are scattered (a random permutation), as in
@@ -67,7 +69,7 @@ class Config:
     mem_cap_gb: float = 40.0
     budget_ms: float = 120.0  # target timed milliseconds per measurement
     max_iters: int = 100
-    skip: set = field(default_factory=set)  # of "backend", "fa3", "flashmla"
+    skip: set = field(default_factory=set)  # of "backend", "fa3", "flashmla", "splitkv"
     quiet: bool = False
     seed: int = 0
 
@@ -210,6 +212,23 @@ def measure_flashmla(cfg: Config, cell: Cell, heads: int, lens: list[int], est_m
     return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
 
 
+def measure_splitkv(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
+    dev = cell.device
+    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    schedule = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=cell.page, device=dev)  # outside the graph
+    scale = DIMS.qk_head_dim ** -0.5
+
+    def fn():
+        for layer in range(cell.rotate):
+            ops.splitkv_mla_with_kvcache(q, cell.pool.paged(layer), cell.page_table, seqlens,
+                                         head_dim_v=DIMS.kv_lora_rank, schedule=schedule, softmax_scale=scale,
+                                         causal=True, impl=cfg.impl)
+
+    warm, iters = _iters(cfg, est_ms * cell.rotate)
+    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+
+
 def plan(cfg: Config) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """(cells to run, cells skipped for the memory cap) as (page, bs, ctx), big pools first per page."""
     run, skipped = [], []
@@ -246,6 +265,8 @@ def sweep(cfg: Config) -> list[roofline.DecodeRow]:
                         row.fa3_ms = measure_fa3(cfg, cell, heads, lens, row.roofline_ms)
                     if "flashmla" not in cfg.skip and page == 64:
                         row.flashmla_ms = measure_flashmla(cfg, cell, heads, lens, row.roofline_ms)
+                    if "splitkv" not in cfg.skip and page == 64:
+                        row.splitkv_ms = measure_splitkv(cfg, cell, heads, lens, row.roofline_ms)
                     if bench is not None:
                         row.backend_ms, row.update_ms, row.backend_kernel = bench.measure(lens, row.roofline_ms)
                     rows.append(row)
@@ -266,7 +287,7 @@ def _describe(row: roofline.DecodeRow) -> str:
     ratio = f" backend/best {r['backend_over_best']:.2f}" if r["backend_over_best"] else ""
     return (f"page {row.page} H {row.heads} bs {row.batch} ctx {row.context} {row.lengths}: "
             f"backend {us(row.backend_ms)} us ({row.backend_kernel or '-'}) fa3 {us(row.fa3_ms)} "
-            f"flashmla {us(row.flashmla_ms)} roofline {us(row.roofline_ms)}{ratio}")
+            f"flashmla {us(row.flashmla_ms)} splitkv {us(row.splitkv_ms)} roofline {us(row.roofline_ms)}{ratio}")
 
 
 def summary(rows: Sequence[roofline.DecodeRow]) -> str:
@@ -306,7 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--page", type=_ints, help="page sizes, e.g. 64 (default 1,64)")
     p.add_argument("--lengths", type=_words, help="equal,skewed (default both)")
     p.add_argument("--quick", action="store_true", help="a small subset: H 16,128 x bs 1,64 x ctx 4k,64k, page 64")
-    p.add_argument("--skip", type=_words, default=(), help="parts to skip: backend,fa3,flashmla")
+    p.add_argument("--skip", type=_words, default=(), help="parts to skip: backend,fa3,flashmla,splitkv")
     p.add_argument("--out", help="directory for decode.csv, decode.md, decode_roofline.png")
     p.add_argument("--mem-cap-gb", type=float, default=40.0, help="skip shapes whose latent pool exceeds this")
     p.add_argument("--budget-ms", type=float, default=120.0, help="timed milliseconds per measurement")
@@ -317,9 +338,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
     base = QUICK if a.quick else FULL
-    bad = set(a.skip) - {"backend", "fa3", "flashmla"}
+    bad = set(a.skip) - {"backend", "fa3", "flashmla", "splitkv"}
     if bad:
-        p.error(f"--skip takes backend, fa3, flashmla; got {sorted(bad)}")
+        p.error(f"--skip takes backend, fa3, flashmla, splitkv; got {sorted(bad)}")
     lengths = a.lengths or base["lengths"]
     if set(lengths) - {"equal", "skewed"}:
         p.error(f"--lengths takes equal, skewed; got {lengths}")

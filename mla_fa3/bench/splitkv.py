@@ -1,10 +1,12 @@
 """Split-KV Triton MLA decode vs FA3 (qv) vs FlashMLA vs the roofline: kernels alone, CUDA-graph replay.
 
-``python -m mla_fa3.bench.splitkv --out DIR`` on the H200 (``--quick``: four shapes; ``--sweep``: kernel
-configs on the quick shapes, to pick the defaults). Per shape (heads H, batch bs, context L, page 64,
+``python -m mla_fa3.bench.splitkv --out DIR`` on the H200 (``--quick``: four shapes; ``--sweep``: the
+candidate configs of each head class on the sweep shapes, then the best of each shape against the peers,
+and the ``CONFIG_TABLE`` of ``ops/splitkv_config.py`` to paste). Per shape (heads H, batch bs, context L, page 64,
 bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
 
-    splitkv   ops.splitkv_mla_with_kvcache's kernels (schedule planned once, outside the graph)
+    splitkv   ops.splitkv_mla_with_kvcache's kernels (schedule planned once, outside the graph), with the
+              config the table picks for the shape (``splitkv_config.choose_config``) unless overridden
     fa3       ops.flash_attn_with_kvcache(q_rope, k_rope view, c_kv view, qv = q_lat)
     flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
@@ -14,14 +16,14 @@ Each kernel runs R times per replay over R disjoint copies of the cache (R·byte
 scattered (a random permutation). Before timing, the split-KV kernel is checked against the torch
 reference at one shape (cosine >= 0.9999, else exit 1), and every timed shape records its cosine
 against FA3. Outputs: the markdown table on stdout; with ``--out DIR`` ``splitkv.csv`` / ``splitkv.md``
-(and ``splitkv_sweep.csv`` / ``splitkv_sweep.md`` with ``--sweep``).
+(with ``--sweep``: ``splitkv_sweep.csv`` / ``.md`` every candidate, ``splitkv_best.csv`` / ``.md`` the best
+per shape with the peers, ``splitkv_table.txt`` the new ``CONFIG_TABLE``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -33,28 +35,47 @@ from mla_fa3 import ops
 from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import Progress, h200_ceilings, rotating_inputs, time_graph
 from mla_fa3.ops import validate
+from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig
 
 R, D_ROPE, PAGE = 512, 64, 64
 D = R + D_ROPE
 SCALE = (128 + D_ROPE) ** -0.5
 FULL = dict(heads=(16, 128), batch=(1, 2, 4, 8), context=(16384, 32768, 65536, 131072))
 QUICK_SHAPES = ((16, 1, 65536), (16, 4, 32768), (128, 1, 16384), (128, 4, 65536))  # (H, bs, L)
-SWEEP = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1.0, 2.0), max_rows=(32, 64))
+SWEEP_SHAPES = QUICK_SHAPES + ((16, 2, 131072), (128, 2, 32768))
+_C = KernelConfig
+# Candidates per head class: few, each a hypothesis; ~9 compiles per class keep the sweep near 2 minutes.
+# <= 32 heads, memory-bound: small tiles so 2-3 programs share an SM (latency hiding), enough waves to keep
+# every SM streaming, half-precision partials (half the workspace traffic), one tile load vs two.
+SWEEP_NARROW = (
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=4, num_stages=4, waves=3.0, half_partials=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0, half_partials=True, reload_kv=True),
+    _C(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
+)
+# > 32 heads, compute-bound: 64 rows per program (acc 64 x 512 fp32 over 8 or 16 warps); the latent tile
+# loaded once for both dots, or twice (each load then pipelined into shared memory for one dot).
+SWEEP_WIDE = (
+    _C(block_n=64, num_warps=8, num_stages=2, waves=1.0),
+    _C(block_n=64, num_warps=8, num_stages=3, waves=2.0),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, reload_kv=True),
+    _C(block_n=32, num_warps=8, num_stages=2, waves=2.0, reload_kv=True),
+    _C(block_n=64, num_warps=16, num_stages=2, waves=2.0),
+    _C(block_n=32, num_warps=16, num_stages=3, waves=2.0, reload_kv=True),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, max_rows=32),
+)
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One split-KV configuration: kernel launch parameters plus the planner's waves."""
-
-    block_n: int = 64
-    num_warps: Optional[int] = None
-    num_stages: int = 2
-    waves: float = 1.0
-    max_rows: int = 64  # heads x query tokens per program (128 heads: 2 tiles at 64, 4 at 32)
-    min_split_tokens: int = 128
-
-    def label(self) -> str:
-        return f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
+def sweep_candidates(heads: int) -> Sequence[KernelConfig]:
+    """The sweep's configs for ``heads`` (its head class)."""
+    return SWEEP_WIDE if heads > WIDE_HEADS else SWEEP_NARROW
 
 
 @dataclass
@@ -96,19 +117,16 @@ class Shape:
         return (torch.randn(self.bs, 1, heads, D, device=self.device) * 0.5).to(torch.bfloat16)
 
 
-def splitkv_fn(shape: Shape, q: torch.Tensor, variant: Variant):
-    """(fn over every copy, schedule) for the split-KV kernels with ``variant``."""
+def splitkv_fn(shape: Shape, q: torch.Tensor, config: Optional[KernelConfig]):
+    """(fn over every copy, schedule) for the split-KV kernels with ``config`` (None: the table's)."""
     from mla_fa3.ops import splitkv_triton as kt
 
     sched = ops.get_splitkv_schedule([shape.ctx] * shape.bs, num_heads=q.shape[2], page_size=PAGE,
-                                     device=shape.device, waves=variant.waves,
-                                     min_split_tokens=variant.min_split_tokens)
-    cfg = kt.KernelConfig(block_n=variant.block_n, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                          max_rows=variant.max_rows)
+                                     device=shape.device, config=config)
     calls = [validate.check_splitkv(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
                                     causal=True, descale_q=None, descale_k=None, impl=ops.Impl.TRITON)
              for kv, table in shape.copies]
-    return (lambda: [kt.splitkv_mla_with_kvcache(c, sched, cfg) for c in calls]), sched
+    return (lambda: [kt.splitkv_mla_with_kvcache(c, sched) for c in calls]), sched
 
 
 def fa3_fn(shape: Shape, q: torch.Tensor):
@@ -134,33 +152,40 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
-def check_correctness(device: torch.device) -> float:
-    """Split-KV vs the torch reference at bs 2 (L 8191 and 70), 16 heads, page 64: the cosine."""
+def check_correctness(device: torch.device, configs: Sequence[tuple] = ()) -> float:
+    """Split-KV vs the torch reference at bs 2 (L 8191 and 70), page 64: the worst cosine.
+
+    ``configs``: (heads, KernelConfig or None) pairs; 16 and 128 heads with the table's configs always."""
     lens = [8191, 70]
     shape = Shape(2, 8191, device)
     shape.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
     kv, table = shape.copies[0]
-    q = shape.queries(16)
-    sched = ops.get_splitkv_schedule(lens, num_heads=16, page_size=PAGE, device=device)
-    kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True)
-    out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="triton")
-    ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="reference")
-    lse_err = (lse - ref_lse).abs().max().item()
-    print(f"check: cosine {_cos(out, ref):.6f}, max |out - ref| {(out.float() - ref.float()).abs().max().item():.3g}, "
-          f"max |lse - ref| {lse_err:.3g}", file=sys.stderr)
-    return min(_cos(out, ref), 1.0 if lse_err < 2e-3 else 0.0)
+    worst = 1.0
+    for heads, cfg in [(16, None), (128, None), *configs]:
+        q = shape.queries(heads)
+        sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=PAGE, device=device, config=cfg)
+        kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True)
+        out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="triton")
+        ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="reference")
+        lse_err = (lse - ref_lse).abs().max().item()
+        cos = _cos(out, ref)
+        print(f"check H {heads} {sched.config.label()}: cosine {cos:.6f}, max |out - ref| "
+              f"{(out.float() - ref.float()).abs().max().item():.3g}, max |lse - ref| {lse_err:.3g}", file=sys.stderr)
+        worst = min(worst, cos, 1.0 if lse_err < 2e-3 else 0.0)
+    return worst
 
 
-def measure(shape: Shape, heads: int, variant: Variant, iters: int, peers: bool) -> Row:
+def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int, peers: bool) -> Row:
     ceil = h200_ceilings()
     tokens = shape.bs * shape.ctx
     roof_us = 1e3 * ceil.time_ms(roofline.decode_bytes(tokens), roofline.decode_flops(heads, tokens))
     q = shape.queries(heads)
     n = len(shape.copies)
-    row = Row(heads, shape.bs, shape.ctx, PAGE, variant.label(), 0, roof_us, None, None, None, None, None, None, None)
+    row = Row(heads, shape.bs, shape.ctx, PAGE, config.label() if config else "", 0, roof_us, None, None, None,
+              None, None, None, None)
     try:
-        fn, sched = splitkv_fn(shape, q, variant)
-        row.splits = sched.planned_work
+        fn, sched = splitkv_fn(shape, q, config)
+        row.variant, row.splits = sched.config.label(), sched.planned_work
         row.splitkv_us = _time_us(fn, n, iters)
         row.splitkv_over_roofline = row.splitkv_us / roof_us
     except Exception as exc:  # e.g. out of shared memory for a sweep config: record, go on
@@ -207,39 +232,82 @@ def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
         fh.write(markdown(rows))
 
 
-def run(shapes: Sequence[tuple], variants: Sequence[Variant], *, device, iters: int, peers: bool,
-        quiet: bool = False) -> list:
-    """Time every (H, bs, L) of ``shapes`` with every variant; pools built once per (bs, L)."""
+def run(shapes: Sequence[tuple], configs: Callable[[int], Sequence[Optional[KernelConfig]]], *, device,
+        iters: int, peers: bool, quiet: bool = False) -> list:
+    """Time every (H, bs, L) of ``shapes`` with every config of ``configs(H)``; pools built once per (bs, L)."""
     rows = []
     by_cell = {}
     for h, bs, ctx in shapes:
         by_cell.setdefault((bs, ctx), []).append(h)
-    with Progress(len(shapes) * len(variants), quiet=quiet) as prog:
+    with Progress(sum(len(configs(h)) for h, _, _ in shapes), quiet=quiet) as prog:
         for (bs, ctx), heads in by_cell.items():
             shape = Shape(bs, ctx, device)
-            for h, v in itertools.product(heads, variants):
-                rows.append(measure(shape, h, v, iters, peers))
-                r = rows[-1]
-                prog.step(f"H {h} bs {bs} ctx {ctx} {v.label()}: splitkv {_f(r.splitkv_us)} µs, "
-                          f"fa3 {_f(r.fa3_us)}, flashmla {_f(r.flashmla_us)} {r.error}")
+            for h in heads:
+                for cfg in configs(h):
+                    rows.append(measure(shape, h, cfg, iters, peers))
+                    r = rows[-1]
+                    prog.step(f"H {h} bs {bs} ctx {ctx} {r.variant}: splitkv {_f(r.splitkv_us)} µs, "
+                              f"fa3 {_f(r.fa3_us)}, flashmla {_f(r.flashmla_us)} {r.error}")
             del shape
             torch.cuda.empty_cache() if device.type == "cuda" else None
     return rows
+
+
+def best_per_shape(rows: Sequence[Row]) -> dict:
+    """(H, bs, L) -> the fastest row."""
+    best = {}
+    for r in rows:
+        key = (r.heads, r.batch, r.context)
+        if r.splitkv_us is not None and (key not in best or r.splitkv_us < best[key].splitkv_us):
+            best[key] = r
+    return best
+
+
+def config_table(best: dict, configs: dict) -> str:
+    """The ``CONFIG_TABLE`` literal of ``ops/splitkv_config.py`` holding the best config of each shape."""
+    lines = ["CONFIG_TABLE: dict = {"]
+    for key, row in sorted(best.items()):
+        c = configs[row.variant]
+        lines.append(f"    {key}: KernelConfig(block_n={c.block_n}, num_warps={c.num_warps}, num_stages={c.num_stages}, "
+                     f"max_rows={c.max_rows}, waves={c.waves}, half_partials={c.half_partials}, "
+                     f"reload_kv={c.reload_kv}),  # {row.splitkv_us:.1f} us")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool) -> None:
+    """Every candidate of each shape's head class (split-KV only), then each shape's best against the peers."""
+    rows = run(shapes, sweep_candidates, device=device, iters=iters, peers=False, quiet=quiet)
+    print(markdown(rows))
+    best = best_per_shape(rows)
+    known = {c.label(): c for c in SWEEP_NARROW + SWEEP_WIDE}
+    table = config_table(best, known)
+    print(table)
+    winners = [run([key], lambda h, c=known[r.variant]: [c], device=device, iters=iters, peers=True, quiet=True)[0]
+               for key, r in best.items()]
+    print("best per shape vs the peers:\n" + markdown(winners))
+    if out:
+        write(rows, out, "splitkv_sweep")
+        write(winners, out, "splitkv_best")
+        with open(os.path.join(out, "splitkv_table.txt"), "w") as fh:
+            fh.write(table)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for splitkv.csv / splitkv.md")
     p.add_argument("--quick", action="store_true", help=f"only {QUICK_SHAPES} (H, bs, L)")
-    p.add_argument("--sweep", action="store_true", help=f"time the configs {SWEEP} on the quick shapes (split-KV only)")
+    p.add_argument("--sweep", action="store_true",
+                   help=f"time each head class's candidate configs on {SWEEP_SHAPES} (H, bs, L), then the best vs peers")
     p.add_argument("--heads", type=int, nargs="+", default=FULL["heads"])
     p.add_argument("--batch", type=int, nargs="+", default=FULL["batch"])
     p.add_argument("--context", type=int, nargs="+", default=FULL["context"])
-    p.add_argument("--block-n", type=int, default=64)
-    p.add_argument("--num-warps", type=int, default=None)
-    p.add_argument("--num-stages", type=int, default=2)
-    p.add_argument("--waves", type=float, default=1.0)
-    p.add_argument("--max-rows", type=int, default=64)
+    p.add_argument("--block-n", type=int, help="a config for every shape instead of the table's (with the flags below)")
+    p.add_argument("--num-warps", type=int)
+    p.add_argument("--num-stages", type=int)
+    p.add_argument("--waves", type=float)
+    p.add_argument("--max-rows", type=int)
+    p.add_argument("--half-partials", action="store_true")
+    p.add_argument("--reload-kv", action="store_true")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--quiet", action="store_true")
@@ -249,26 +317,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
-    if not a.no_check and check_correctness(device) < 0.9999:
+    checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv] + [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] \
+        if a.sweep else []
+    if not a.no_check and check_correctness(device, checks) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
         return 1
-    shapes = list(QUICK_SHAPES) if (a.quick or a.sweep) else [
-        (h, bs, ctx) for h in a.heads for bs in a.batch for ctx in a.context]
-    base = Variant(a.block_n, a.num_warps, a.num_stages, a.waves, a.max_rows)
     if a.sweep:
-        variants = [Variant(*v) for v in itertools.product(*SWEEP.values())]
-        rows = run(shapes, variants, device=device, iters=a.iters, peers=False, quiet=a.quiet)
-        best = {}
-        for r in rows:
-            key = (r.heads, r.batch, r.context)
-            if r.splitkv_us is not None and (key not in best or r.splitkv_us < best[key].splitkv_us):
-                best[key] = r
-        print(markdown(rows))
-        print("best per shape:\n" + markdown(list(best.values())))
-        if a.out:
-            write(rows, a.out, "splitkv_sweep")
+        sweep(SWEEP_SHAPES, device=device, iters=a.iters, out=a.out, quiet=a.quiet)
         return 0
-    rows = run(shapes, [base], device=device, iters=a.iters, peers=True, quiet=a.quiet)
+    shapes = list(QUICK_SHAPES) if a.quick else [(h, bs, ctx) for h in a.heads for bs in a.batch for ctx in a.context]
+    flags = dict(block_n=a.block_n, num_warps=a.num_warps, num_stages=a.num_stages, waves=a.waves,
+                 max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None)
+    flags = {k: v for k, v in flags.items() if v is not None}
+    fixed = [KernelConfig(**flags)] if flags else [None]  # None: the table's choice per shape
+    rows = run(shapes, lambda h: fixed, device=device, iters=a.iters, peers=True, quiet=a.quiet)
     print(markdown(rows))
     if a.out:
         write(rows, a.out, "splitkv")

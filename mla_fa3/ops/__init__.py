@@ -43,6 +43,7 @@ import torch
 from . import fa3, reference, validate
 from .calls import MergeCall, VarlenCall
 from .fa3 import FA3UnavailableError
+from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import (
     FLASHMLA_PAGE_SIZE,
@@ -82,7 +83,9 @@ __all__ = [
     "get_mla_decode_metadata",
     "flash_mla_with_kvcache",
     "SplitKVSchedule",
+    "KernelConfig",
     "get_splitkv_schedule",
+    "splitkv_available",
     "splitkv_mla_with_kvcache",
 ]
 
@@ -408,16 +411,29 @@ def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
     return chosen
 
 
+def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``splitkv_mla_with_kvcache`` runs on ``device`` with ``impl`` (the Triton kernel, or the
+    reference where that is the choice) — without raising. Host only."""
+    try:
+        _resolve_splitkv(impl, torch.device(device))
+    except (KernelUnavailableError, ValueError):
+        return False
+    return True
+
+
 def get_splitkv_schedule(
     seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
-    num_sms: Optional[int] = None, waves: float = 1.0, min_split_tokens: int = 128, max_batch: Optional[int] = None,
+    num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = 128,
+    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
 ) -> SplitKVSchedule:
     """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
 
     seqlens: the host copy of cache_seqlens (CPU int tensor or ints; a CUDA tensor is refused).
     num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
     any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
-    waves). Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
+    waves). ``config``: the kernel's launch parameters (``KernelConfig``; None: the measured table's choice
+    for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
+    overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
     """
     from . import splitkv_plan
 
@@ -426,7 +442,7 @@ def get_splitkv_schedule(
         num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
     return splitkv_plan.plan_schedule(
         seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
-        num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch,
+        num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch, config=config,
     )
 
 

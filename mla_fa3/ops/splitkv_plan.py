@@ -39,11 +39,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .splitkv_config import KernelConfig, choose_config
+
 Tensor = torch.Tensor
 
 SPLIT_GRANULE = 64  # tokens: split boundaries are multiples of this and of the page size
 MIN_SPLIT_TOKENS = 128  # no split shorter than this unless the request itself is
-DEFAULT_WAVES = 1.0  # splits per SM (per head tile) the planner aims for
 DEFAULT_NUM_SMS = 132  # H200; used when the schedule is planned without a CUDA device
 MAX_BLOCK_ROWS = 64  # head rows x query tokens one program holds (tl.dot M dimension)
 MIN_BLOCK_ROWS = 16  # tl.dot needs M >= 16
@@ -65,7 +66,7 @@ def head_tiles(num_heads: int, num_q_tokens: int, max_rows: int = MAX_BLOCK_ROWS
     return -(-num_heads // head_block(num_heads, num_q_tokens, max_rows))
 
 
-def target_splits(num_sms: int, tiles: int, waves: float = DEFAULT_WAVES) -> int:
+def target_splits(num_sms: int, tiles: int, waves: float) -> int:
     """Splits that give every SM ``waves`` programs: ``max(1, floor(num_sms · waves / tiles))``."""
     return max(1, int(num_sms * waves) // max(1, tiles))
 
@@ -117,6 +118,7 @@ class SplitKVSchedule:
     chunk: int  # host: the most tokens one split holds (planning record)
     planned_work: int  # host: live rows (the last plan written)
     planned_batch: int  # host: requests of the last plan written
+    config: KernelConfig = KernelConfig()  # host: launch parameters the split count was planned for
 
     @property
     def capacity(self) -> int:
@@ -131,7 +133,8 @@ class SplitKVSchedule:
         return self.work.device
 
     @classmethod
-    def empty(cls, *, max_batch: int, capacity: int, device: Union[str, torch.device] = "cpu") -> "SplitKVSchedule":
+    def empty(cls, *, max_batch: int, capacity: int, device: Union[str, torch.device] = "cpu",
+              config: KernelConfig = KernelConfig()) -> "SplitKVSchedule":
         """An all-idle schedule (no split) with room for ``capacity`` work rows and ``max_batch`` requests."""
         if max_batch < 0 or capacity < 1:
             raise ValueError(f"max_batch must be >= 0 and capacity >= 1, got {max_batch}, {capacity}")
@@ -140,17 +143,18 @@ class SplitKVSchedule:
         return cls(
             work=work, num_work=torch.zeros(1, dtype=torch.int32, device=device),
             split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
-            chunk=0, planned_work=0, planned_batch=0,
+            chunk=0, planned_work=0, planned_batch=0, config=config,
         )
 
     @classmethod
     def from_plan(
         cls, work: Sequence[Tuple[int, int, int, int]], offsets: Sequence[int], chunk: int, *,
         device: Union[str, torch.device] = "cpu", max_batch: Optional[int] = None, capacity: Optional[int] = None,
+        config: KernelConfig = KernelConfig(),
     ) -> "SplitKVSchedule":
         """Buffers holding a host plan (``plan_splits``), sized exactly or for ``max_batch`` / ``capacity``."""
         bs, n = len(offsets) - 1, len(work)
-        host = cls.empty(max_batch=bs, capacity=max(1, n), device="cpu")
+        host = cls.empty(max_batch=bs, capacity=max(1, n), device="cpu", config=config)
         if n:
             host.work[:n] = torch.tensor(work, dtype=torch.int32)
         host.num_work.fill_(n)
@@ -158,18 +162,23 @@ class SplitKVSchedule:
         host.chunk, host.planned_work, host.planned_batch = chunk, n, bs
         if max_batch is None and capacity is None:
             return host.to(device)
-        out = cls.empty(max_batch=bs if max_batch is None else max_batch, capacity=capacity or max(1, n), device=device)
+        out = cls.empty(max_batch=bs if max_batch is None else max_batch, capacity=capacity or max(1, n), device=device,
+                        config=config)
         return out.copy_(host)
 
     def to(self, device: Union[str, torch.device]) -> "SplitKVSchedule":
+        """These buffers on ``device`` (host->device copies are asynchronous: no stream sync on the hot path)."""
         return SplitKVSchedule(
-            work=self.work.to(device), num_work=self.num_work.to(device),
-            split_offsets=self.split_offsets.to(device), chunk=self.chunk, planned_work=self.planned_work,
-            planned_batch=self.planned_batch,
+            work=self.work.to(device, non_blocking=True), num_work=self.num_work.to(device, non_blocking=True),
+            split_offsets=self.split_offsets.to(device, non_blocking=True), chunk=self.chunk,
+            planned_work=self.planned_work,
+            planned_batch=self.planned_batch, config=self.config,
         )
 
     def copy_(self, other: "SplitKVSchedule") -> "SplitKVSchedule":
-        """Write ``other``'s plan into these buffers in place (graph-safe replay update); refuse what does not fit."""
+        """Write ``other``'s plan into these buffers in place (graph-safe replay update); refuse what does not fit.
+
+        The launch ``config`` stays this schedule's (a captured graph replays the kernels it captured)."""
         if not isinstance(other, SplitKVSchedule):
             raise TypeError(f"other must be a SplitKVSchedule, got {type(other).__name__}")
         n, bs = other.planned_work, other.planned_batch
@@ -193,10 +202,12 @@ class SplitKVSchedule:
 
 def plan_schedule(
     seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
-    num_sms: Optional[int] = None, waves: float = DEFAULT_WAVES, min_split_tokens: int = MIN_SPLIT_TOKENS,
-    max_batch: Optional[int] = None,
+    num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
+    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
 ) -> SplitKVSchedule:
-    """Validate the host arguments, plan (``plan_splits``) and build the schedule (``ops.get_splitkv_schedule``)."""
+    """Validate the host arguments, plan (``plan_splits``) and build the schedule (``ops.get_splitkv_schedule``).
+
+    ``config`` None: ``choose_config(num_heads, len(seqlens), max(seqlens))``; ``waves`` None: the config's."""
     from . import _checks as chk
 
     if isinstance(seqlens, torch.Tensor):
@@ -213,12 +224,19 @@ def plan_schedule(
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if max_batch is not None and chk.host_int(max_batch, "max_batch") < len(seqlens):
         raise ValueError(f"max_batch must be >= len(seqlens) = {len(seqlens)}, got {max_batch}")
-    if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not waves > 0:
-        raise ValueError(f"waves must be a positive number, got {waves!r}")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
+    if config is None:
+        config = choose_config(num_heads, max(1, len(seqlens)), max(list(seqlens) + [1]))
+    if waves is not None:
+        if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not waves > 0:
+            raise ValueError(f"waves must be a positive number, got {waves!r}")
+        config = config.with_(waves=float(waves))
     chk.host_int(min_split_tokens, "min_split_tokens", minimum=1)
     num_sms = DEFAULT_NUM_SMS if num_sms is None else chk.host_int(num_sms, "num_sms", minimum=1)
-    target = target_splits(num_sms, head_tiles(num_heads, num_q_tokens), waves)
+    target = target_splits(num_sms, head_tiles(num_heads, num_q_tokens, config.max_rows), config.waves)
     work, offsets, chunk = plan_splits(seqlens, target=target, granule=max(page_size, SPLIT_GRANULE),
                                        min_split_tokens=min_split_tokens)
     capacity = None if max_batch is None else capacity_for(max_batch, target)
-    return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity)
+    return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity,
+                                     config=config)

@@ -22,6 +22,7 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
         m, l, acc = -inf, 0, 0                      # [rows], [rows], [rows, r]; rows = heads x sq
         for n0 in range(start, end, BLOCK_N):
             kv_blk = kv[page_table[b, j // page_size], j % page_size]  for j in n0 .. n0+BLOCK_N-1 (< end)
+                     (CONTIG, page >= BLOCK_N: one page id per block, a strided [BLOCK_N, D] tile)
             s2 = (q_lat @ kv_blk[:, :r].T + q_rope @ kv_blk[:, r:].T) · scale · log2 e,  masked
             m_new = max(m, rowmax(s2)); alpha = 2^(m - m_new); p = 2^(s2 - m_new)
             l = l·alpha + rowsum(p);  acc = acc·alpha + p @ kv_blk[:, :r];  m = m_new
@@ -33,6 +34,17 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
         M = max_s part_lse2[s];  w_s = 2^(part_lse2[s] - M);  W = Σ_s w_s
         out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
 
+Launch switches (``KernelConfig``, ``splitkv_config.py``; the schedule carries the one it was planned
+with): ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows``; ``half_partials`` stores ``part_o``
+in the output dtype (half the workspace traffic; one extra rounding per split); ``reload_kv`` loads
+the latent tile a second time for P·V (an L2 hit), so that each load feeds a single dot — the
+compiler can then stage each in shared memory for its one consumer. The c_kv tile otherwise serves
+both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
+
+Why the combine is a second launch, not "the last program of a request combines": that program
+would read every split of the request alone (bs 1, 16 heads, 256 splits: 4-8 MB through one SM,
+tens of µs); the separate launch spreads the same bytes over bs·sq·H·(r/64) programs.
+
 Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
 page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
 and per-request split offsets are read from device buffers: a captured CUDA graph replays whatever
@@ -42,7 +54,6 @@ schedule is ``copy_``-ed into them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -50,7 +61,8 @@ import triton
 import triton.language as tl
 
 from .calls import FlashMLACall
-from .splitkv_plan import SplitKVSchedule, _next_pow2, head_block
+from .splitkv_config import KernelConfig
+from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -59,17 +71,26 @@ COMBINE_SPLITS = 16  # splits a combine program loads at once
 COMBINE_DV = 64  # latent columns per combine program (bs 1, 16 heads: 128 programs)
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of phase 1 (None: chosen from the shape)."""
+@triton.jit
+def _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_c, c_ok,
+               stride_kvp, stride_kvs, col0: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               CONTIG: tl.constexpr, EXACT_C: tl.constexpr):
+    """keys n0 .. n0 + BLOCK_N - 1 (< end), columns col0 + offs_c: a [BLOCK_N, C] tile of the latent rows.
 
-    block_n: int = 64  # keys per step
-    num_warps: Optional[int] = None  # 4 for <= 32 rows, else 8
-    num_stages: int = 2
-    max_rows: int = 64  # heads x sq rows per program (tl.dot M)
-
-
-DEFAULT_CONFIG = KernelConfig()
+    CONTIG (PAGE >= BLOCK_N, block starts on a multiple of BLOCK_N): the block lies in one page — one
+    page id, one strided tile. Else one page id per key."""
+    keys = n0 + offs_n
+    key_ok = keys < end
+    if CONTIG:
+        page = tl.load(PageTable + pt_row + n0 // PAGE)
+        rows = KV + page.to(tl.int64) * stride_kvp + ((n0 % PAGE) + offs_n) * stride_kvs
+    else:
+        page = tl.load(PageTable + pt_row + keys // PAGE, mask=key_ok, other=0)
+        rows = KV + page.to(tl.int64) * stride_kvp + (keys % PAGE) * stride_kvs
+    ptrs = rows[:, None] + col0 + offs_c[None, :]
+    if EXACT_C:
+        return tl.load(ptrs, mask=key_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=key_ok[:, None] & c_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -84,25 +105,30 @@ def _splitkv_partial_kernel(
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    CONTIG: tl.constexpr, RELOAD: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
     if w < tl.load(NumWork):
         b = tl.load(Work + w * 4)
         start = tl.load(Work + w * 4 + 1)
-        end = tl.minimum(tl.load(Work + w * 4 + 2), tl.load(SeqLens + b))
-        slot = tl.load(Work + w * 4 + 3)
         seqlen = tl.load(SeqLens + b)
+        end = tl.minimum(tl.load(Work + w * 4 + 2), seqlen)
+        slot = tl.load(Work + w * 4 + 3)
 
         BLOCK_M: tl.constexpr = BLOCK_H * SQ_PAD
+        EXACT_V: tl.constexpr = BLOCK_DV == DV
+        EXACT_R: tl.constexpr = BLOCK_DR == DR
         rows = tl.arange(0, BLOCK_M)
         qi = rows // BLOCK_H  # query token of the row
         hh = tile * BLOCK_H + rows % BLOCK_H  # head of the row
         row_ok = (qi < SQ) & (hh < H)
         offs_v = tl.arange(0, BLOCK_DV)
         offs_r = tl.arange(0, BLOCK_DR)
+        offs_n = tl.arange(0, BLOCK_N)
         v_ok = offs_v < DV
         r_ok = offs_r < DR
+        pt_row = b.to(tl.int64) * stride_ptb
 
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
         q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
@@ -117,12 +143,10 @@ def _splitkv_partial_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            keys = n0 + tl.arange(0, BLOCK_N)
-            key_ok = keys < end
-            page = tl.load(PageTable + b.to(tl.int64) * stride_ptb + keys // PAGE, mask=key_ok, other=0)
-            kv_row = KV + page.to(tl.int64) * stride_kvp + (keys % PAGE) * stride_kvs
-            c_kv = tl.load(kv_row[:, None] + offs_v[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
-            k_pe = tl.load(kv_row[:, None] + DV + offs_r[None, :], mask=key_ok[:, None] & r_ok[None, :], other=0.0)
+            c_kv = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
+                              0, PAGE, BLOCK_N, CONTIG, EXACT_V)
+            k_pe = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
+                              DV, PAGE, BLOCK_N, CONTIG, EXACT_R)
             if FP8:
                 c_kv = c_kv.to(tl.float16)
                 k_pe = k_pe.to(tl.float16)
@@ -133,7 +157,8 @@ def _splitkv_partial_kernel(
                 s = tl.dot(q_lat, tl.trans(c_kv))
                 s = tl.dot(q_pe, tl.trans(k_pe), acc=s)
             s = s * scale_log2
-            visible = key_ok[None, :]
+            keys = n0 + offs_n
+            visible = (keys < end)[None, :]
             if CAUSAL:
                 visible = visible & (keys[None, :] <= last_key[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -142,17 +167,24 @@ def _splitkv_partial_kernel(
             alpha = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = tl.dot(p.to(c_kv.dtype), c_kv, acc=acc * alpha[:, None], input_precision="ieee")
+            if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
+                v_blk = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
+                                   0, PAGE, BLOCK_N, CONTIG, EXACT_V)
+                if FP8:
+                    v_blk = v_blk.to(tl.float16)
             else:
-                acc = tl.dot(p.to(c_kv.dtype), c_kv, acc=acc * alpha[:, None])
+                v_blk = c_kv
+            if IEEE:
+                acc = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc * alpha[:, None])
             m = m_new
 
         seen = l > 0.0
         o = acc / tl.where(seen, l, 1.0)[:, None]
         lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
         o_ptr = PartO + slot.to(tl.int64) * stride_ow + qi * stride_os + hh * stride_oh
-        tl.store(o_ptr[:, None] + offs_v[None, :], o, mask=row_ok[:, None] & v_ok[None, :])
+        tl.store(o_ptr[:, None] + offs_v[None, :], o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
         tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
 
 
@@ -190,7 +222,8 @@ def _splitkv_combine_kernel(
         slots = c + tl.arange(0, BLOCK_S)
         ok = slots < s1
         wgt = tl.exp2(tl.load(lse_base + slots * stride_lw, mask=ok, other=float("-inf")) - top)
-        part = tl.load(o_base + slots[:, None] * stride_ow + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
+        part = tl.load(o_base + slots[:, None] * stride_ow + cols[None, :], mask=ok[:, None] & c_ok[None, :],
+                       other=0.0).to(tl.float32)
         acc += wgt[:, None] * part
         total += wgt
     denom = tl.sum(total, 0)
@@ -206,9 +239,12 @@ def _splitkv_combine_kernel(
 
 
 def splitkv_mla_with_kvcache(
-    call: FlashMLACall, schedule: SplitKVSchedule, config: KernelConfig = DEFAULT_CONFIG
+    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None
 ) -> Tuple[Tensor, Tensor]:
-    """Run both phases on a validated call -> (out [bs, sq, H, r], lse [bs, sq, H] float32, natural log)."""
+    """Run both phases on a validated call -> (out [bs, sq, H, r], lse [bs, sq, H] float32, natural log).
+
+    ``config``: the launch parameters; default the schedule's (the one its split count was planned with)."""
+    config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     bs, sq, H, D = q.shape
     dv = call.head_dim_v
@@ -218,7 +254,8 @@ def splitkv_mla_with_kvcache(
     if bs == 0 or sq == 0 or H == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     cap = schedule.capacity
-    part_o = torch.empty(cap, sq, H, dv, dtype=torch.float32, device=q.device)
+    half = config.half_partials and call.out_dtype in (torch.bfloat16, torch.float16)
+    part_o = torch.empty(cap, sq, H, dv, dtype=call.out_dtype if half else torch.float32, device=q.device)
     part_lse2 = torch.empty(cap, sq, H, dtype=torch.float32, device=q.device)
     block_h = head_block(H, sq, config.max_rows)
     sq_pad = _next_pow2(sq)
@@ -226,6 +263,9 @@ def splitkv_mla_with_kvcache(
     warps = config.num_warps or (4 if rows <= 32 else 8)
     fp8 = call.is_fp8
     one = call.descale_k if fp8 else lse  # any float32 pointer: unread unless FP8
+    # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
+    # with page >= block_n every key block lies in one page
+    contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if fp8 else one, one,
@@ -238,6 +278,7 @@ def splitkv_mla_with_kvcache(
         H=H, SQ=sq, DV=dv, DR=D - dv, PAGE=page,
         BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(D - dv)),
         BLOCK_N=config.block_n, CAUSAL=call.causal, FP8=fp8, IEEE=q.dtype == torch.float32,
+        CONTIG=contig, RELOAD=config.reload_kv,
         num_warps=warps, num_stages=config.num_stages,
     )
     cdv = min(COMBINE_DV, _next_pow2(dv))

@@ -1,4 +1,4 @@
-"""Per-shape choice of the absorbed-MLA decode kernel: FA3 or FlashMLA, from the recorded H200 sweep.
+"""Per-shape choice of the absorbed-MLA decode kernel: FA3, FlashMLA or split-KV, from the recorded H200 sweep.
 
 Both kernels compute the same absorbed decode step (``absorb.py``): per request ``b``, ``H`` query
 heads of a 576-wide latent query (``q_lat`` [H, r=512] | ``q_rope`` [H, 64]) over ``L_b`` cached
@@ -26,6 +26,9 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
   averaged geometrically (a query midway between two grid points follows both).
 - FlashMLA if that gain >= ``MIN_GAIN`` (measured at least 2 % faster), else FA3 (the default kernel:
   no scheduler-metadata step). Farther than ``MAX_DISTANCE`` from every shape: FA3.
+- Split-KV (``ops.splitkv_mla_with_kvcache``, our Triton kernel) replaces that pick only when every one
+  of the nearest shapes has a measured ``splitkv_ms`` and its geometric-mean gain over the faster of
+  FA3 / FlashMLA is >= ``MIN_GAIN``: a shape without a split-KV measurement never picks it.
 
 Offline check on the recorded sweep (``evaluate_on_csv``; slowdown = picked kernel time / faster
 kernel time, 180 page-64 rows): the fitted table picks within 2 % everywhere (worst 1.019x); leave
@@ -123,6 +126,7 @@ def explain_decode_kernel(
     table: Sequence[Measured] | None = None,
     min_gain: float = MIN_GAIN,
     kv_fp8: bool = False,
+    allow_splitkv: bool = True,
 ) -> KernelChoice:
     """Choose FA3 or FlashMLA for one decode step's shape and say why.
 
@@ -131,7 +135,8 @@ def explain_decode_kernel(
 
     ``max_seqlen_k`` / ``mean_seqlen_k``: the longest and the mean KV length of the batch (host
     numbers, from ``seq_lens_cpu``); ``mean_seqlen_k=None`` treats the lengths as equal. ``table``
-    defaults to ``MEASURED``. Pure host arithmetic: no tensors, no sync.
+    defaults to ``MEASURED``. ``allow_splitkv=False``: the split-KV kernel cannot run here (no Triton):
+    choose between FA3 and FlashMLA only. Pure host arithmetic: no tensors, no sync.
     """
     for name, value in (
         ("num_heads", num_heads),
@@ -170,11 +175,23 @@ def explain_decode_kernel(
     sources = sorted({m.source for m in near})
     where = f"nearest measured shape{'s' if len(near) > 1 else ''} ({', '.join(sources)}) {where}"
     what = "gain" if len(near) == 1 else "geometric-mean gain"
+    skv = [m.splitkv_gain for m in near]
+    if allow_splitkv and all(g is not None for g in skv):
+        skv_gain = math.exp(sum(math.log(g) for g in skv) / len(skv))
+        where += "; split-KV " + ", ".join(f"{m.splitkv_ms:.4g} ms" for m in near[:4])
+        if skv_gain >= min_gain:
+            return KernelChoice(DecodeKernel.SPLITKV, f"{where} -> split-KV {what} {skv_gain:.3f}x over the faster "
+                                                      "of FA3 / FlashMLA")
     if gain >= min_gain:
         return KernelChoice(DecodeKernel.FLASHMLA, f"{where} -> FlashMLA {what} {gain:.3f}x")
     if gain >= 1.0:
         return KernelChoice(DecodeKernel.FA3, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
     return KernelChoice(DecodeKernel.FA3, f"{where} -> FA3 {1 / gain:.3f}x faster")
+
+
+def splitkv_measured(table: Sequence[Measured] | None = None) -> bool:
+    """Whether ``table`` (default ``MEASURED``) has any split-KV time, i.e. whether the choice can pick it."""
+    return any(m.splitkv_ms is not None for m in (MEASURED if table is None else table))
 
 
 def choose_decode_kernel(
@@ -205,6 +222,8 @@ def _row_measurement(i: int, row: dict, source: str) -> Measured | None:
             return None
         h, bs, ctx = int(row["heads"]), int(row["batch"]), int(row["context"])
         fa3_ms, mla_ms = float(fa3), float(mla)
+        skv = row.get("splitkv_ms", "")
+        skv_ms = None if skv in ("", None) else float(skv)
         kind = row.get("lengths", "equal")
         if kind == "equal" or bs == 1:
             skew = 1.0
@@ -214,13 +233,16 @@ def _row_measurement(i: int, row: dict, source: str) -> Measured | None:
         raise ValueError(f"rows[{i}] is not a decode-benchmark row ({e!r}): {row}") from None
     if not (fa3_ms > 0 and mla_ms > 0 and 0 < skew <= 1):
         return None
-    return Measured(h, bs, ctx, fa3_ms=fa3_ms, flashmla_ms=mla_ms, source=source, skew=skew)
+    if skv_ms is not None and not skv_ms > 0:
+        skv_ms = None
+    return Measured(h, bs, ctx, fa3_ms=fa3_ms, flashmla_ms=mla_ms, source=source, skew=skew, splitkv_ms=skv_ms)
 
 
 def table_from_rows(rows: Iterable[dict], *, source: str = "bench CSV") -> tuple[Measured, ...]:
     """Measured shapes from decode-benchmark rows (dicts with the CSV's columns).
 
-    Uses rows with ``page == 64`` and both ``fa3_ms`` and ``flashmla_ms`` present, equal and skewed
+    Uses rows with ``page == 64`` and both ``fa3_ms`` and ``flashmla_ms`` present (``splitkv_ms`` when the
+    row has it), equal and skewed
     lengths (skew = ``kv_tokens / (batch · context)``, rounded to 4 decimals); a shape seen twice keeps
     the last row. Sorted by (heads, batch, context, skew).
     """
@@ -241,19 +263,27 @@ def table_from_csv(path: str) -> tuple[Measured, ...]:
 def format_table(table: Sequence[Measured]) -> str:
     """Python source of a ``MEASURED`` literal for ``table`` (to paste into ``policy/decode_table.py``).
 
-    Two shapes per line as (heads, batch, context, skew, fa3_ms, flashmla_ms); floats are printed
-    with ``repr`` so that the literal reproduces ``table`` exactly. Needs only ``Measured`` in scope.
+    Two shapes per line as (heads, batch, context, skew, fa3_ms, flashmla_ms[, splitkv_ms]); floats are
+    printed with ``repr`` so that the literal reproduces ``table`` exactly. A source with split-KV
+    measurements gets the 7-field form (None where a shape lacks one). Needs only ``Measured`` in scope.
     """
     groups: dict[str, list[Measured]] = {}
     for m in table:
         groups.setdefault(m.source, []).append(m)
     lines = ["MEASURED: tuple[Measured, ...] = ("]
     for source, ms in groups.items():
-        lines += ["    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,",
-                  f"               source={source!r})",
-                  "      for h, b, ctx, skew, fa3, mla in (  # heads, batch, context, skew, FA3 ms, FlashMLA ms"]
-        cells = [f"({m.num_heads}, {m.batch_size}, {m.context}, {m.skew!r}, {m.fa3_ms!r}, {m.flashmla_ms!r}),"
-                 for m in ms]
+        skv = any(m.splitkv_ms is not None for m in ms)
+        if skv:
+            lines += ["    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, skew=skew,",
+                      f"               source={source!r})",
+                      "      for h, b, ctx, skew, fa3, mla, skv in (  # heads, batch, context, skew, FA3 / FlashMLA / "
+                      "split-KV ms"]
+        else:
+            lines += ["    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,",
+                      f"               source={source!r})",
+                      "      for h, b, ctx, skew, fa3, mla in (  # heads, batch, context, skew, FA3 ms, FlashMLA ms"]
+        cells = [f"({m.num_heads}, {m.batch_size}, {m.context}, {m.skew!r}, {m.fa3_ms!r}, {m.flashmla_ms!r}"
+                 + (f", {m.splitkv_ms!r})," if skv else "),") for m in ms]
         lines += ["        " + " ".join(cells[i:i + 2]) for i in range(0, len(cells), 2)]
         lines.append("    )),")
     lines.append(")")
@@ -272,14 +302,15 @@ class RuleStats:
     flashmla_picks: int  # rows where the rule picked FlashMLA
     within_5pct: int  # rows with slowdown <= 1.05
     within_15pct: int  # rows with slowdown <= 1.15
-    worst_slowdown: float  # max slowdown (1.0 = always the faster kernel)
+    worst_slowdown: float  # max slowdown (1.0 = always the fastest measured kernel)
     worst_shape: str  # the row where the worst slowdown happened
     mean_slowdown: float  # arithmetic mean of the slowdowns
+    splitkv_picks: int = 0  # rows where the rule picked split-KV
 
     def line(self) -> str:
         return (f"within 5 %: {self.within_5pct}/{self.rows}, within 15 %: {self.within_15pct}/{self.rows}, "
                 f"worst {self.worst_slowdown:.3f}x ({self.worst_shape}), mean {self.mean_slowdown:.4f}x, "
-                f"FlashMLA picked {self.flashmla_picks}/{self.rows}")
+                f"FlashMLA picked {self.flashmla_picks}/{self.rows}, split-KV {self.splitkv_picks}/{self.rows}")
 
 
 @dataclass(frozen=True)
@@ -300,12 +331,23 @@ class Evaluation:
         return "\n".join(lines)
 
 
-def _stats(picks: Sequence[tuple[Measured, bool]]) -> RuleStats:
-    """RuleStats of (row, picked FlashMLA) pairs."""
-    slow = [(m.flashmla_ms if mla else m.fa3_ms) / min(m.fa3_ms, m.flashmla_ms) for m, mla in picks]
+def _time_ms(m: Measured, kernel: DecodeKernel) -> float:
+    """The measured time of ``kernel`` at ``m`` (split-KV unmeasured: never picked by the rule, FA3's)."""
+    if kernel is DecodeKernel.FLASHMLA:
+        return m.flashmla_ms
+    if kernel is DecodeKernel.SPLITKV and m.splitkv_ms is not None:
+        return m.splitkv_ms
+    return m.fa3_ms
+
+
+def _stats(picks: Sequence[tuple[Measured, DecodeKernel]]) -> RuleStats:
+    """RuleStats of (row, picked kernel) pairs; slowdown against the fastest kernel measured at the row."""
+    slow = [_time_ms(m, k) / min(t for t in (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) if t is not None)
+            for m, k in picks]
     worst = max(range(len(slow)), key=slow.__getitem__)
-    return RuleStats(len(slow), sum(mla for _, mla in picks), sum(s <= 1.05 for s in slow),
-                     sum(s <= 1.15 for s in slow), slow[worst], picks[worst][0].shape(), sum(slow) / len(slow))
+    return RuleStats(len(slow), sum(k is DecodeKernel.FLASHMLA for _, k in picks), sum(s <= 1.05 for s in slow),
+                     sum(s <= 1.15 for s in slow), slow[worst], picks[worst][0].shape(), sum(slow) / len(slow),
+                     sum(k is DecodeKernel.SPLITKV for _, k in picks))
 
 
 def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_gain: float = MIN_GAIN) -> Evaluation:
@@ -323,19 +365,18 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
         raise ValueError(f"path {path!r} has no page-64 rows with both fa3_ms and flashmla_ms")
     full = table_from_rows(row for _, row in data)
 
-    def picks_flashmla(m: Measured, row: dict, tab) -> bool:
+    def pick(m: Measured, row: dict, tab) -> DecodeKernel:
         mean = int(row["kv_tokens"]) / m.batch_size if row.get("kv_tokens") else m.context
-        return DecodeKernel.FLASHMLA is explain_decode_kernel(m.num_heads, m.batch_size, m.context, FLASHMLA_PAGE_SIZE,
-                                                         mean_seqlen_k=min(mean, m.context), table=tab,
-                                                         min_gain=min_gain).kernel
+        return explain_decode_kernel(m.num_heads, m.batch_size, m.context, FLASHMLA_PAGE_SIZE,
+                                     mean_seqlen_k=min(mean, m.context), table=tab, min_gain=min_gain).kernel
 
     def key(m: Measured):
         return m.num_heads, m.batch_size, m.context, m.skew
 
-    fitted = _stats([(m, picks_flashmla(m, row, table)) for m, row in data])
-    loo = _stats([(m, picks_flashmla(m, row, [t for t in full if key(t) != key(m)])) for m, row in data])
-    recorded = [(m, row["backend_kernel"] == "flashmla") for m, row in data
-                if row.get("backend_kernel") in ("fa3", "flashmla")]
+    fitted = _stats([(m, pick(m, row, table)) for m, row in data])
+    loo = _stats([(m, pick(m, row, [t for t in full if key(t) != key(m)])) for m, row in data])
+    kernels = {k.value: k for k in DecodeKernel}
+    recorded = [(m, kernels[row["backend_kernel"]]) for m, row in data if row.get("backend_kernel") in kernels]
     return Evaluation(path, fitted, loo, _stats(recorded) if recorded else None)
 
 

@@ -32,11 +32,14 @@ class Measured:
     flashmla_ms: float  # FlashMLA kernel time, ms (CUDA-graph replay)
     source: str = "H200 anchor"  # where the numbers come from
     skew: float = 1.0  # mean / max KV length over the batch, in (0, 1]; 1 = equal lengths
+    splitkv_ms: float | None = None  # the split-KV Triton kernel's time, ms (None: not measured)
 
     def __post_init__(self):
         for name in ("num_heads", "batch_size", "context"):
             check_int(getattr(self, name), name)
-        for name in ("fa3_ms", "flashmla_ms"):
+        for name in ("fa3_ms", "flashmla_ms", "splitkv_ms"):
+            if name == "splitkv_ms" and self.splitkv_ms is None:
+                continue
             if not (is_real(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         if not (is_real(self.skew) and 0 < self.skew <= 1):
@@ -46,6 +49,11 @@ class Measured:
     def flashmla_gain(self) -> float:
         """FA3 time / FlashMLA time: > 1 when FlashMLA is faster."""
         return self.fa3_ms / self.flashmla_ms
+
+    @property
+    def splitkv_gain(self) -> float | None:
+        """The faster of FA3 / FlashMLA over the split-KV time: > 1 when split-KV is faster (None: unmeasured)."""
+        return None if self.splitkv_ms is None else min(self.fa3_ms, self.flashmla_ms) / self.splitkv_ms
 
     def shape(self) -> str:
         return f"heads {self.num_heads}, bs {self.batch_size}, ctx {self.context}, skew {self.skew:.2f}"

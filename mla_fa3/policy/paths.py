@@ -17,7 +17,7 @@ class AttentionPath(enum.Enum):
     """Which compute path serves an MLA layer's rows (or, MHA_FALLBACK, a non-MLA layer)."""
 
     IDLE = "idle"  # empty batch: no kernel, no pool access
-    ABSORBED = "absorbed"  # absorb.forward_absorbed over the latent cache (FA3 or FlashMLA)
+    ABSORBED = "absorbed"  # absorb.forward_absorbed over the latent cache (FA3, FlashMLA or split-KV)
     MHA_ONESHOT = "mha_oneshot"  # chunked_prefix: MHA over the decompressed new tokens (no prefix)
     MHA_CHUNKED = "mha_chunked"  # chunked_prefix: MHA over a prefix decompressed chunk by chunk
     MHA_FALLBACK = "mha_fallback"  # mha_fallback: regular MHA / cross-attention layers
@@ -33,6 +33,7 @@ class DecodeKernel(enum.Enum):
 
     FA3 = "fa3"  # sgl-kernel FlashAttention-3 with qv: any page size, any mode (the default)
     FLASHMLA = "flashmla"  # FlashMLA dense decode over the whole latent row: page 64, equal q lengths
+    SPLITKV = "splitkv"  # our Triton split-KV kernel over the whole latent row: equal q lengths, small batches
 
 
 class PrefillOverride(enum.Enum):
