@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from mla_fa3.checks import check_int
-from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.policy.prefill_cost import H200_COSTS, PathDecision, choose_path, decode_rows
 

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
-from mla_cases import cosine, follow_up, make_batch, make_mla_case, mla_oracle, rel_err
+from mla_cases import make_mla_case, mla_oracle
 from specs import FP8_SPECS, BatchSpec
 
-from mla_fa3 import absorb
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
-from mla_fa3.draft_backend import MultiStepDraftBackend
-from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool
-from mla_fa3.layer import AttentionLayer
-from mla_fa3.policy.paths import AttentionPath, DecodeKernel
 
 FP8 = torch.float8_e4m3fn
 TOL = 1e-5

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_cases import cosine, make_mla_case, mla_oracle, rel_err
-from specs import PREFILL_GPU_SPECS, PREFILL_RUNS, BatchSpec
+from specs import EXT, PREFILL_GPU_SPECS, PREFILL_RUNS, BatchSpec
 
 from mla_fa3 import absorb, ops
 from mla_fa3.chunked_prefix import forward_mha_prefill

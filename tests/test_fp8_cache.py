@@ -18,7 +18,6 @@ Every pool slot that is not a cached token of a live request holds e4m3 NaN (bit
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from fp8_cases import (FP8, TOL, SCALES, EXT, DEC, stored, fp8_oracle, fp8_case,
 
 from mla_fa3 import absorb
 from mla_fa3.backend import MLABackend
-from mla_fa3.batch import ForwardMode
 from mla_fa3.draft_backend import MultiStepDraftBackend
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool

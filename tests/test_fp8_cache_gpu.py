@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8_cases import fp8_backend, fp8_case, fp8_oracle
-from mla_cases import cosine, make_mla_case, rel_err
+from mla_cases import cosine, rel_err
 from specs import FP8_SPECS, BatchSpec, MLAConfig
 
 from mla_fa3.batch import ForwardMode

@@ -41,7 +41,7 @@ from mla_fa3.models.loader import load_model
 from mla_fa3.serve.configs import bench_config, model_config
 from mla_fa3.serve.loop import ServingLoop, default_graph_batch_sizes
 from mla_fa3.serve.memory import GIB, plan_memory
-from mla_fa3.serve.metrics import ServeSummary, request_metrics, summarize
+from mla_fa3.serve.metrics import request_metrics, summarize
 from mla_fa3.serve.scheduler import Request
 
 __all__ = ["Workload", "make_requests", "random_model", "run_setting", "main"]

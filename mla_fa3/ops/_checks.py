@@ -10,7 +10,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .types import FLASHMLA_PAGE_SIZE
 
 Tensor = torch.Tensor
 

@@ -33,7 +33,6 @@ captured graph replays any schedule ``copy_``-ed into them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 

@@ -165,10 +165,10 @@ class Engine:
         requests = [Request(rid=i, prompt=p, max_new_tokens=max_new_tokens, eos_token_id=eos)
                     for i, p in enumerate(prompts)]
         estimate = -(-sum(map(len, prompts)) // budget) + max_new_tokens - 1
-        on_step = None
-        if progress is not None:
-            def on_step(rec):
+        def on_step(rec) -> None:
+            if progress is not None:
                 progress(rec.mode.lower() if rec.mode != "EXTEND" else "prefill", rec.index + 1, estimate)
+
         loop.run(requests, on_step=on_step)
         tokens = [r.output for r in requests]
         logits = [torch.stack(loop.logits[r.rid]) for r in requests] if return_logits else None

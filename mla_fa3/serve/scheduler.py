@@ -38,7 +38,6 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from mla_fa3.batch import ForwardMode
