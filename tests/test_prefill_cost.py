@@ -1,14 +1,15 @@
 """Path choice (path_choice): the cost model replayed on recorded H200 times, overrides, splits, errors, re-fit.
 
-Recorded data (the oracle of the choice tests): ``docs/perf/prefill_2026-12-02_run1.csv`` — H200,
-DeepSeek-V3 dims, bf16, page 64, W = 8192, one request per shape, heads {16, 128} x new {128, 512, 4096,
-8192} x prefix {0, 8k, 32k, 64k}; eager CUDA-event ms of one layer on the absorbed path and on the MHA
-path (one-shot without prefix, chunked otherwise). The tests read the CSV themselves and compare the
-measured time of the path ``choose_path`` picks with the measured faster one.
+Recorded data (the oracle of the choice tests): ``docs/perf/2026-12-03/prefill_run1.csv`` and the
+independent ``prefill_run2.csv`` — H200, DeepSeek-V3 dims, bf16, page 64, workspace budget 512 MiB (per-row
+``workspace`` tokens: 47,127 at 16 heads, 6,462 at 128), one request per shape, heads {16, 128} x new
+{1k, 4k, 8k} x prefix {16k, 64k, 128k}; eager CUDA-event ms of one layer on the absorbed path and on the
+chunked MHA path. The tests read the CSVs themselves and compare the measured time of the path
+``choose_path`` picks with the measured faster one.
 
-Thresholds: auto within 5 % of the faster path on every recorded shape (reached: worst 1.025, a 2.5 % tie
-at 16 heads, 4096 new, no prefix); shapes where one path is >= 1.2x faster are always picked right. This
-is a regression guard on recorded data, not a timing test: no GPU is used.
+Thresholds: auto within 5 % of the faster path on every recorded shape of both runs (reached: 18/18 picked
+right in each); shapes where one path is >= 1.2x faster are always picked right. This is a regression
+guard on recorded data, not a timing test: no GPU is used.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ from mla_fa3.policy.paths import AttentionPath
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 W = 8192
-RECORDED_CSV = Path(__file__).resolve().parents[1] / "docs" / "perf" / "prefill_2026-12-02_run1.csv"
+PERF = Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-03"
+RECORDED_CSV = PERF / "prefill_run1.csv"  # the fit's data
+REPEAT_CSV = PERF / "prefill_run2.csv"  # an independent run of the same sweep: the held-out check
 WITHIN_BEST = 1.05  # auto's measured time / the faster path's, on every recorded shape
 CLEAR_WIN = 1.2  # a path this much faster than the other must be picked
 
 
-def _recorded() -> dict[str, dict]:
-    """The CSV's rows by name ``h{heads}_n{new}_p{prefix}``, read here (not through path_choice)."""
-    with open(RECORDED_CSV, newline="") as f:
+def _recorded(path=RECORDED_CSV) -> dict[str, dict]:
+    """The CSV's rows by name ``h{heads}_n{new}_p{prefix}``, read here (not through the cost model)."""
+    with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     out = {}
     for r in rows:
@@ -47,6 +50,7 @@ def _recorded() -> dict[str, dict]:
 
 
 RECORDED = _recorded()
+REPEATED = _recorded(REPEAT_CSV)
 
 
 def _pick(row, constants=H200_COSTS):
@@ -55,30 +59,29 @@ def _pick(row, constants=H200_COSTS):
 
 
 def test_the_recorded_sweep_is_complete():
-    assert len(RECORDED) == 32
-    assert {r["heads"] for r in RECORDED.values()} == {16, 128}
-    assert {r["prefix"] for r in RECORDED.values()} == {0, 8192, 32768, 65536}
+    for rec in (RECORDED, REPEATED):
+        assert len(rec) == 18
+        assert {r["heads"] for r in rec.values()} == {16, 128}
+        assert {r["prefix"] for r in rec.values()} == {16384, 65536, 131072}
 
 
-@pytest.mark.parametrize("name", list(RECORDED))
-def test_auto_is_within_5pct_of_the_faster_recorded_path(name):
-    row = RECORDED[name]
+@pytest.mark.parametrize("run,name", [(1, n) for n in RECORDED] + [(2, n) for n in REPEATED])
+def test_auto_is_within_5pct_of_the_faster_recorded_path(run, name):
+    row = (RECORDED if run == 1 else REPEATED)[name]
     d = _pick(row)
     best = min(row["ms"].values())
     assert d.path in row["ms"], f"{name}: picked {d.path.value}, which does not apply"
     assert row["ms"][d.path] / best <= WITHIN_BEST, f"{name}: {d.explain()}; measured {row['ms']}"
     assert d.requested == "auto" and d.path.value in d.reason
-    assert d.num_chunks == (-(-row["prefix"] // W) if d.path is AttentionPath.MHA_CHUNKED else 0)
+    assert d.num_chunks == (-(-row["prefix"] // row["workspace"]) if d.path is AttentionPath.MHA_CHUNKED else 0)
 
 
 def test_clear_wins_are_always_picked():
     clear = {k: r for k, r in RECORDED.items() if max(r["ms"].values()) / min(r["ms"].values()) >= CLEAR_WIN}
-    assert len(clear) >= 24  # most of the sweep: the guard is not vacuous
+    assert len(clear) >= 15  # most of the sweep: the guard is not vacuous
     for name, row in clear.items():
         faster = min(row["ms"], key=row["ms"].get)
         assert _pick(row).path is faster, f"{name}: measured {row['ms']}"
-    # both directions occur: long prompts go MHA, short ones over long prefixes stay absorbed
-    assert {min(r["ms"], key=r["ms"].get).is_mha_prefill for r in clear.values()} == {True, False}
 
 
 def test_evaluate_on_csv_replays_each_recorded_row():
@@ -101,7 +104,8 @@ def test_model_tracks_the_kernel_bound_recorded_shapes():
     16 heads over 8k: MHA 1.40 ms at 128 new vs 0.74 ms at 512 new — no per-shape claim there)."""
     checked = 0
     for name, row in RECORDED.items():
-        model = estimate_costs_ms([row["prefix"]], [row["new"]], num_heads=row["heads"], dims=V3, workspace_tokens=W)
+        model = estimate_costs_ms([row["prefix"]], [row["new"]], num_heads=row["heads"], dims=V3,
+                                  workspace_tokens=row["workspace"])
         for path, ms in row["ms"].items():
             if ms >= 5.0:
                 assert model[path] == pytest.approx(ms, rel=0.10), f"{name} {path.value}"
@@ -111,17 +115,23 @@ def test_model_tracks_the_kernel_bound_recorded_shapes():
 
 
 def test_h200_costs_are_the_fit_of_the_recorded_csv():
-    """H200_COSTS is fit_cost_constants on the CSV (rounded to 3 digits): re-fitting lands on it."""
-    fitted = fit_cost_constants(read_samples_csv(RECORDED_CSV), V3)
-    for f in fields(H200_COSTS):
-        got, want = getattr(fitted, f.name), getattr(H200_COSTS, f.name)
-        assert got == pytest.approx(want, rel=0.01 if f.name in FITTED_CONSTANTS else 0), f.name
+    """H200_COSTS is fit_cost_constants on the two recorded runs: re-fitting lands on its device rates.
+
+    The host constants (fixed and per-chunk launch costs) are not pinned: on these shapes (>= 0.5 ms of
+    device work per layer) the host overlaps the device and the fit cannot tell 40 us from 90 us; what the
+    data does fix is checked instead — every recorded choice stays right with the re-fitted constants."""
+    fitted = fit_cost_constants(read_samples_csv(RECORDED_CSV) + read_samples_csv(REPEAT_CSV), V3)
+    for name in ("mha_attn_tflops", "absorbed_attn_tflops", "gemm_tflops"):
+        assert getattr(fitted, name) == pytest.approx(getattr(H200_COSTS, name), rel=0.01), name
+    for rec in (RECORDED, REPEATED):
+        for name, row in rec.items():
+            assert row["ms"][_pick(row, fitted).path] / min(row["ms"].values()) <= WITHIN_BEST, name
 
 
-@pytest.mark.parametrize("train", ["heads_16", "prefix_0_32k"])
+@pytest.mark.parametrize("train", ["heads_16", "prefix_16k_128k"])
 def test_fit_on_half_the_sweep_picks_right_on_the_other_half(train):
     """Generalisation: constants fitted on half the recorded shapes stay within 5 % on the held-out half."""
-    keep = {"heads_16": lambda r: r["heads"] == 16, "prefix_0_32k": lambda r: r["prefix"] in (0, 32768)}[train]
+    keep = {"heads_16": lambda r: r["heads"] == 16, "prefix_16k_128k": lambda r: r["prefix"] in (16384, 131072)}[train]
     def sample(r):
         mha = next(ms for path, ms in r["ms"].items() if path.is_mha_prefill)
         return CostSample(r["heads"], (r["prefix"],), (r["new"],), r["workspace"], r["ms"][AttentionPath.ABSORBED], mha)
@@ -177,9 +187,9 @@ def test_host_overlap_bounds():
            for p in (1.0, 2.0, 64.0)}
     for path in (AttentionPath.ABSORBED, AttentionPath.MHA_CHUNKED):
         assert got[1.0][path] > got[2.0][path] > got[64.0][path]
-    # 64 new tokens, no prefix: ~1 us of device work under 231 us of launches -> ~ the host time for any p
+    # 8 new tokens, no prefix: ~0.1 us of device work under tens of us of launches -> ~ the host time for any p
     for p in (1.0, 2.0, 64.0):
-        tiny = estimate_costs_ms([0], [64], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
+        tiny = estimate_costs_ms([0], [8], constants=replace(H200_COSTS, host_overlap_p=p), **shape)
         assert tiny[AttentionPath.ABSORBED] == pytest.approx(H200_COSTS.absorbed_fixed_us * 1e-3, rel=0.02)
 
 

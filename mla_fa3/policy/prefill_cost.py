@@ -81,20 +81,20 @@ class CostConstants:
             raise ValueError(f"host_overlap_p must be >= 1, got {self.host_overlap_p!r}")
 
 
-# H200 (sm90, 132 SMs), DeepSeek-V3 dims, bf16, page 64, W = 8192: fit_cost_constants on the 32 shapes of
-# docs/perf/prefill_2026-12-02_run1.csv (bench run of 2026-12-02; heads {16,128} x new {128,512,4096,8192}
-# x prefix {0,8k,32k,64k}; eager CUDA-event times, so the host launch costs are part of what is fitted).
-# On those shapes auto picks the faster path on 31/32 and is within 2.5 % of it on all 32 (the one miss:
-# 16 heads, 4096 new, no prefix, a 2.5 % tie); tests/test_prefill_cost.py replays the CSV. k = 2 had the
-# best leave-one-out error (each shape predicted from the other 31: 31/32 right, worst 1.025); k = 1
-# (host + device) fits worse and wants a 1017 TFLOP/s GEMM, above the ~790 the H200 reaches.
-# To re-fit (e.g. after the MHA path's host work per chunk dropped, and chunks grew with the byte budget):
+# H200 (sm90, 132 SMs), DeepSeek-V3 dims, bf16, page 64, workspace budget 512 MiB (47,127 tokens per chunk
+# at 16 heads, 6,462 at 128): fit_cost_constants on docs/perf/2026-12-03/prefill_run{1,2}.csv (two runs of the
+# bench on 2026-12-03 after the host-lean MHA prefill; heads {16,128} x new {1k,4k,8k} x prefix {16k,64k,128k};
+# eager CUDA-event times, host launch costs included). Auto picks the faster path on 18/18 shapes of each run;
+# tests/test_prefill_cost.py replays both.
+# The rates are effective: gemm_tflops (932) exceeds the H200's ~790 because the model still charges the
+# decompression copies the fused path no longer makes (the GEMM term absorbs that overcount).
+# To re-fit:
 #   python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2     (prints the fitted constants), or
 #   python -m mla_fa3.policy.prefill_fit docs/perf/<new>.csv           (prints a paste-ready H200_COSTS line)
 # then record the CSV under docs/perf/ and point tests/test_prefill_cost.py's RECORDED_CSV at it.
 H200_COSTS = CostConstants(
-    mha_attn_tflops=646.0, absorbed_attn_tflops=641.0, gemm_tflops=584.0,
-    chunk_overhead_us=450.0, mha_fixed_us=392.0, absorbed_fixed_us=231.0, host_overlap_p=2.0)
+    mha_attn_tflops=646.0, absorbed_attn_tflops=636.0, gemm_tflops=932.0,
+    chunk_overhead_us=37.4, mha_fixed_us=180.0, absorbed_fixed_us=42.6, host_overlap_p=2.0)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,9 @@ class ServeSummary:
     steps: int
     steps_by_mode: dict
     host_ms_per_step: Distribution  # host time of a step (schedule, batch, metadata / replay, launches)
-    prepare_ms_per_step: Distribution  # the metadata update alone
+    prepare_ms_per_step: Distribution  # the metadata update alone, every step
+    replay_update_ms_per_step: Distribution  # graph steps only: GraphRunner.prepare (the replay update)
+    eager_metadata_ms_per_step: Distribution  # eager steps only: init_forward_metadata (plan included)
     gpu_ms_total: float | None
     gpu_idle_ms_total: float | None
     attention_ms_total: float | None  # eager steps with time_attention
@@ -150,6 +152,8 @@ def summarize(requests: Iterable[Request], times: dict[int, RequestTimes], steps
         preemptions=sum(m.preemptions for m in per), steps=len(steps), steps_by_mode=modes,
         host_ms_per_step=Distribution.of([s.host_ms / 1e3 for s in steps]),
         prepare_ms_per_step=Distribution.of([s.prepare_ms / 1e3 for s in steps]),
+        replay_update_ms_per_step=Distribution.of([s.prepare_ms / 1e3 for s in steps if s.graph]),
+        eager_metadata_ms_per_step=Distribution.of([s.prepare_ms / 1e3 for s in steps if not s.graph]),
         gpu_ms_total=sum(gpu) if gpu else None, gpu_idle_ms_total=sum(idle) if idle else None,
         attention_ms_total=attn_total, attention_roofline_ms_total=roof_ms, attention_bytes_total=sum(bytes_of),
         attention_pct_of_roofline=pct, kernels=kernels, graph_steps=sum(1 for s in steps if s.graph))
