@@ -99,25 +99,12 @@ class MLAWeights:
         if uk.dtype != uv.dtype or uk.device != uv.device:
             raise ValueError(f"w_uv must have w_uk's dtype/device ({uk.dtype}, {uk.device}), got ({uv.dtype}, {uv.device})")
 
-    @property
-    def num_heads(self) -> int:
-        return self.w_uk.shape[0]
-
-    @property
-    def qk_nope_head_dim(self) -> int:
-        return self.w_uk.shape[1]
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.w_uk.shape[2]
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.w_uv.shape[2]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.w_uk.dtype
+    # sizes and dtype read off the weights: w_uk [H, d_nope, r], w_uv [H, r, d_v]
+    num_heads = property(lambda self: self.w_uk.shape[0], doc="H")
+    qk_nope_head_dim = property(lambda self: self.w_uk.shape[1], doc="d_nope")
+    kv_lora_rank = property(lambda self: self.w_uk.shape[2], doc="r")
+    v_head_dim = property(lambda self: self.w_uv.shape[2], doc="d_v")
+    dtype = property(lambda self: self.w_uk.dtype, doc="the weights' dtype")
 
     @property
     def w_vk(self) -> torch.Tensor:

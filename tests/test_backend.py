@@ -256,7 +256,7 @@ def test_auto_decode_kernel_uses_kernel_choice():
     spec = BatchSpec(DEC, (10, 70), (1, 1), page_size=64)
     case = make_mla_case(spec, "tiny", seed=4)
     out, backend = run_step(case, decode_kernel="auto", num_heads=case.cfg.num_heads)
-    want = kc.choose_decode_kernel(case.cfg.num_heads, 2, 71, 64, mean_seqlen_k=(11 + 71) / 2)
+    want = kc.explain_decode_kernel(case.cfg.num_heads, 2, 71, 64, mean_seqlen_k=(11 + 71) / 2).kernel
     assert backend.explain().kernel == want.value
     assert rel_err(out, mla_oracle(case)) <= TOL
     case16 = make_mla_case("small_decode", "tiny", seed=4)  # page 16: FlashMLA impossible
@@ -307,7 +307,7 @@ def test_auto_graphs_capture_both_kernels_and_each_replay_picks_from_live_length
         step = follow_up(case, DEC, prefix, (1,) * len(prefix), requests=requests, seed=len(prefix), pad_to=4)
         backend.init_forward_metadata_replay_cuda_graph(step.batch)
         lens = [p + 1 for p in prefix]
-        want = kc.choose_decode_kernel(H, len(lens), max(lens), 64, mean_seqlen_k=sum(lens) / len(lens))
+        want = kc.explain_decode_kernel(H, len(lens), max(lens), 64, mean_seqlen_k=sum(lens) / len(lens)).kernel
         assert backend.graph_kernel is want and backend.explain().kernel == want.value
         out = backend.forward(padded(step.q, 4), padded(step.new_latent, 4), None, step.layer, step.batch)
         assert rel_err(out[: len(lens)], mla_oracle(step)) <= TOL

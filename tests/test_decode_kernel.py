@@ -77,7 +77,8 @@ def _slowdown(row: dict, kernel: DecodeKernel) -> float:
 
 def _pick(row: dict, **kw) -> DecodeKernel:
     lens = row["lens"]
-    return kc.choose_decode_kernel(row["h"], row["bs"], max(lens), 64, mean_seqlen_k=sum(lens) / len(lens), **kw)
+    return kc.explain_decode_kernel(row["h"], row["bs"], max(lens), 64, mean_seqlen_k=sum(lens) / len(lens),
+                                    **kw).kernel
 
 
 def _grid():
@@ -102,9 +103,10 @@ def test_valid_kernel_and_reason_for_every_page64_shape():
         for mean in (None, c / 3, 0):
             choice = kc.explain_decode_kernel(h, b, c, 64, mean_seqlen_k=mean)
             assert isinstance(choice.kernel, DecodeKernel) and choice.reason
-            assert kc.choose_decode_kernel(h, b, c, 64, mean_seqlen_k=mean) is choice.kernel
+            assert kc.explain_decode_kernel(h, b, c, 64, mean_seqlen_k=mean).kernel is choice.kernel
             seen.add(choice.kernel)
-        assert kc.choose_decode_kernel(h, b, c, 64) is kc.choose_decode_kernel(h, b, c, 64, mean_seqlen_k=c)
+        assert (kc.explain_decode_kernel(h, b, c, 64).kernel
+                is kc.explain_decode_kernel(h, b, c, 64, mean_seqlen_k=c).kernel)
     assert seen == {FA3, MLA}  # the table really discriminates
 
 
@@ -117,7 +119,7 @@ def test_recorded_sweep_picks_near_the_faster_kernel():
     assert max(slow) <= 1.15
     # skew matters: the skew-blind query (mean unknown) is far worse on the skewed rows
     skewed = [r for r in rows if r["kind"] == "skewed"]
-    blind = [_slowdown(r, kc.choose_decode_kernel(r["h"], r["bs"], r["ctx"], 64)) for r in skewed]
+    blind = [_slowdown(r, kc.explain_decode_kernel(r["h"], r["bs"], r["ctx"], 64).kernel) for r in skewed]
     assert max(blind) > 1.5
     # evaluate_on_csv reports the same numbers as this independent scoring
     ev = kc.evaluate_on_csv(str(SWEEP))
@@ -161,13 +163,13 @@ def test_named_sweep_rows_follow_the_measured_winner(name):
     # off the grid (1.3x context, 1.2x batch, same skew) the nearest measurement still decides
     bs2, ctx2 = round(bs * 1.2) if bs > 1 else 1, round(ctx * 1.3)
     mean2 = sum(lengths_of(kind, bs2, ctx2)) / bs2
-    assert kc.choose_decode_kernel(h, bs2, ctx2, 64, mean_seqlen_k=mean2) is want
+    assert kc.explain_decode_kernel(h, bs2, ctx2, 64, mean_seqlen_k=mean2).kernel is want
 
 
 def test_readme_anchors_out_of_sample():
     """The README's separate earlier anchors: the pick is within 7 % of the faster kernel (worst 6.5 %)."""
     for (h, bs, ctx), (fa3, mla) in README_ANCHORS.items():
-        pick = kc.choose_decode_kernel(h, bs, ctx, 64)
+        pick = kc.explain_decode_kernel(h, bs, ctx, 64).kernel
         picked = mla if pick is MLA else fa3  # same work for both: throughput ratio = inverse time ratio
         assert max(fa3, mla) / picked <= 1.07, (h, bs, ctx, pick)
 
@@ -197,7 +199,7 @@ def test_more_skew_than_measured_counts_as_the_most_skewed_measurement():
 ])
 def test_bad_input_raises_naming_the_argument(args, kw, exc, match):
     with pytest.raises(exc, match=match):
-        kc.choose_decode_kernel(*args, **kw)
+        kc.explain_decode_kernel(*args, **kw)
 
 
 def _rows(spec):
@@ -224,10 +226,10 @@ def test_table_regenerated_from_a_bench_csv(tmp_path):
     skew = round(sum(lengths_of("skewed", 64, 8192)) / (64 * 8192), 4)
     assert [(m.num_heads, m.skew, m.fa3_ms, m.flashmla_ms) for m in table] == [
         (16, skew, 0.25, 0.10), (16, 1.0, 0.2, 0.3), (128, 1.0, 0.3, 0.2)]
-    assert kc.choose_decode_kernel(16, 64, 8192, 64, table=table) is FA3
-    assert kc.choose_decode_kernel(16, 64, 8192, 64, mean_seqlen_k=8192 * skew, table=table) is MLA
-    assert kc.choose_decode_kernel(128, 64, 8192, 64, table=table) is MLA
-    assert kc.choose_decode_kernel(128, 64, 8192, 1, table=table) is FA3
+    assert kc.explain_decode_kernel(16, 64, 8192, 64, table=table).kernel is FA3
+    assert kc.explain_decode_kernel(16, 64, 8192, 64, mean_seqlen_k=8192 * skew, table=table).kernel is MLA
+    assert kc.explain_decode_kernel(128, 64, 8192, 64, table=table).kernel is MLA
+    assert kc.explain_decode_kernel(128, 64, 8192, 1, table=table).kernel is FA3
     buf = io.StringIO()
     with redirect_stdout(buf):
         assert kc.main(["--from-csv", str(path)]) == 0
@@ -290,7 +292,7 @@ def test_far_from_every_measured_shape_falls_back_to_fa3():
     assert choice.kernel is FA3 and "no measured shape" in choice.reason
     # the same shape with a table measured there follows the measurement
     near = (kc.Measured(16, 4, 64, fa3_ms=0.010, flashmla_ms=0.005, source="test"),)
-    assert kc.choose_decode_kernel(16, 3, 64, 64, table=near) is MLA
+    assert kc.explain_decode_kernel(16, 3, 64, 64, table=near).kernel is MLA
 
 
 # ------------------------------------------------------------------------------------------ split-KV column
@@ -317,7 +319,7 @@ def test_splitkv_picked_only_where_measured_faster():
     assert pick(128, 64, 16384).kernel is MLA  # no split-KV measurement: never split-KV
     assert kc.explain_decode_kernel(16, 1, 65536, 16, table=table).kernel is FA3  # page != 64
     # the built-in table has no split-KV column yet: no shape picks it
-    assert all(kc.choose_decode_kernel(h, bs, ctx, 64) is not DecodeKernel.SPLITKV
+    assert all(kc.explain_decode_kernel(h, bs, ctx, 64).kernel is not DecodeKernel.SPLITKV
                for h in (16, 128) for bs in (1, 4, 64) for ctx in (16384, 65536, 131072))
 
 

@@ -206,6 +206,7 @@ def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks
         step = follow_up(case, ForwardMode.DECODE, prefix, (1,) * len(prefix), requests=requests, seed=1)
         out = runner.run(step.batch, {"q": step.q, "latent": step.new_latent})
         lens = [p + 1 for p in prefix]
-        want = kernel_choice.choose_decode_kernel(H, len(lens), max(lens), 64, mean_seqlen_k=sum(lens) / len(lens))
+        want = kernel_choice.explain_decode_kernel(H, len(lens), max(lens), 64,
+                                                   mean_seqlen_k=sum(lens) / len(lens)).kernel
         assert backend.graph_kernel is want
         assert rel_err(out, mla_oracle(step)) <= 1e-5

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest

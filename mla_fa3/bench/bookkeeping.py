@@ -21,20 +21,12 @@ import time
 import torch
 
 from mla_fa3.batch import ForwardBatch
+from mla_fa3.bench.timing import median_host_us
 from mla_fa3.kv.allocator import PagedAllocator
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.metadata import MetadataBuilder
 
 __all__ = ["measure", "main"]
-
-
-def _median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def measure(bs: int = 128, iters: int = 50, page_size: int = 16, prefix: int = 1000) -> dict[str, float]:
@@ -55,11 +47,11 @@ def measure(bs: int = 128, iters: int = 50, page_size: int = 16, prefix: int = 1
     def step_batch():
         state["batch"] = ForwardBatch.decode(rows, [state["len"]] * bs, torch.cat(state["locs"]), "cpu")
 
-    out = {"alloc": _median_us(lambda: (step_alloc(), step_batch()), iters)}
-    out["batch"] = _median_us(step_batch, iters)
+    out = {"alloc": median_host_us(lambda: (step_alloc(), step_batch()), iters)}
+    out["batch"] = median_host_us(step_batch, iters)
     rows_cpu = state["batch"].req_pool_indices_cpu
-    out["rows"] = _median_us(lambda: builder._check_rows(state["batch"], rows_cpu), iters)
-    out["slots"] = _median_us(lambda: builder._check_out_cache_loc(state["batch"], rows_cpu), iters)
+    out["rows"] = median_host_us(lambda: builder._check_rows(state["batch"], rows_cpu), iters)
+    out["slots"] = median_host_us(lambda: builder._check_out_cache_loc(state["batch"], rows_cpu), iters)
     out["alloc"] -= out["batch"]
 
     def finish_one():

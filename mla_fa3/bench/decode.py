@@ -178,55 +178,50 @@ def _queries(bs: int, heads: int, dev, width: int) -> torch.Tensor:
     return (torch.randn(bs, 1, heads, width, device=dev) * 0.5).to(torch.bfloat16)
 
 
+def _time_layers(cfg: Config, cell: Cell, est_ms: float, kernel) -> float:
+    """Graph-replay ms of ``kernel(layer)`` run over the cell's R cache copies, per copy."""
+
+    def fn():
+        for layer in range(cell.rotate):
+            kernel(layer)
+
+    warm, iters = _iters(cfg, est_ms * cell.rotate)
+    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+
+
 def measure_fa3(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
     dev, r = cell.device, DIMS.kv_lora_rank
     q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
     q_lat, q_rope = q[..., :r].contiguous(), q[..., r:].contiguous()
     seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
     scale = DIMS.qk_head_dim ** -0.5
+    return _time_layers(cfg, cell, est_ms, lambda layer: ops.flash_attn_with_kvcache(
+        q_rope, cell.pool.k_rope_paged(layer), cell.pool.c_kv_paged(layer), qv=q_lat, page_table=cell.page_table,
+        cache_seqlens=seqlens, softmax_scale=scale, causal=True, impl=cfg.impl))
 
-    def fn():
-        for layer in range(cell.rotate):
-            ops.flash_attn_with_kvcache(q_rope, cell.pool.k_rope_paged(layer), cell.pool.c_kv_paged(layer), qv=q_lat,
-                                        page_table=cell.page_table, cache_seqlens=seqlens, softmax_scale=scale,
-                                        causal=True, impl=cfg.impl)
 
-    warm, iters = _iters(cfg, est_ms * cell.rotate)
-    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+def _measure_latent(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float, kernel, plan_schedule) -> float:
+    """``kernel`` (a FlashMLA-style op over the 576-wide rows) alone, its schedule ``plan_schedule(seqlens)``
+    planned once, outside the graph."""
+    dev = cell.device
+    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    schedule = plan_schedule(seqlens)
+    scale = DIMS.qk_head_dim ** -0.5
+    return _time_layers(cfg, cell, est_ms, lambda layer: kernel(
+        q, cell.pool.paged(layer), cell.page_table, seqlens, head_dim_v=DIMS.kv_lora_rank, schedule=schedule,
+        softmax_scale=scale, causal=True, impl=cfg.impl))
 
 
 def measure_flashmla(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
-    dev = cell.device
-    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
-    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    schedule = ops.get_mla_decode_metadata(seqlens, heads, impl=cfg.impl)  # planned once, outside the graph
-    scale = DIMS.qk_head_dim ** -0.5
-
-    def fn():
-        for layer in range(cell.rotate):
-            ops.flash_mla_with_kvcache(q, cell.pool.paged(layer), cell.page_table, seqlens,
-                                       head_dim_v=DIMS.kv_lora_rank, schedule=schedule, softmax_scale=scale,
-                                       causal=True, impl=cfg.impl)
-
-    warm, iters = _iters(cfg, est_ms * cell.rotate)
-    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+    return _measure_latent(cfg, cell, heads, lens, est_ms, ops.flash_mla_with_kvcache,
+                           lambda seqlens: ops.get_mla_decode_metadata(seqlens, heads, impl=cfg.impl))
 
 
 def measure_splitkv(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:
-    dev = cell.device
-    q = _queries(cell.bs, heads, dev, DIMS.latent_dim)
-    seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    schedule = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=cell.page, device=dev)  # outside the graph
-    scale = DIMS.qk_head_dim ** -0.5
-
-    def fn():
-        for layer in range(cell.rotate):
-            ops.splitkv_mla_with_kvcache(q, cell.pool.paged(layer), cell.page_table, seqlens,
-                                         head_dim_v=DIMS.kv_lora_rank, schedule=schedule, softmax_scale=scale,
-                                         causal=True, impl=cfg.impl)
-
-    warm, iters = _iters(cfg, est_ms * cell.rotate)
-    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+    return _measure_latent(cfg, cell, heads, lens, est_ms, ops.splitkv_mla_with_kvcache,
+                           lambda seqlens: ops.get_splitkv_schedule(lens, num_heads=heads, page_size=cell.page,
+                                                                    device=cell.device))
 
 
 def plan(cfg: Config) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:

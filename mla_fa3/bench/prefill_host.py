@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import statistics
 import sys
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from mla_fa3.batch import ForwardBatch
+from mla_fa3.bench.timing import median_host_us
 from mla_fa3.chunked_prefix import forward_mha_prefill
 from mla_fa3.prefill_plan import build_prefill_plan
 from mla_fa3.kv.pools import MLATokenPool
@@ -67,16 +66,6 @@ def null_kernels():
         reference.flash_attn_varlen_func, reference.merge_state = old
 
 
-def _median_us(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def _step(prefix: Sequence[int], new: Sequence[int], H: int, seed: int = 0):
     """A pool, request table, metadata, layer and inputs for one extend step over ``prefix`` / ``new``."""
     g = torch.Generator().manual_seed(seed)
@@ -94,6 +83,7 @@ def _step(prefix: Sequence[int], new: Sequence[int], H: int, seed: int = 0):
         slots = mine[j // PAGE] * PAGE + j % PAGE
         r2t.req_to_token[b + 1, :s] = slots.to(torch.int32)
         out_loc.append(slots[prefix[b]:])
+    r2t.claim(list(range(1, len(seqs) + 1)), seqs)  # the table was written by hand: hold its rows
     batch = ForwardBatch.extend(list(range(1, len(seqs) + 1)), list(prefix), list(new), torch.cat(out_loc), "cpu")
     md = MetadataBuilder(r2t, PAGE, "cpu").build(batch)
     w = torch.randn(H * (TINY.qk_nope_head_dim + TINY.v_head_dim), TINY.kv_lora_rank, generator=g)
@@ -111,16 +101,16 @@ def measure(H: int, chunks: int, W: int, new: int, requests: int, iters: int) ->
             plan = build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE)
             latent = pool.kv_buffer[0][batch.out_cache_loc]
             kv = pool.paged(0)
-            out[f"layer_us_{c}"] = _median_us(
-                lambda: forward_mha_prefill(q, latent, layer, md, kv, plan, impl="reference"), iters)
-            out[f"plan_us_{c}"] = _median_us(
-                lambda: build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE), iters)
+            out[f"layer_us_{c}"] = median_host_us(
+                lambda: forward_mha_prefill(q, latent, layer, md, kv, plan, impl="reference"), iters, warmup=1)
+            out[f"plan_us_{c}"] = median_host_us(
+                lambda: build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE), iters, warmup=1)
         rnd = random.Random(0)
         prefix = [rnd.choice([0, rnd.randint(1, 3 * W)]) for _ in range(requests)]
         extend = [rnd.randint(2, 40) for _ in range(requests)]
         pool, r2t, batch, md, layer, q = _step(prefix, extend, H)
-        out["plan_us_batch"] = _median_us(
-            lambda: build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE), iters)
+        out["plan_us_batch"] = median_host_us(
+            lambda: build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE), iters, warmup=1)
         out["batch_chunks"] = float(-(-sum(prefix) // W))
     out["per_chunk_us"] = (out[f"layer_us_{chunks}"] - out["layer_us_1"]) / max(chunks - 1, 1)
     return out

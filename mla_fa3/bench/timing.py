@@ -33,6 +33,7 @@ __all__ = [
     "Cycler",
     "Progress",
     "h200_ceilings",
+    "median_host_us",
     "rotating_inputs",
     "time_cuda",
     "time_graph",
@@ -71,16 +72,22 @@ def _check_counts(warmup: int, iters: int) -> None:
         raise ValueError(f"iters must be an int >= 1, got {iters!r}")
 
 
-def _time_host(fn: Callable[[], Any], warmup: int, iters: int) -> float:
-    """CPU fallback (no CUDA): median wall-clock ms. Lets the benchmark code run in CPU tests."""
+def median_host_us(fn: Callable[[], Any], iters: int, *, warmup: int = 0) -> float:
+    """Median wall-clock microseconds of one ``fn()`` on the host (``time.perf_counter`` around each of
+    ``iters`` calls, after ``warmup`` untimed calls; no device sync)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _time_host(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    """CPU fallback (no CUDA): median wall-clock ms. Lets the benchmark code run in CPU tests."""
+    return median_host_us(fn, iters, warmup=warmup) / 1e3
 
 
 def time_cuda(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100) -> float:

@@ -41,33 +41,31 @@ _YARN = {"rope_type": "yarn", "type": "yarn", "rope_theta": 10000.0, "factor": 4
          "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 0.707}
 
-TINY_CONFIGS: dict[str, dict] = {
-    "tiny_v3": dict(
+def _tiny_configs() -> dict[str, dict]:
+    """The three entries: the tiny DeepSeek-V3 layout, and each other family as its changes to it."""
+    tiny_v3 = dict(
         model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
         moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48,
         kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
         max_position_embeddings=256, rope_scaling=_YARN, rms_norm_eps=1e-6,
-    ),
-    "tiny_v2": dict(
-        model_type="deepseek_v2", vocab_size=256, hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None,
-        kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, n_group=4, topk_group=2,
-        topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False,
-        first_k_dense_replace=1, max_position_embeddings=256,
-        rope_scaling={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
-    ),
-    "v3_mla_dims": dict(
-        model_type="deepseek_v3", vocab_size=512, hidden_size=256, intermediate_size=256,
-        moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=16, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-        max_position_embeddings=256, rope_scaling=dict(_YARN, mscale_all_dim=1.0), rms_norm_eps=1e-6,
-    ),
-}
+    )
+    tiny_v2 = dict(
+        tiny_v3, model_type="deepseek_v2", q_lora_rank=None, v_head_dim=32, n_shared_experts=2,
+        num_experts_per_tok=3, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+        norm_topk_prob=False, rope_scaling={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    v3_mla_dims = dict(
+        tiny_v3, vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=16, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=2, topk_group=1,
+        rope_scaling=dict(_YARN, mscale_all_dim=1.0),
+    )
+    return {"tiny_v3": tiny_v3, "tiny_v2": tiny_v2, "v3_mla_dims": v3_mla_dims}
+
+
+TINY_CONFIGS: dict[str, dict] = _tiny_configs()
 
 
 def hf_config(name_or_kwargs, **overrides):

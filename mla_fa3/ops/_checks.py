@@ -57,6 +57,26 @@ def same_device(x: Tensor, name: str, device: torch.device, ref: str) -> None:
         raise ValueError(f"{name} must be on {ref}'s device {device}, got {x.device}")
 
 
+def same_dtype(x: Tensor, name: str, dtype: torch.dtype, ref: str) -> None:
+    if x.dtype != dtype:
+        raise ValueError(f"{name} dtype must match {ref} dtype {dtype}, got {x.dtype}")
+
+
+def attention_operands(q: Tensor, k: Tensor, v: Tensor, k_name: str, v_name: str, *, dtype_ref: str) -> None:
+    """``k`` and ``v`` on q's device, and q, k, v of one dtype: with ``dtype_ref="q"`` k then v must match
+    q's dtype; with ``dtype_ref=k_name`` v then q must match k's."""
+    same_device(k, k_name, q.device, "q")
+    same_device(v, v_name, q.device, "q")
+    if dtype_ref == "q":
+        ref, others = q, ((k, k_name), (v, v_name))
+    elif dtype_ref == k_name:
+        ref, others = k, ((v, v_name), (q, "q"))
+    else:
+        raise ValueError(f"dtype_ref must be 'q' or {k_name!r}, got {dtype_ref!r}")
+    for x, name in others:
+        same_dtype(x, name, ref.dtype, dtype_ref)
+
+
 def index_tensor(x, name: str, ndim: int, layout: str, device: torch.device) -> Tensor:
     """An int32 lengths / offsets / page-id tensor of rank ``ndim`` on ``device``."""
     tensor(x, name)

@@ -51,12 +51,7 @@ def check_kvcache(
         )
     chk.rank(k_cache, "k_cache", 4, "[num_pages, page_size, H_kv, d]")
     chk.rank(v_cache, "v_cache", 4, "[num_pages, page_size, H_kv, d_v]")
-    chk.same_device(k_cache, "k_cache", device, "q")
-    chk.same_device(v_cache, "v_cache", device, "q")
-    if v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache dtype must match k_cache dtype {k_cache.dtype}, got {v_cache.dtype}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype must match k_cache dtype {k_cache.dtype}, got {q.dtype}")
+    chk.attention_operands(q, k_cache, v_cache, "k_cache", "v_cache", dtype_ref="k_cache")
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
         raise ValueError(
             f"v_cache must share k_cache's [num_pages, page_size, H_kv] = {tuple(k_cache.shape[:3])}, "
@@ -95,8 +90,7 @@ def check_kvcache(
         want = tuple(q.shape[:-1]) + (dv,)
         if tuple(qv.shape) != want:
             raise ValueError(f"qv must have shape {want} (q's shape with v_cache's head dim), got {tuple(qv.shape)}")
-        if qv.dtype != q.dtype:
-            raise ValueError(f"qv dtype must match q dtype {q.dtype}, got {qv.dtype}")
+        chk.same_dtype(qv, "qv", q.dtype, "q")
         chk.same_device(qv, "qv", device, "q")
     scale = chk.scalar(softmax_scale, "softmax_scale", allow_none=True)
     if scale is None:
@@ -146,12 +140,7 @@ def check_varlen(
         chk.floating(x, name)
         chk.rank(x, name, 3, layout)
     device = q.device
-    chk.same_device(k, "k", device, "q")
-    chk.same_device(v, "v", device, "q")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k dtype must match q dtype {q.dtype}, got {k.dtype}")
-    if v.dtype != q.dtype:
-        raise ValueError(f"v dtype must match q dtype {q.dtype}, got {v.dtype}")
+    chk.attention_operands(q, k, v, "k", "v", dtype_ref="q")
     H, d = q.shape[1], q.shape[2]
     if k.shape[2] != d:
         raise ValueError(f"k head dim must equal q's head dim {d}, got {k.shape[2]}")
@@ -199,8 +188,7 @@ def check_merge(o_a, lse_a, o_b, lse_b, *, impl: Impl) -> None:
     chk.floating(o_a, "o_a")
     if tuple(o_b.shape) != tuple(o_a.shape):
         raise ValueError(f"o_b must have o_a's shape {tuple(o_a.shape)}, got {tuple(o_b.shape)}")
-    if o_b.dtype != o_a.dtype:
-        raise ValueError(f"o_b dtype must match o_a dtype {o_a.dtype}, got {o_b.dtype}")
+    chk.same_dtype(o_b, "o_b", o_a.dtype, "o_a")
     want = tuple(o_a.shape[:2])
     for x, name in ((lse_a, "lse_a"), (lse_b, "lse_b")):
         if tuple(x.shape) != want:
@@ -240,8 +228,7 @@ def check_flash_mla(
     chk.rank(q, "q", 4, "[bs, sq, H, D]")
     chk.rank(kv_cache, "kv_cache", 4, "[num_pages, page_size, 1, D]")
     chk.same_device(kv_cache, "kv_cache", device, "q")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype must match q dtype {q.dtype}, got {kv_cache.dtype}")
+    chk.same_dtype(kv_cache, "kv_cache", q.dtype, "q")
     D = q.shape[3]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache must have one (latent) KV head, got {kv_cache.shape[2]}")

@@ -194,20 +194,6 @@ def splitkv_measured(table: Sequence[Measured] | None = None) -> bool:
     return any(m.splitkv_ms is not None for m in (MEASURED if table is None else table))
 
 
-def choose_decode_kernel(
-    num_heads: int,
-    batch_size: int,
-    max_seqlen_k: int,
-    page_size: int,
-    *,
-    mean_seqlen_k: float | None = None,
-    table: Sequence[Measured] | None = None,
-) -> "DecodeKernel":
-    """The decode kernel for this shape (see ``explain_decode_kernel`` for the reason)."""
-    return explain_decode_kernel(num_heads, batch_size, max_seqlen_k, page_size, mean_seqlen_k=mean_seqlen_k,
-                                 table=table).kernel
-
-
 # ---------------------------------------------------------------------------------------------------
 # Regenerating the table from a decode-benchmark CSV
 
