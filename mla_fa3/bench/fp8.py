@@ -31,7 +31,7 @@ import torch
 
 from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints, rotations
 from mla_fa3.bench.timing import Progress
-from mla_fa3.kv.fp8 import FP8_DTYPE
+from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.kv.pools import MLATokenPool
 
 FULL = dict(heads=(16, 128), batch=(1, 4, 16, 64), context=(4096, 16384, 32768, 65536))
