@@ -22,10 +22,10 @@ view [T, H, d_rope]: the concatenation is never materialized in the input dtype)
 The two-launch split is the price of a global maximum without a grid-wide barrier (and without an
 atomic max, which would need a zeroed buffer: a third launch).
 
-Rounding to e4m3 is done in fp32 integer arithmetic (:func:`_round_e4m3`, ties to even) so that the
-final cast only converts a value that e4m3 holds exactly: the hardware's ``cvt.rn.satfinite`` agrees,
-and so does Triton's CPU interpreter (whose own fp32 -> fp8 rounding is not to nearest even), so the
-interpreter tests exercise the same arithmetic the GPU runs.
+The e4m3 bytes are computed in integer arithmetic (:func:`_e4m3_code`: round to nearest even, then
+the bit fields) and stored through a uint8 view — no fp32 -> fp8 cast instruction: Triton's CPU
+interpreter rounds that cast differently (not to nearest even; NaN to a finite code), so this way the
+interpreter tests exercise exactly the arithmetic the GPU runs.
 """
 
 from __future__ import annotations
@@ -46,20 +46,22 @@ MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads al
 
 
 @triton.jit
-def _round_e4m3(y):
-    """fp32 ``y`` (finite, ``|y| <= 448 (1 + 2^-23)``) -> the nearest e4m3 value (ties to even), in fp32.
+def _e4m3_code(y):
+    """fp32 ``y`` (NaN, or finite with ``|y| <= 448 (1 + 2^-23)``) -> its e4m3 byte (int32 0..255):
+    nearest value, ties to even; NaN -> 0x7F (with y's sign bit).
 
-    Normal e4m3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, rounding on the integer bits (a
-    carry moves into the exponent by itself). Subnormal (|y| < 2^-6, spacing 2^-9): ``(|y| + 2^14) - 2^14``
-    — fp32's spacing at 2^14 is 2^-9, so the add rounds to nearest even there. The sign (also of -0)
-    is put back on the bits."""
+    Normal e4m3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, rounding on the integer bits (a carry
+    moves into the exponent by itself), then re-bias the exponent (127 -> 7). Subnormal (|y| < 2^-6,
+    spacing 2^-9): ``(|y| + 2^14) - 2^14`` — fp32's spacing at 2^14 is 2^-9, so the add rounds to nearest
+    even there — and the code is the count of 2^-9 (8 = 2^-6 is the smallest normal's code too)."""
     a = tl.abs(y)
     bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    sub = (a + 16384.0) - 16384.0
-    r = tl.where(a >= 0.015625, normal, sub)
-    sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where(y != y, 0x7F, code)
+    return code | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def _store_e4m3_kernel(X, Scale, Loc, Out, T, W, stride_x, stride_out,
     y = tl.math.div_rn(x, tl.load(Scale))
     y = tl.where(y != y, 0.0, y)
     y = tl.minimum(tl.maximum(y, -MAX), MAX)
-    tl.store(Out + slot[:, None] * stride_out + cols[None, :], _round_e4m3(y).to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + slot[:, None] * stride_out + cols[None, :], _e4m3_code(y).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -113,8 +115,8 @@ def _quantize_rows(P, Out, rows, row_ok, H, stride_t, stride_h, D, col0, OUT_W, 
     mask = row_ok[:, None] & (cols < D)[None, :]
     x = tl.load(P + t[:, None] * stride_t + h[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
     y = tl.math.div_rn(x.to(tl.float32), s)
-    q = tl.where(y == y, _round_e4m3(y), y)  # y is finite or NaN (s > 0)
-    tl.store(Out + rows.to(tl.int64)[:, None] * OUT_W + col0 + cols[None, :], q.to(Out.dtype.element_ty), mask=mask)
+    code = _e4m3_code(y)  # y is finite (|y| <= 448 (1 + 2^-23)) or NaN: s > 0
+    tl.store(Out + rows.to(tl.int64)[:, None] * OUT_W + col0 + cols[None, :], code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -141,7 +143,7 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor) -> None:
     if T == 0:
         return
     grid = (triton.cdiv(T, STORE_BLOCK_T), triton.cdiv(W, STORE_BLOCK_W))
-    _store_e4m3_kernel[grid](x, scale, loc, out, T, W, x.stride(0), out.stride(0), MAX=FP8_E4M3_MAX,
+    _store_e4m3_kernel[grid](x, scale, loc, out.view(torch.uint8), T, W, x.stride(0), out.stride(0), MAX=FP8_E4M3_MAX,
                              BLOCK_T=STORE_BLOCK_T, BLOCK_W=STORE_BLOCK_W)
 
 
@@ -160,6 +162,6 @@ def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
     blocks = dict(BLOCK_N=QUANT_BLOCK_N, BLOCK_DA=triton.next_power_of_2(DA), BLOCK_DB=triton.next_power_of_2(DB))
     _absmax_partial_kernel[(P,)](a, b, partial, N, H, *strides, DA, DB, num_blocks, **blocks)
-    _quantize_query_kernel[(num_blocks,)](a, b, partial, out, descale, N, H, *strides, DA, DB, P, MAX=FP8_E4M3_MAX,
+    _quantize_query_kernel[(num_blocks,)](a, b, partial, out.view(torch.uint8), descale, N, H, *strides, DA, DB, P, MAX=FP8_E4M3_MAX,
                                           TINY=DYNAMIC_TINY, BLOCK_P=triton.next_power_of_2(P), **blocks)
     return out, descale
