@@ -22,7 +22,8 @@ over the whole row with ``v = row[..., :r]``. The cache views are slices of the 
 
 FP8 latent cache (``kv_paged`` e4m3, per-tensor scale ``s_kv``): only FlashMLA reads it (FA3 refuses
 an e4m3 ``v_cache`` wider than 256). Per step the 576-wide query is quantized on the device with its
-own power-of-two scale ``s_q`` (``kv/fp8.quantize_e4m3_dynamic``; no host sync), and FlashMLA computes
+own scale ``s_q = absmax / 448`` (``ops.quantize_query_e4m3``, straight from q_lat and the q_rope slice:
+two fused launches on CUDA; no host sync), and FlashMLA computes
     s(t, h) = scale · (s_q · q8(h)) · (s_kv · latent8(t)),    o_lat(h) = Σ_t softmax · s_kv · c_kv8(t)
 with ``descale_q = s_q``, ``descale_k = s_kv``. The pool is never dequantized.
 
@@ -36,9 +37,9 @@ from __future__ import annotations
 import torch
 
 from mla_fa3 import ops
-from mla_fa3.kv.fp8 import FP8_DTYPE, quantize_e4m3_dynamic
 from mla_fa3.layer import AttentionLayer, MLADims, MLAWeights
 from mla_fa3.metadata import AttentionMetadata
+from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.policy.paths import DecodeKernel
 
 
@@ -161,8 +162,9 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     """o_lat [T, H, r] through FlashMLA or split-KV: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
 
     q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy.
-    ``kv_scale`` given (FP8 cache): q is quantized per step (power-of-two scale, on the device) and the
-    kernel gets both descales; its output (bf16) is cast back to q's dtype."""
+    ``kv_scale`` given (FP8 cache): q_lat is absorbed into its own buffer and ``ops.quantize_query_e4m3``
+    writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the device); the kernel gets both
+    descales; its output (bf16) is cast back to q's dtype."""
     name = kernel.value.upper()
     if schedule is None:
         raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
@@ -175,13 +177,14 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     if T != bs * sq:
         raise ValueError(f"q has {T} tokens but {name} needs batch_size * max_seqlen_q = {bs} * {sq} "
                          "(equal query length per request)")
-    q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
-    absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
-    q_cat[..., r:].copy_(q_rope)
     descales = {}
     if kv_scale is not None:
-        q_cat, q_scale = quantize_e4m3_dynamic(q_cat)
+        q_cat, q_scale = ops.quantize_query_e4m3(absorb_query(q_nope, layer.mla_weights), q_rope, impl=impl)
         descales = dict(descale_q=q_scale, descale_k=kv_scale)
+    else:
+        q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
+        absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
+        q_cat[..., r:].copy_(q_rope)
     kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl, **descales)
     if kernel is DecodeKernel.SPLITKV:
         o, _ = ops.splitkv_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,

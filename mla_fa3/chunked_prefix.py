@@ -63,7 +63,7 @@ from torch import Tensor
 from mla_fa3 import absorb, ops
 from mla_fa3.ops.calls import MergeCall, VarlenCall
 from mla_fa3.layer import AttentionLayer
-from mla_fa3.kv.fp8 import FP8_DTYPE, dequantize_e4m3
+from mla_fa3.ops.fp8 import FP8_DTYPE, dequantize_e4m3
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.prefill_plan import PrefillPlan

@@ -43,7 +43,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch, queries_per_request
-from mla_fa3.kv.fp8 import FP8_DTYPE
+from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule

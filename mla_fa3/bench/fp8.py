@@ -7,8 +7,9 @@ of one layer — latent store, q absorption, kernel, W_UV projection — replaye
 ``GraphRunner``, plus the step's replay update / 61 layers) runs twice over the same page layout:
 
 * ``bf16``: a bf16 latent pool, the backend's own kernel choice (``decode_kernel=auto``);
-* ``fp8``: an e4m3 pool (``MLATokenPool(kv_dtype=torch.float8_e4m3fn)``): store quantized, q quantized
-  per step on the device, FlashMLA's FP8 decode.
+* ``fp8``: an e4m3 pool (``MLATokenPool(kv_dtype=torch.float8_e4m3fn)``): store quantized
+  (``ops.store_e4m3``: one fused Triton launch), q quantized per step on the device
+  (``ops.quantize_query_e4m3``: two Triton launches), FlashMLA's FP8 decode.
 
 Columns: per-layer microseconds of each, ``speedup`` = bf16 / fp8, and the pool's capacity: tokens per
 GB of latent pool per layer (bf16: 1e9 / 1152, fp8: 1e9 / 576) and for the 61 layers of DeepSeek-V3.
@@ -31,7 +32,7 @@ import torch
 
 from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints, rotations
 from mla_fa3.bench.timing import Progress
-from mla_fa3.kv.fp8 import FP8_DTYPE
+from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.kv.pools import MLATokenPool
 
 FULL = dict(heads=(16, 128), batch=(1, 4, 16, 64), context=(4096, 16384, 32768, 65536))

@@ -1,19 +1,8 @@
-"""FP8 (e4m3) storage of the KV caches: saturating quantization, dequantization, scale proposals.
+"""FP8 (e4m3) KV caches: the scale settings — checks, calibration proposals, the kv_dtype option.
 
-A tensor ``x`` is stored with a per-tensor scale ``s`` (float32, ``[1]``, on the device) as
-
-    x8 = e4m3( clamp(x / s, -448, 448) )          448 = the largest finite float8_e4m3fn
-    x ~= float(x8) * s                             (the kernels' "descale" is s itself)
-
-Overflow saturates to ±448 (never NaN: depending on the torch build, a plain ``.to(float8_e4m3fn)`` of
-a value past 464 gives NaN). A non-finite input element is stored as a finite value — ±inf as ±448,
-NaN as 0 — silently; the latent pool raises instead under ``debug_checks`` (which reads device values).
-Every function here runs on the device without reading a tensor value on the host (legal inside a
-CUDA graph), in few kernels (the store: divide, nan_to_num, clamp, cast).
-
-Queries are quantized per step with a scale from their own absmax (:func:`quantize_e4m3_dynamic`):
-``s = max(absmax, 2^-100) / 448`` (fp32), ``q8 = e4m3(q / s)`` — five small kernels (absmax, two for the
-scale, divide, cast); ``|q / s| <= 448 (1 + 2^-23)`` rounds to at most 448, so no clamp is needed.
+The storage format and its quantization (``x8 = e4m3(clamp(x / s, ±448))``, read as ``float(x8) · s``,
+per-tensor scale ``s`` [1] float32 on the device) are the kernel layer's: ``ops/fp8.py`` (torch
+reference) and ``ops.store_e4m3`` / ``ops.quantize_query_e4m3`` (fused Triton kernels on CUDA).
 
 Scale proposal (calibration, :func:`propose_scale`): ``s = absmax · headroom / 448`` — the observed
 absmax of the latent rows maps to 448 / headroom.
@@ -24,14 +13,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
 
-__all__ = ["kv_dtype_of", "FP8_DTYPE", "FP8_E4M3_MAX", "quantize_e4m3", "dequantize_e4m3", "quantize_e4m3_dynamic",
-           "propose_scale", "check_scale"]
+from mla_fa3.ops.fp8 import FP8_E4M3_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-_TINY = 2.0 ** -100  # floor of a dynamic absmax (an all-zero tensor gets a finite scale)
+__all__ = ["kv_dtype_of", "propose_scale", "check_scale"]
 
 
 def check_scale(value, name: str) -> float:
@@ -39,38 +24,6 @@ def check_scale(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
     return float(value)
-
-
-def quantize_e4m3(x: Tensor, scale: Tensor) -> Tensor:
-    """x (any float dtype) -> e4m3 ``clamp(x / scale, ±448)``; ±inf -> ±448, NaN -> 0.
-
-    scale: ``[1]`` (or broadcastable) float32 on x's device (x / scale is computed in float32).
-    """
-    y = torch.div(x, scale)
-    if y.dtype != torch.float32:
-        y = y.float()
-    y = y.nan_to_num_(nan=0.0, posinf=FP8_E4M3_MAX, neginf=-FP8_E4M3_MAX)
-    return y.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
-
-
-def dequantize_e4m3(x8: Tensor, scale: Tensor, dtype: torch.dtype, *, out: Tensor | None = None) -> Tensor:
-    """e4m3 ``x8`` -> ``float(x8) · scale`` in ``dtype`` (written into ``out`` when given)."""
-    y = x8.float().mul_(scale)
-    if out is None:
-        return y.to(dtype)
-    return out.copy_(y)
-
-
-def quantize_e4m3_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-tensor dynamic quantization: (x8 e4m3, descale [1] float32).
-
-    descale = max(absmax(x), 2^-100) / 448 in float32; x8 = e4m3(x / descale) (x / descale in float32).
-    """
-    if x.numel() == 0:
-        return x.to(FP8_DTYPE), torch.ones(1, dtype=torch.float32, device=x.device)
-    amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
-    scale = amax.clamp_min_(_TINY).div_(FP8_E4M3_MAX).reshape(1)
-    return torch.div(x, scale).to(FP8_DTYPE), scale
 
 
 def propose_scale(absmax: float, headroom: float = 1.0) -> float:

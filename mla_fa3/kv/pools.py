@@ -9,8 +9,8 @@ from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every nam
   ``[c_kv | k_rope]``; ``paged(layer)`` views it as ``[P, p, 1, r + d_rope]`` (one KV head) and
   ``c_kv_paged`` / ``k_rope_paged`` slice the last dim — zero-copy views that FA3 takes as
   ``v_cache`` / ``k_cache`` of the absorbed path. Optionally FP8 e4m3 with a per-layer per-tensor scale
-  (``kv/fp8.py``): half the bytes per token; read by FlashMLA's FP8 decode and, dequantized chunk by
-  chunk, by the MHA prefill.
+  (``ops/fp8.py``; stored by ``ops.store_e4m3``: one fused launch on CUDA): half the bytes per token;
+  read by FlashMLA's FP8 decode and, dequantized chunk by chunk, by the MHA prefill.
 - :class:`MHATokenPool` — regular K/V per layer, optionally FP8 e4m3 with per-layer per-tensor scales:
   stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
 
@@ -25,9 +25,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from mla_fa3 import ops
 from mla_fa3.batch import to_device
 from mla_fa3.checks import check_int
-from mla_fa3.kv.fp8 import FP8_DTYPE, FP8_E4M3_MAX, check_scale, dequantize_e4m3, propose_scale, quantize_e4m3
+from mla_fa3.kv.fp8 import check_scale, propose_scale
+from mla_fa3.ops.fp8 import FP8_DTYPE, FP8_E4M3_MAX, dequantize_e4m3
 
 __all__ = ["MLATokenPool", "MHATokenPool", "check_page_size", "same_device", "FP8_E4M3_MAX"]
 
@@ -53,6 +55,12 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.index == b.index
 
 
+
+def _rows_2d(x: Tensor) -> Tensor:
+    """x [T, W] as ``ops.store_e4m3`` reads it: a contiguous last dim, fp32/fp16/bf16 (others: to fp32)."""
+    if x.dtype not in _FLOAT_DTYPES:
+        x = x.float()
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
 class _TokenPoolBase:
@@ -129,7 +137,7 @@ class MLATokenPool(_TokenPoolBase):
 
     ``dtype`` (bf16 / fp16 / fp32) is the compute dtype: what the set methods receive and what
     :meth:`dequantized` gives. ``kv_dtype=torch.float8_e4m3fn`` stores every row quantized
-    (``kv/fp8.py``) with a per-layer per-tensor scale ``scale[layer]`` ([1] float32, device; default
+    (``ops/fp8.py``) with a per-layer per-tensor scale ``scale[layer]`` ([1] float32, device; default
     1.0 — set it from the checkpoint or a calibration with :meth:`set_scales`): the stored row is
     ``e4m3(clamp(x / s, ±448))``, read back as ``float(x8) · s``. A non-finite element of a stored row
     is saturated (±inf -> ±448, NaN -> 0: the cache never holds NaN); with ``debug_checks=True`` it
@@ -196,7 +204,9 @@ class MLATokenPool(_TokenPoolBase):
 
     # ------------------------------------------------------------------ store
     def _store(self, layer: int, rows: Tensor, cols: slice, x: Tensor) -> None:
-        """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating)."""
+        """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating).
+
+        FP8: ``ops.store_e4m3`` — on CUDA one fused Triton launch (divide, saturate, cast, scatter)."""
         if self.absmax is not None and x.numel():
             a = self.absmax[layer: layer + 1]
             torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
@@ -204,7 +214,7 @@ class MLATokenPool(_TokenPoolBase):
         if not self.is_fp8:
             buf[rows, cols] = x.to(self.dtype)
             return
-        buf[rows, cols] = quantize_e4m3(x, self.scale[layer])
+        ops.store_e4m3(buf[:, cols], rows, _rows_2d(x), self.scale[layer])
 
     def _check_finite(self, *named: tuple[str, Tensor]) -> None:
         """FP8 + debug_checks: a non-finite element raises (reads the device) before anything is written."""
@@ -316,10 +326,12 @@ class MHATokenPool(_TokenPoolBase):
         shape = (batch_size, self.num_kv_heads)
         return self.k_scale[layer].expand(shape), self.v_scale[layer].expand(shape)
 
-    def _store(self, x: Tensor, scale: Tensor | None) -> Tensor:
+    def _store(self, buf: Tensor, loc: Tensor, x: Tensor, scale: Tensor | None) -> None:
+        """buf[loc] = x in the storage dtype (FP8: ``ops.store_e4m3`` over the flattened heads)."""
         if scale is None:
-            return x.to(self.kv_dtype)
-        return quantize_e4m3(x, scale)
+            buf[loc] = x.to(self.kv_dtype)
+            return
+        ops.store_e4m3(buf.view(buf.shape[0], -1), loc, _rows_2d(x.reshape(x.shape[0], -1)), scale)
 
     def _buffers(self) -> list[Tensor]:
         return self.k_buffer + self.v_buffer
@@ -332,8 +344,8 @@ class MHATokenPool(_TokenPoolBase):
         self._check_rows(k, "k", t, (self.num_kv_heads, self.head_dim))
         self._check_rows(v, "v", t, (self.num_kv_heads, self.v_head_dim))
         loc = to_device(loc, self.device, torch.int64)
-        self.k_buffer[layer][loc] = self._store(k, self.k_scale[layer] if self.is_fp8 else None)
-        self.v_buffer[layer][loc] = self._store(v, self.v_scale[layer] if self.is_fp8 else None)
+        self._store(self.k_buffer[layer], loc, k, self.k_scale[layer] if self.is_fp8 else None)
+        self._store(self.v_buffer[layer], loc, v, self.v_scale[layer] if self.is_fp8 else None)
 
     def k_paged(self, layer: int) -> Tensor:
         """[P, p, h_kv, d] view of the layer's K buffer (storage dtype; no copy)."""

@@ -40,7 +40,7 @@ from typing import Iterator, Optional, Tuple, Union
 
 import torch
 
-from . import fa3, reference, validate
+from . import fa3, fp8, reference, validate
 from .calls import MergeCall, VarlenCall
 from .fa3 import FA3UnavailableError
 from .splitkv_config import KernelConfig
@@ -87,6 +87,9 @@ __all__ = [
     "get_splitkv_schedule",
     "splitkv_available",
     "splitkv_mla_with_kvcache",
+    "fp8_fused_available",
+    "store_e4m3",
+    "quantize_query_e4m3",
 ]
 
 Tensor = torch.Tensor
@@ -162,7 +165,8 @@ def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
     """AUTO -> FA3 where it runs, REFERENCE off CUDA; FA3UnavailableError (why) for FA3 / AUTO on CUDA."""
     chosen = _global_impl if impl is None else _coerce_impl(impl)
     if chosen is Impl.TRITON:
-        raise ValueError("impl='triton' runs only the split-KV ops (splitkv_mla_with_kvcache); use fa3/reference/auto")
+        raise ValueError("impl='triton' runs only the split-KV ops (splitkv_mla_with_kvcache) and the FP8 "
+                         "quantization ops (store_e4m3, quantize_query_e4m3); use fa3/reference/auto")
     if chosen is Impl.REFERENCE or (chosen is Impl.AUTO and device.type != "cuda"):
         return Impl.REFERENCE
     error = fa3.unavailable_error(device, auto=chosen is Impl.AUTO)
@@ -380,7 +384,7 @@ def flash_mla_with_kvcache(
 
 
 # ------------------------------------------------------------------ split-KV decode (our Triton kernel)
-# TRITON (``splitkv_triton.py``, the only module importing triton) on CUDA — or on CPU under
+# TRITON (``splitkv_triton.py``; triton is imported only there and in ``fp8_triton.py``) on CUDA — or on CPU under
 # TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
 # e.g. set_impl('fa3')) means TRITON here.
 
@@ -395,20 +399,25 @@ def _splitkv_kernels():
     return splitkv_triton
 
 
-def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
+def _resolve_triton(impl: Optional[ImplLike], device: torch.device, kernels, what: str) -> Impl:
+    """TRITON or REFERENCE for an op whose compiled form is the Triton module ``kernels`` (or why it is missing)."""
     chosen = _global_impl if impl is None else _coerce_impl(impl)
     chosen = Impl.TRITON if chosen is Impl.FA3 else chosen
     here = device.type == "cuda" and torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    usable = here and not isinstance(_splitkv_kernels(), str)
+    usable = here and not isinstance(kernels, str)
     if chosen is Impl.AUTO:
         if not usable and device.type == "cuda":  # never a silent fall-back to the reference on a GPU
-            raise KernelUnavailableError(f"split-KV Triton kernel unavailable on {device}: {_splitkv_kernels()}; "
+            raise KernelUnavailableError(f"{what} Triton kernel unavailable on {device}: {kernels}; "
                                          "pass impl='reference' to run the torch reference")
         return Impl.TRITON if usable else Impl.REFERENCE
     if chosen is Impl.TRITON and not usable:
-        why = _splitkv_kernels() if here else f"the tensors are on {device}, it needs a CUDA device"
-        raise KernelUnavailableError(f"split-KV Triton kernel unavailable: {why}; pass impl='reference'")
+        why = kernels if here else f"the tensors are on {device}, it needs a CUDA device"
+        raise KernelUnavailableError(f"{what} Triton kernel unavailable: {why}; pass impl='reference'")
     return chosen
+
+
+def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
+    return _resolve_triton(impl, device, _splitkv_kernels(), "split-KV")
 
 
 def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
@@ -471,3 +480,64 @@ def splitkv_mla_with_kvcache(
         out, lse = reference.flash_mla_with_kvcache(call)
     _ran(chosen)
     return out, lse
+
+
+# ------------------------------------------------------------------ FP8 quantization (fused Triton kernels)
+# TRITON (``fp8_triton.py``) on CUDA — or on CPU under TRITON_INTERPRET=1 (tests) — else REFERENCE
+# (``fp8.py``, a few torch kernels, any device); FA3 means TRITON here, as for split-KV. Same results bit
+# for bit. Neither syncs nor allocates outside torch's allocator: both can be captured in a CUDA graph.
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_kernels():
+    """The fused FP8 kernel module, or why it does not import (str)."""
+    try:
+        from . import fp8_triton
+    except Exception as exc:  # ImportError (no triton) or a broken triton install
+        return f"{type(exc).__name__}: {exc}"
+    return fp8_triton
+
+
+def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``store_e4m3`` / ``quantize_query_e4m3`` run on ``device`` with ``impl`` (without raising). Host only."""
+    try:
+        _resolve_triton(impl, torch.device(device), _fp8_kernels(), "FP8 quantization")
+    except (KernelUnavailableError, ValueError):
+        return False
+    return True
+
+
+def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Optional[ImplLike] = None) -> None:
+    """Quantize rows and scatter them into an e4m3 cache: ``out[loc[t]] = e4m3(clamp(x[t] / scale, ±448))``.
+
+    out ``[S, W]`` float8_e4m3fn (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
+    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's), x ``[T, W]`` float
+    (last dim contiguous), scale ``[1]`` float32 on the device. x / scale in fp32; NaN -> 0, ±inf and
+    overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
+    """
+    chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
+    validate.check_store_e4m3(out, loc, x, scale)
+    if chosen is Impl.TRITON:
+        _fp8_kernels().store_e4m3(out, loc, x, scale)
+    elif x.shape[0]:
+        out[loc] = fp8.quantize_e4m3(x, scale)
+    _ran(chosen)
+
+
+def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
+    """Per-step dynamic e4m3 quantization of the query ``q = [q_a | q_b]`` given as its two parts.
+
+    q_a ``[T, H, DA]``, q_b ``[T, H, DB]`` (same float dtype and device; any strides with a contiguous
+    last dim, e.g. q_lat and a slice of the model's q). Returns (q8 ``[T, H, DA + DB]`` e4m3
+    contiguous, descale ``[1]`` float32) with ``descale = max(absmax(q), 2^-100) / 448`` and
+    ``q8 = e4m3(q / descale)`` (``fp8.quantize_e4m3_dynamic``; T = 0: descale 1). TRITON: two launches,
+    and q is never concatenated in its own dtype.
+    """
+    chosen = _resolve_triton(impl, validate.device_of(q_a, "q_a"), _fp8_kernels(), "FP8 quantization")
+    validate.check_quantize_query(q_a, q_b)
+    if chosen is Impl.TRITON:
+        out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
+    else:
+        out = fp8.quantize_e4m3_dynamic(torch.cat([q_a, q_b], dim=-1))
+    _ran(chosen)
+    return out

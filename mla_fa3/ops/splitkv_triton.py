@@ -1,4 +1,4 @@
-"""Split-KV absorbed-MLA decode in Triton: the only module of mla_fa3 that imports ``triton``.
+"""Split-KV absorbed-MLA decode in Triton (``triton`` is imported only here and in ``fp8_triton.py``).
 
 Contract of ``ops.flash_mla_with_kvcache`` (its torch reference is ``reference.flash_mla_with_kvcache``):
 q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope), the latent pool read in place

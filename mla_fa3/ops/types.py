@@ -34,7 +34,8 @@ def lse_natural_to_base2(lse: torch.Tensor) -> torch.Tensor:
 class Impl(enum.Enum):
     """Which implementation runs an op. AUTO picks FA3 on a CUDA sm90 device with sgl_kernel, else REFERENCE.
 
-    TRITON runs only the split-KV ops (AUTO picks it there on CUDA when triton imports).
+    TRITON runs only the split-KV ops and the FP8 quantization ops (AUTO picks it there on CUDA when triton
+    imports).
     """
 
     AUTO = "auto"

@@ -1,0 +1,167 @@
+"""Fused FP8 (e4m3) quantization in Triton: the pool store (one launch) and the query (two launches).
+
+Contracts and torch reference: ``fp8.py`` (``quantize_e4m3`` + a scatter, ``quantize_e4m3_dynamic``);
+the results are the reference's bit for bit (NaN payloads aside). Validation is the caller's
+(``ops.store_e4m3`` / ``ops.quantize_query_e4m3``); nothing here reads a tensor value on the host, so
+both are legal inside a CUDA graph (the query's two work buffers come from ``torch.empty``).
+
+Store, one program per (block of rows, block of columns):
+
+    s = scale[0];  y = x[t, c] / s (fp32, div_rn);  y = 0 if NaN;  y = clamp(y, ±448)
+    out[loc[t], c] = e4m3(y)
+
+Query (``q = [a | b]`` given as its two parts, e.g. ``q_lat`` [T, H, r] and a strided ``q_rope``
+view [T, H, d_rope]: the concatenation is never materialized in the input dtype):
+
+    # launch 1, P <= MAX_PARTIALS programs, each strides over blocks of rows (t, h):
+    partial[p] = max |a|, |b| over its rows          (NaN if any element is NaN)
+    # launch 2, one program per block of rows: every program reduces the P partials itself
+    amax = max_p partial[p] (NaN if any);  s = max(amax, 2^-100) / 448   (fp32, div_rn; NaN stays NaN)
+    out[t, h] = e4m3([a | b] / s);  program 0 writes descale[0] = s
+
+The two-launch split is the price of a global maximum without a grid-wide barrier (and without an
+atomic max, which would need a zeroed buffer: a third launch).
+
+The e4m3 bytes are computed in integer arithmetic (:func:`_e4m3_code`: round to nearest even, then
+the bit fields) and stored through a uint8 view — no fp32 -> fp8 cast instruction: Triton's CPU
+interpreter rounds that cast differently (not to nearest even; NaN to a finite code), so this way the
+interpreter tests exercise exactly the arithmetic the GPU runs.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8 import DYNAMIC_TINY, FP8_DTYPE, FP8_E4M3_MAX
+
+Tensor = torch.Tensor
+STORE_BLOCK_T = 16  # rows per store program
+STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
+QUANT_BLOCK_N = 16  # (t, h) rows per query program
+MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
+
+
+@triton.jit
+def _e4m3_code(y):
+    """fp32 ``y`` (NaN, or finite with ``|y| <= 448 (1 + 2^-23)``) -> its e4m3 byte (int32 0..255):
+    nearest value, ties to even; NaN -> 0x7F (with y's sign bit).
+
+    Normal e4m3 (|y| >= 2^-6): keep 3 of fp32's 23 mantissa bits, rounding on the integer bits (a carry
+    moves into the exponent by itself), then re-bias the exponent (127 -> 7). Subnormal (|y| < 2^-6,
+    spacing 2^-9): ``(|y| + 2^14) - 2^14`` — fp32's spacing at 2^14 is 2^-9, so the add rounds to nearest
+    even there — and the code is the count of 2^-9 (8 = 2^-6 is the smallest normal's code too)."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = (((rb >> 23) - 120) << 3) | ((rb >> 20) & 7)
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    code = tl.where(y != y, 0x7F, code)
+    return code | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+
+
+@triton.jit
+def _store_e4m3_kernel(X, Scale, Loc, Out, T, W, stride_x, stride_out,
+                       MAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    row_ok = rows < T
+    mask = row_ok[:, None] & (cols < W)[None, :]
+    slot = tl.load(Loc + rows, mask=row_ok, other=0).to(tl.int64)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.math.div_rn(x, tl.load(Scale))
+    y = tl.where(y != y, 0.0, y)
+    y = tl.minimum(tl.maximum(y, -MAX), MAX)
+    tl.store(Out + slot[:, None] * stride_out + cols[None, :], _e4m3_code(y).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _abs_max_rows(P, rows, row_ok, H, stride_t, stride_h, D, BLOCK_D: tl.constexpr):
+    """(max |x| per row, NaN count per row) of rows (t, h) = divmod(rows, H) of a [T, H, D] tensor."""
+    cols = tl.arange(0, BLOCK_D)
+    t = (rows // H).to(tl.int64)
+    h = (rows % H).to(tl.int64)
+    x = tl.load(P + t[:, None] * stride_t + h[:, None] * stride_h + cols[None, :],
+                mask=row_ok[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+    return tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _absmax_partial_kernel(A, B, Partial, N, H, stride_at, stride_ah, stride_bt, stride_bh, DA, DB, num_blocks,
+                           BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
+    pid = tl.program_id(0)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for blk in range(pid, num_blocks, tl.num_programs(0)):
+        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = rows < N
+        ma, na = _abs_max_rows(A, rows, ok, H, stride_at, stride_ah, DA, BLOCK_DA)
+        mb, nb = _abs_max_rows(B, rows, ok, H, stride_bt, stride_bh, DB, BLOCK_DB)
+        amax = tl.maximum(amax, tl.maximum(ma, mb))
+        nans += na + nb
+    m = tl.max(amax, axis=0)
+    tl.store(Partial + pid, tl.where(tl.sum(nans, axis=0) > 0, float("nan"), m))
+
+
+@triton.jit
+def _quantize_rows(P, Out, rows, row_ok, H, stride_t, stride_h, D, col0, OUT_W, s, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    t = (rows // H).to(tl.int64)
+    h = (rows % H).to(tl.int64)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(P + t[:, None] * stride_t + h[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+    y = tl.math.div_rn(x.to(tl.float32), s)
+    code = _e4m3_code(y)  # y is finite (|y| <= 448 (1 + 2^-23)) or NaN: s > 0
+    tl.store(Out + rows.to(tl.int64)[:, None] * OUT_W + col0 + cols[None, :], code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quantize_query_kernel(A, B, Partial, Out, Descale, N, H, stride_at, stride_ah, stride_bt, stride_bh, DA, DB,
+                           num_partials, MAX: tl.constexpr, TINY: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr):
+    offs = tl.arange(0, BLOCK_P)
+    part = tl.load(Partial + offs, mask=offs < num_partials, other=0.0)
+    amax = tl.max(part, axis=0)
+    amax = tl.where(tl.sum((part != part).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    s = tl.math.div_rn(tl.maximum(amax, TINY, propagate_nan=tl.PropagateNan.ALL), MAX)
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(Descale, s)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    _quantize_rows(A, Out, rows, ok, H, stride_at, stride_ah, DA, 0, DA + DB, s, BLOCK_DA)
+    _quantize_rows(B, Out, rows, ok, H, stride_bt, stride_bh, DB, DA, DA + DB, s, BLOCK_DB)
+
+
+def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor) -> None:
+    """out[loc[t], :] = e4m3(clamp(x[t] / scale, ±448)) (NaN -> 0): x [T, W], out [S, W] (last dims contiguous)."""
+    T, W = x.shape
+    if T == 0:
+        return
+    grid = (triton.cdiv(T, STORE_BLOCK_T), triton.cdiv(W, STORE_BLOCK_W))
+    _store_e4m3_kernel[grid](x, scale, loc, out.view(torch.uint8), T, W, x.stride(0), out.stride(0), MAX=FP8_E4M3_MAX,
+                             BLOCK_T=STORE_BLOCK_T, BLOCK_W=STORE_BLOCK_W)
+
+
+def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """[a | b] ([T, H, DA], [T, H, DB], last dims contiguous) -> (q8 [T, H, DA + DB] e4m3, descale [1] fp32)."""
+    T, H, DA = a.shape
+    DB = b.shape[2]
+    out = torch.empty(T, H, DA + DB, dtype=FP8_DTYPE, device=a.device)
+    descale = torch.empty(1, dtype=torch.float32, device=a.device)
+    N = T * H
+    if N == 0:
+        return out, descale.fill_(1.0)
+    num_blocks = triton.cdiv(N, QUANT_BLOCK_N)
+    P = min(num_blocks, MAX_PARTIALS)
+    partial = torch.empty(P, dtype=torch.float32, device=a.device)
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+    blocks = dict(BLOCK_N=QUANT_BLOCK_N, BLOCK_DA=triton.next_power_of_2(DA), BLOCK_DB=triton.next_power_of_2(DB))
+    _absmax_partial_kernel[(P,)](a, b, partial, N, H, *strides, DA, DB, num_blocks, **blocks)
+    _quantize_query_kernel[(num_blocks,)](a, b, partial, out.view(torch.uint8), descale, N, H, *strides, DA, DB, P, MAX=FP8_E4M3_MAX,
+                                          TINY=DYNAMIC_TINY, BLOCK_P=triton.next_power_of_2(P), **blocks)
+    return out, descale
