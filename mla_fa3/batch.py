@@ -177,12 +177,23 @@ class ForwardBatch:
     def __post_init__(self) -> None:
         self.check()
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # a reassigned field is checked again by the next ensure_checked (the metadata builder's)
+        object.__setattr__(self, name, value)
+        self.__dict__["_checked"] = False
+
+    def ensure_checked(self) -> None:
+        """:meth:`check`, unless it passed since the last field assignment (construction runs it)."""
+        if not self.__dict__.get("_checked", False):
+            self.check()
+
     def check(self) -> None:
         """Validate dtypes, shapes, placement and the CPU copies (host values only: never syncs).
 
         Raises ``TypeError``/``ValueError`` naming the field. Run at construction; the metadata builder
-        runs it again because fields can be reassigned.
+        runs it again (:meth:`ensure_checked`) only when a field was reassigned since.
         """
+        self.__dict__["_checked"] = False
         if not isinstance(self.forward_mode, ForwardMode):
             raise TypeError(f"forward_mode must be a ForwardMode, got {type(self.forward_mode).__name__}")
         bs = check_int(self.batch_size, "batch_size", minimum=0)
@@ -230,6 +241,7 @@ class ForwardBatch:
             _check(self.positions, "positions", (torch.int64,), num_tokens)
         check_int(self.num_draft_tokens, "num_draft_tokens", minimum=0)
         check_int(self.draft_step, "draft_step", minimum=0)
+        self.__dict__["_checked"] = True
 
     # ------------------------------------------------------------------ derived host values
     @property
