@@ -349,7 +349,7 @@ class MLABackend:
             raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
         kernel, why = kernels[0], None
         if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync)
-            kernel, why = self.planner.choose_decode_kernel(batch.batch_size, int(batch.seq_lens_cpu.numpy().max()),
+            kernel, why = self.planner.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
                                                             mean_seqlen(batch))
         entry = self._graph[(mode, bs, k, kernel)]
         md = entry.plan.metadata

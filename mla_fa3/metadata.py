@@ -387,7 +387,8 @@ class MetadataBuilder:
             raise ValueError("metadata must come from MetadataBuilder.capture")
         self.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
         replay_into(buf, batch, metadata.mode, metadata.batch_size, metadata.num_draft_tokens,
-                    self.req_to_token, self._col_index, self._span_np(batch) if batch.batch_size else None)
+                    self.req_to_token, self._col_index,
+                    self._span_np(batch) if batch.encoder_lens_cpu is not None else None)
         if metadata.encoder is not None:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
         if self.debug_checks:

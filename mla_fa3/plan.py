@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from mla_fa3 import ops
@@ -427,14 +426,11 @@ class StepPlanner:
         """Latent rows one MLA layer reads this step (each request's keys once), from host lengths."""
         if batch is None or self.kv_dtype is None or self.latent_width is None or batch.seq_lens_cpu is None:
             return None
-        tokens = int(batch.seq_lens_cpu.numpy().sum(dtype=np.int64))
-        return tokens * self.latent_width * self._kv_itemsize
+        return batch.seq_lens_sum * self.latent_width * self._kv_itemsize
 
 
 def mean_seqlen(batch: ForwardBatch) -> float | None:
     """Mean KV length of the live requests, from the batch's CPU copy (None for an empty batch)."""
-    lens = batch.seq_lens_cpu
-    if lens is None or not lens.numel():
+    if batch.seq_lens_cpu is None or not batch.batch_size:
         return None
-    mean = float(lens.numpy().mean(dtype=np.float64))  # NumPy: no tensor op on the replay path
-    return mean if math.isfinite(mean) else None
+    return batch.seq_lens_sum / batch.batch_size  # host ints read once per batch (ForwardBatch.check)

@@ -208,7 +208,7 @@ class GraphRunner:
         if batch.batch_size < 1:
             raise ValueError("batch.batch_size must be >= 1 (an IDLE step needs no graph)")
         bs = padded_size(batch.batch_size, self.batch_sizes)
-        longest = int(batch.seq_lens_cpu.numpy().max())  # CPU tensor: no device sync
+        longest = batch.seq_lens_max  # host int (the CPU copy): no device sync
         if longest > self.max_context:
             raise ValueError(f"batch.seq_lens holds a context of {longest} tokens, over the max_context "
                              f"{self.max_context} the graphs were planned for")
