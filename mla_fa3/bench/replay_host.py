@@ -22,7 +22,10 @@ To tell Python from tensor work, a second pass runs under a ``TorchDispatchMode`
 aten op and times it: ``python`` = wall time minus the ops' time (on a GPU each op then costs a
 launch, ~4-8 µs of host time, instead of its CPU compute).
 
-Reported (median over ``--iters`` steps, microseconds per step): each component's wall time,
+Reported (median over ``--iters`` steps, microseconds per step): each component's wall time
+(exclusive of the components it calls; ``cpu_checks`` = the slot-ownership checks of
+``out_cache_loc``, which run on the host for CPU tensors only — ``prepare_gpu_path`` = ``prepare``
+minus them, the work a GPU step has),
 ``other`` (prepare minus its components), ``prepare`` (``GraphRunner.prepare`` alone, timed in a pass
 without probes), ``batch`` (``ForwardBatch.decode``); then per component the aten ops per step and
 the Python time. The probes wrap the component functions (a fraction of a µs per call).
@@ -56,7 +59,8 @@ from mla_fa3.plan import StepPlanner
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PAGE = 64
-COMPONENTS = ("check_fits", "pad_fill", "kernel_choice", "validate", "replay_into", "flashmla", "step_plan")
+COMPONENTS = ("check_fits", "pad_fill", "kernel_choice", "validate", "cpu_checks", "replay_into", "flashmla",
+              "step_plan")
 
 
 def _probes() -> list[tuple[object, str, str]]:
@@ -66,6 +70,7 @@ def _probes() -> list[tuple[object, str, str]]:
             (runner_mod, "copy_all", "pad_fill"),
             (StepPlanner, "choose_decode_kernel", "kernel_choice"),
             (MetadataBuilder, "validate", "validate"),
+            (MetadataBuilder, "_check_out_cache_loc", "cpu_checks"),
             (metadata_mod, "replay_into", "replay_into"),
             (StepPlanner, "replan_flashmla", "flashmla"),
             (StepPlanner, "decode_plan", "step_plan")]
@@ -76,11 +81,13 @@ class Probe:
 
     def __init__(self):
         self.current = "other"
+        self.nested = 0.0  # seconds spent in probes, for the exclusive time of an enclosing one
         self.wall = dict.fromkeys((*COMPONENTS, "batch"), 0.0)
         self.ops = dict.fromkeys((*COMPONENTS, "batch", "other"), 0)
         self.op_s = dict.fromkeys((*COMPONENTS, "batch", "other"), 0.0)
 
     def reset(self) -> None:
+        self.nested = 0.0
         for d in (self.wall, self.ops, self.op_s):
             for k in d:
                 d[k] = 0
@@ -113,11 +120,14 @@ def probed(probe: Probe):
 
         def wrap(*a, _fn=fn, _name=name, **k):
             outer, probe.current = probe.current, _name
+            inner0 = probe.nested
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **k)
             finally:
-                probe.wall[_name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                probe.wall[_name] += dt - (probe.nested - inner0)  # exclusive of nested probes
+                probe.nested = inner0 + dt
                 probe.current = outer
 
         saved.append((owner, attr, fn))
@@ -219,13 +229,15 @@ def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: i
         row.update({f"{k}_python_us": max(0.0, med[k] - op_med[k]) for k in ops})
         row["prepare_ops"] = sum(row[f"{k}_ops"] for k in (*COMPONENTS, "other"))
         row["prepare_python_us"] = sum(row[f"{k}_python_us"] for k in (*COMPONENTS, "other"))
+        # what a GPU step runs: prepare without the value checks only CPU tensors get
+        row["prepare_gpu_path_us"] = max(0.0, med["prepare"] - med["cpu_checks"])
         out.append(row)
     return out
 
 
 def _table(rows: list[dict]) -> str:
-    parts = ["prepare", *COMPONENTS, "other", "batch"]
-    lines = [" ".join(f"{c:>13}" for c in ("bs", "kernel", *parts))]
+    parts = ["prepare", "prepare_gpu_path", *COMPONENTS, "other", "batch"]
+    lines = [" ".join(f"{c[:13]:>13}" for c in ("bs", "kernel", *parts))]
     for suffix, what in (("_us", "wall µs"), ("_python_us", "python µs"), ("_ops", "aten ops")):
         lines.append(f"-- {what}")
         for r in rows:
