@@ -48,6 +48,7 @@ schedule tensors (``FlashMLASchedule.copy_``) — outside the graph, never insid
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,9 @@ class MLABackend:
         # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
         # kernels are captured per size and each replay picks one from the live lengths (host ints)
         self._graph: dict[tuple[ForwardMode, int, int, DecodeKernel], _GraphEntry] = {}
+        # (mode, k) -> (sorted captured sizes, size -> captured kernels in DecodeKernel order); rebuilt
+        # lazily after a capture, so a replay neither sorts nor scans the captured graphs
+        self._graph_sizes: dict[tuple[ForwardMode, int], tuple[list[int], dict[int, list[DecodeKernel]]]] = {}
         self.graph_kernel: DecodeKernel | None = None  # kernel of the graph the last replay update chose
 
     @property
@@ -284,6 +288,7 @@ class MLABackend:
         self.builder.init_capture_buffers(max_bs, max_context, max_num_draft_tokens=max_num_draft_tokens,
                                           with_encoder=with_encoder, pad_seqlen=self.get_cuda_graph_seq_len_fill_value())
         self._graph.clear()
+        self._graph_sizes.clear()
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
                                                  num_draft_tokens: int = 1, kernel: DecodeKernel | None = None):
@@ -312,6 +317,7 @@ class MLABackend:
             reason = f"{kernel.value} graph"
         plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
         self._graph[(mode, bs, k, kernel)] = _GraphEntry(plan, reason)
+        self._graph_sizes.clear()
         self.graph_kernel = kernel
         self.step_plan = plan
         return md
@@ -328,19 +334,22 @@ class MLABackend:
         """
         mode = batch.forward_mode
         k = queries_per_request(mode, batch.num_draft_tokens)
-        sizes = sorted({b for (m, b, kk, _) in self._graph if m is mode and kk == k})
+        captured = self._graph_sizes.get((mode, k))
+        if captured is None:  # sizes and kernels of (mode, k), sorted once per capture
+            captured = self._graph_sizes[(mode, k)] = _captured_sizes(self._graph, mode, k)
+        sizes, kernels_of = captured
         if bs is None:
-            fitting = [b for b in sizes if b >= batch.batch_size]
-            if not fitting:
+            i = bisect.bisect_left(sizes, batch.batch_size)
+            if i == len(sizes):
                 raise ValueError(f"batch of {batch.batch_size} requests ({mode.name}, k={k}) fits no captured "
                                  f"batch size {sizes}")
-            bs = fitting[0]
-        kernels = [kk for kk in DecodeKernel if (mode, bs, k, kk) in self._graph]
+            bs = sizes[i]
+        kernels = kernels_of.get(bs)
         if not kernels:
             raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
         kernel, why = kernels[0], None
         if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync)
-            kernel, why = self.planner.choose_decode_kernel(batch.batch_size, int(batch.seq_lens_cpu.max()),
+            kernel, why = self.planner.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
                                                             mean_seqlen(batch))
         entry = self._graph[(mode, bs, k, kernel)]
         md = entry.plan.metadata
@@ -348,13 +357,19 @@ class MLABackend:
         self.builder.replay(batch, md)
         schedule = entry.plan.flashmla_schedule
         if schedule is not None:
-            schedule.copy_(self.planner.flashmla_schedule(md))
+            self.planner.replan_flashmla(md, schedule)
         if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
             schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
         self.graph_kernel = kernel
         self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                                   graph=True, schedule=schedule)
         return md
+
+
+def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int], dict[int, list[DecodeKernel]]]:
+    """(sorted sizes, size -> kernels in ``DecodeKernel`` order) of the graphs captured for ``(mode, k)``."""
+    sizes = sorted({b for (m, b, kk, _) in graphs if m is mode and kk == k})
+    return sizes, {b: [kn for kn in DecodeKernel if (mode, b, k, kn) in graphs] for b in sizes}
 
 
 def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path) -> None:

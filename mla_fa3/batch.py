@@ -27,6 +27,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -109,7 +110,7 @@ def _cpu_int32(values: IntsLike, name: str) -> Tensor:
         t = torch.tensor(_host_ints(values, name), dtype=torch.int32)
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.numel() and int(t.min()) < 0:
+    if t.numel() and int(t.numpy().min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
     return t
 
@@ -131,19 +132,23 @@ def _index_tensors(values: IntsLike, name: str, device: torch.device) -> tuple[T
         t = values.to(torch.int64)
     else:
         t = torch.tensor(_host_ints(values, name), dtype=torch.int64)
-    if t.numel() and int(t.min()) < 0:
+    if t.numel() and int(t.numpy().min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
     return to_device(t, device), t
 
 
 def _default_positions(seq_lens_cpu: Tensor, new_lens_cpu: Tensor, device: torch.device) -> Tensor:
-    """Absolute position of every new token: request b's tokens are seq_b - new_b .. seq_b - 1."""
-    starts = (seq_lens_cpu - new_lens_cpu).to(torch.int64)
-    new = new_lens_cpu.to(torch.int64)
+    """Absolute position of every new token: request b's tokens are seq_b - new_b .. seq_b - 1 (host
+    arithmetic in NumPy, one copy to the device)."""
+    seq = seq_lens_cpu.numpy().astype(np.int64)
+    new = new_lens_cpu.numpy().astype(np.int64)
     total = int(new.sum())
-    first_row = torch.cumsum(new, 0) - new  # row of each request's first new token
-    offset = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first_row, new)
-    return to_device(torch.repeat_interleave(starts, new) + offset, device)
+    if total == new.shape[0] and (new == 1).all():  # one new token per request (decode)
+        pos = seq - 1
+    else:  # token i of request b sits at row first_b + i: position (seq_b - new_b - first_b) + row
+        first_row = np.cumsum(new) - new
+        pos = np.repeat(seq - new - first_row, new) + np.arange(total, dtype=np.int64)
+    return to_device(torch.from_numpy(pos), device)
 
 
 @dataclass
@@ -177,12 +182,23 @@ class ForwardBatch:
     def __post_init__(self) -> None:
         self.check()
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # a reassigned field is checked again by the next ensure_checked (the metadata builder's)
+        object.__setattr__(self, name, value)
+        self.__dict__["_checked"] = False
+
+    def ensure_checked(self) -> None:
+        """:meth:`check`, unless it passed since the last field assignment (construction runs it)."""
+        if not self.__dict__.get("_checked", False):
+            self.check()
+
     def check(self) -> None:
         """Validate dtypes, shapes, placement and the CPU copies (host values only: never syncs).
 
         Raises ``TypeError``/``ValueError`` naming the field. Run at construction; the metadata builder
-        runs it again because fields can be reassigned.
+        runs it again (:meth:`ensure_checked`) only when a field was reassigned since.
         """
+        self.__dict__["_checked"] = False
         if not isinstance(self.forward_mode, ForwardMode):
             raise TypeError(f"forward_mode must be a ForwardMode, got {type(self.forward_mode).__name__}")
         bs = check_int(self.batch_size, "batch_size", minimum=0)
@@ -218,7 +234,8 @@ class ForwardBatch:
         elif mode.is_decode_like() and num_tokens != bs:
             raise ValueError(f"out_cache_loc must hold one slot per request ({bs}) in {mode.name}, "
                              f"got {num_tokens}")
-        if bs and int(self.seq_lens_cpu.min()) < self.new_tokens_per_request_min():
+        seq = self.seq_lens_cpu.numpy()
+        if bs and int(seq.min()) < self.new_tokens_per_request_min():
             raise ValueError(f"seq_lens must be >= the new tokens of each request, got "
                              f"{self.seq_lens_cpu.tolist()}")
         if self.encoder_lens is not None or self.encoder_lens_cpu is not None:
@@ -230,6 +247,9 @@ class ForwardBatch:
             _check(self.positions, "positions", (torch.int64,), num_tokens)
         check_int(self.num_draft_tokens, "num_draft_tokens", minimum=0)
         check_int(self.draft_step, "draft_step", minimum=0)
+        # host maxima read once per batch (seq_lens_max / seq_lens_sum), with the checks
+        self.__dict__["_seq_stats"] = (int(seq.max()), int(seq.sum(dtype=np.int64))) if bs else (0, 0)
+        self.__dict__["_checked"] = True
 
     # ------------------------------------------------------------------ derived host values
     @property
@@ -240,6 +260,18 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         """T: new tokens in this step (rows of q / out_cache_loc)."""
         return self.out_cache_loc.shape[0]
+
+    @property
+    def seq_lens_max(self) -> int:
+        """``max(seq_lens)`` (host int, 0 for an empty batch), read from ``seq_lens_cpu`` once per batch."""
+        self.ensure_checked()
+        return self.__dict__["_seq_stats"][0]
+
+    @property
+    def seq_lens_sum(self) -> int:
+        """``sum(seq_lens)`` (host int), read from ``seq_lens_cpu`` once per batch."""
+        self.ensure_checked()
+        return self.__dict__["_seq_stats"][1]
 
     def new_tokens_per_request_min(self) -> int:
         """Smallest number of new tokens of a request (host int; 0 for an empty batch)."""
@@ -331,10 +363,11 @@ class ForwardBatch:
         rows, rows_cpu = _index_tensors(req_pool_indices, "req_pool_indices", device)
         if rows.shape[0] != bs:
             raise ValueError(f"req_pool_indices must have one row per request ({bs}), got {rows.shape[0]}")
-        if bs and int((seq_cpu - new_cpu).min()) < 0:
+        seq_np, new_np = seq_cpu.numpy(), new_cpu.numpy()
+        if bs and (seq_np < new_np).any():
             raise ValueError(f"seq_lens must include this step's new tokens ({new_cpu.tolist()}), got "
                              f"{seq_cpu.tolist()}")
-        total_new = int(new_cpu.sum())
+        total_new = int(new_np.sum(dtype=np.int64))
         if loc.shape[0] != total_new:
             raise ValueError(f"out_cache_loc must hold one slot per new token ({total_new}), got "
                              f"{loc.shape[0]}")

@@ -29,6 +29,8 @@ allocated by ``init_capture_buffers``. Paths only read the metadata; what a step
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -145,13 +147,13 @@ class MetadataBuilder:
         """
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
-        batch.check()
+        batch.ensure_checked()  # construction ran check(); again only after a field was reassigned
         if not same_device(batch.seq_lens.device, self.device):
             raise ValueError(f"batch.seq_lens must be on {self.device}, got {batch.seq_lens.device}")
         if batch.batch_size == 0:
             return
         if check_context:
-            span = batch.seq_lens_cpu.to(torch.int64) + self._encoder_cols_cpu(batch)
+            span = self._span_np(batch)
             if int(span.max()) > self.max_context:
                 raise ValueError(f"seq_lens exceed max_context {self.max_context} (encoder region included): "
                                  f"{span.tolist()}")
@@ -174,15 +176,20 @@ class MetadataBuilder:
         """Rows in range; with a ReqToTokenPool: held, and ``seq_lens`` (after the encoder region) within
         the tokens allocated to each row. Host ints only (the batch's CPU copies)."""
         size = self.req_to_token.shape[0]
-        lo, hi = int(rows.min()), int(rows.max())
+        r = rows.numpy()
+        lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= size:
             raise ValueError(f"req_pool_indices must be in [0, {size}), got {lo if lo < 0 else hi} "
                              f"in {rows.tolist()}")
         if self.req_pool is None:
             return
-        span = (batch.seq_lens_cpu.to(torch.int64) + self._encoder_cols_cpu(batch)).tolist()
+        row_list = r.tolist()
         held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
-        for b, (row, need) in enumerate(zip(rows.tolist(), span)):
+        span = self._span_np(batch)
+        have = np.fromiter(map(allocated.__getitem__, row_list), dtype=np.int64, count=len(row_list))
+        if all(map(held, row_list)) and not (span > have).any():
+            return
+        for b, (row, need) in enumerate(zip(row_list, span.tolist())):  # name the first offender
             if not held(row):
                 raise ValueError(f"req_pool_indices[{b}] = {row} is not a held request row (never allocated, "
                                  "or freed)")
@@ -191,6 +198,14 @@ class MetadataBuilder:
                 raise ValueError(f"seq_lens[{b}] = {int(batch.seq_lens_cpu[b])}"
                                  f"{f' after an encoder region of {enc} columns' if enc else ''} exceeds the "
                                  f"{allocated[row]} tokens allocated to request row {row}")
+
+    def _span_np(self, batch: ForwardBatch) -> np.ndarray:
+        """[bs] int64: the columns each request's row needs (its encoder region, then ``seq_lens``)."""
+        span = batch.seq_lens_cpu.numpy().astype(np.int64)
+        if batch.encoder_lens_cpu is not None:
+            p = self.page_size
+            span += (batch.encoder_lens_cpu.numpy().astype(np.int64) + (p - 1)) // p * p
+        return span
 
     def _check_out_cache_loc(self, batch: ForwardBatch, rows: Tensor) -> None:
         """Host values (CPU tensors, or a GPU under debug_checks): every new token's slot is in the pool,
@@ -372,7 +387,8 @@ class MetadataBuilder:
             raise ValueError("metadata must come from MetadataBuilder.capture")
         self.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
         replay_into(buf, batch, metadata.mode, metadata.batch_size, metadata.num_draft_tokens,
-                    self.req_to_token, self._col_index, self._encoder_cols_cpu(batch))
+                    self.req_to_token, self._col_index,
+                    self._span_np(batch) if batch.encoder_lens_cpu is not None else None)
         if metadata.encoder is not None:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
         if self.debug_checks:

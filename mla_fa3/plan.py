@@ -47,14 +47,42 @@ from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
-from mla_fa3.policy.decode_kernel import explain_decode_kernel, splitkv_measured
+from mla_fa3.policy import decode_kernel as decode_policy
+from mla_fa3.policy.decode_kernel import MEAN_SLACK, explain_decode_kernel, splitkv_measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
 
-__all__ = ["PathRecord", "StepPlan", "StepPlanner", "DECODE_KERNEL_AUTO", "mean_seqlen"]
+__all__ = ["PathRecord", "StepPlan", "StepPlanner", "DECODE_KERNEL_AUTO", "mean_seqlen", "kernel_bucket",
+           "bucket_corners", "KERNEL_BUCKETS_PER_OCTAVE"]
 
 DECODE_KERNEL_AUTO = "auto"  # the backend's decode_kernel setting that chooses per step
+KERNEL_BUCKETS_PER_OCTAVE = 64  # decode-kernel cache buckets per log2 unit of max length and of skew
+KERNEL_CACHE_SIZE = 4096  # cached decode-kernel choices per planner (cleared when full)
+_MISSING = object()
+
+
+def kernel_bucket(max_seqlen_k: int, mean_seqlen_k: float | None) -> tuple[int, int]:
+    """(length bucket, skew bucket) of a step: ``floor(R log2 max)`` and ``floor(-R log2 (mean / max))``,
+    ``R = KERNEL_BUCKETS_PER_OCTAVE``; an unknown mean, or one >= max, counts as equal lengths (skew bucket 0)."""
+    length = int(math.log2(max_seqlen_k) * KERNEL_BUCKETS_PER_OCTAVE)
+    if mean_seqlen_k is None or mean_seqlen_k >= max_seqlen_k:
+        return length, 0
+    return length, int(-math.log2(mean_seqlen_k / max_seqlen_k) * KERNEL_BUCKETS_PER_OCTAVE)
+
+
+def bucket_corners(length_bucket: int, skew_bucket: int) -> list[tuple[int, float | None]]:
+    """The (max, mean) corners of a bucket: its shortest and longest max length, each at the bucket's
+    least and most skew (mean None: equal lengths, the top of skew bucket 0)."""
+    r = KERNEL_BUCKETS_PER_OCTAVE
+    lo = max(1, math.ceil(2.0 ** (length_bucket / r)))
+    while kernel_bucket(lo, None)[0] < length_bucket:
+        lo += 1
+    hi = max(lo, math.ceil(2.0 ** ((length_bucket + 1) / r)) - 1)
+    while hi > lo and kernel_bucket(hi, None)[0] > length_bucket:
+        hi -= 1
+    top, bottom = 2.0 ** (-skew_bucket / r), 2.0 ** (-(skew_bucket + 1) / r)
+    return [(m, None if s == 1.0 else s * m) for m in sorted({lo, hi}) for s in (top, bottom)]
 
 
 @dataclass(frozen=True)
@@ -176,27 +204,88 @@ class StepPlanner:
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
         self._workspace: PrefillWorkspace | None = None  # the MHA prefill's chunk buffers, reused
+        # (bs, length bucket, skew bucket, split-KV usable) -> (kernel, reason): see choose_decode_kernel
+        self._kernel_cache: dict[tuple, tuple[DecodeKernel, str]] = {}
+        self._graph_kernels: tuple[bool, tuple[DecodeKernel, ...]] | None = None  # (split-KV usable, kernels)
+        self._table = decode_policy.MEASURED  # the measured table the caches were filled from
+        self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
+        self._kv_dtype_name = None if kv_dtype is None else str(kv_dtype).replace("torch.", "")
 
     # ------------------------------------------------------------------------------ decode kernel
     def choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
                              mean_seqlen_k: float | None = None) -> tuple[DecodeKernel, str]:
-        """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown)."""
+        """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown).
+
+        With ``auto`` on page 64 the measured table's choice (``policy.decode_kernel``, a nearest-neighbour
+        search over the table: ~50 us) is cached per (batch size, bucket of ``max_seqlen_k``, bucket of
+        the skew ``mean / max``), buckets ``1 / KERNEL_BUCKETS_PER_OCTAVE`` of a log2 unit wide
+        (:func:`kernel_bucket`). A bucket is chosen once, at its corners (:func:`bucket_corners`): when
+        they all pick one kernel the bucket keeps that choice, else (the table's choice changes inside
+        it) every step in it is chosen for its exact numbers. Anything but a step's host numbers (a mean
+        outside ``(0, max]``, a non-int) goes to the policy unchanged, which answers or raises."""
         if self.kv_fp8:
-            choice = explain_decode_kernel(self.num_heads, max(batch_size, 1), max(max_seqlen_k, 1), self.page_size,
-                                           kv_fp8=True)
-            return choice.kernel, choice.reason
+            key = ("fp8", self.num_heads, self.page_size)
+            hit = self._kernel_cache.get(key)
+            if hit is None:
+                choice = explain_decode_kernel(self.num_heads, 1, 1, self.page_size, kv_fp8=True)
+                hit = self._kernel_cache[key] = (choice.kernel, choice.reason)
+            return hit
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
         if self.page_size != FLASHMLA_PAGE_SIZE:
             return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
-        choice = explain_decode_kernel(self.num_heads, max(batch_size, 1), max(max_seqlen_k, 1), self.page_size,
-                                       mean_seqlen_k=mean_seqlen_k, allow_splitkv=self._splitkv_usable())
+        allow = self._splitkv_usable()
+        self._check_table()
+        if type(batch_size) is not int or type(max_seqlen_k) is not int or not (
+                mean_seqlen_k is None or (type(mean_seqlen_k) in (float, int)
+                                          and 0 < mean_seqlen_k <= max_seqlen_k * (1 + MEAN_SLACK))):
+            # not a step's host numbers: the policy itself answers (or raises its named error)
+            return self._choose_uncached(max(batch_size, 1), max(max_seqlen_k, 1), mean_seqlen_k, allow)
+        bs = max(batch_size, 1)
+        length_bucket, skew_bucket = kernel_bucket(max(max_seqlen_k, 1), mean_seqlen_k)
+        key = (bs, length_bucket, skew_bucket, allow)
+        hit = self._kernel_cache.get(key, _MISSING)
+        if hit is _MISSING:
+            hit = self._bucket_choice(bs, length_bucket, skew_bucket, allow)
+            if len(self._kernel_cache) >= KERNEL_CACHE_SIZE:
+                self._kernel_cache.clear()
+            self._kernel_cache[key] = hit
+        if hit is None:  # the table's choice changes inside this bucket: choose for these exact numbers
+            return self._choose_uncached(bs, max(max_seqlen_k, 1), mean_seqlen_k, allow)
+        return hit
+
+    def _check_table(self) -> None:
+        """Forget the cached choices when the measured table was replaced (a re-fit loaded at run time)."""
+        if decode_policy.MEASURED is not self._table:
+            self._table = decode_policy.MEASURED
+            self._kernel_cache.clear()
+            self._graph_kernels = None
+
+    def _bucket_choice(self, batch_size: int, length_bucket: int, skew_bucket: int,
+                       allow_splitkv: bool) -> tuple[DecodeKernel, str] | None:
+        """The choice at the bucket's first corner when all its corners choose the same kernel, else None."""
+        choices = [self._choose_uncached(batch_size, m, mean, allow_splitkv)
+                   for m, mean in bucket_corners(length_bucket, skew_bucket)]
+        return choices[0] if len({k for k, _ in choices}) == 1 else None
+
+    def _choose_uncached(self, batch_size: int, max_seqlen_k: int, mean_seqlen_k: float | None,
+                         allow_splitkv: bool) -> tuple[DecodeKernel, str]:
+        """``auto`` on page 64: the measured table's choice for these exact numbers (no cache)."""
+        choice = explain_decode_kernel(self.num_heads, batch_size, max_seqlen_k, self.page_size,
+                                       mean_seqlen_k=mean_seqlen_k, allow_splitkv=allow_splitkv)
         return choice.kernel, f"auto: {choice.reason}"
 
     def graph_kernels(self) -> tuple[DecodeKernel, ...]:
         """Kernels worth a graph per batch size: those the per-step choice can pick on page 64, else one.
 
         Split-KV only where the measured table can pick it (a ``splitkv_ms`` column) and its kernel runs here."""
+        allow = self._splitkv_usable()
+        self._check_table()
+        if self._graph_kernels is None or self._graph_kernels[0] != allow:
+            self._graph_kernels = (allow, self._graph_kernels_uncached())
+        return self._graph_kernels[1]
+
+    def _graph_kernels_uncached(self) -> tuple[DecodeKernel, ...]:
         if self.kv_fp8:
             return (DecodeKernel.FLASHMLA,)
         if self.decode_kernel != DECODE_KERNEL_AUTO:
@@ -215,6 +304,10 @@ class StepPlanner:
         sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
         return ops.get_mla_decode_metadata(metadata.cache_seqlens, self.num_heads * sq, is_fp8=self.kv_fp8,
                                            impl=self.impl)
+
+    def replan_flashmla(self, metadata: AttentionMetadata, into: FlashMLASchedule) -> FlashMLASchedule:
+        """A replay's FlashMLA re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""
+        return into.copy_(self.flashmla_schedule(metadata))
 
     # ------------------------------------------------------------------------------ plans
     def plan(self, batch: ForwardBatch, metadata: AttentionMetadata) -> StepPlan:
@@ -326,21 +419,18 @@ class StepPlanner:
 
     def _record(self, mode: str, path: AttentionPath, kernel: str | None, reason: str, **extra) -> PathRecord:
         return PathRecord(mode, path, kernel, reason, impl=ops.resolve_impl(self.impl, self.device).value,
-                          kv_dtype=None if self.kv_dtype is None else str(self.kv_dtype).replace("torch.", ""),
+                          kv_dtype=self._kv_dtype_name,
                           other_paths=self.other_paths, **extra)
 
     def _kv_bytes(self, batch: ForwardBatch | None) -> int | None:
         """Latent rows one MLA layer reads this step (each request's keys once), from host lengths."""
         if batch is None or self.kv_dtype is None or self.latent_width is None or batch.seq_lens_cpu is None:
             return None
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return int(batch.seq_lens_cpu.long().sum()) * self.latent_width * elem
+        return batch.seq_lens_sum * self.latent_width * self._kv_itemsize
 
 
 def mean_seqlen(batch: ForwardBatch) -> float | None:
     """Mean KV length of the live requests, from the batch's CPU copy (None for an empty batch)."""
-    lens = batch.seq_lens_cpu
-    if lens is None or not lens.numel():
+    if batch.seq_lens_cpu is None or not batch.batch_size:
         return None
-    mean = float(lens.float().mean())
-    return mean if math.isfinite(mean) else None
+    return batch.seq_lens_sum / batch.batch_size  # host ints read once per batch (ForwardBatch.check)

@@ -149,12 +149,12 @@ def capture_views(buf: CaptureBuffers, bs: int, mode: ForwardMode, num_draft_tok
 
 
 def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs: int, num_draft_tokens: int,
-                req_to_token: Tensor, col_index: Tensor | None, encoder_cols_cpu: Tensor | int) -> None:
+                req_to_token: Tensor, col_index: Tensor | None, span: np.ndarray | None) -> None:
     """Check that ``batch`` fits the graph captured at ``(bs, mode, k)``, then write it (see module doc).
 
-    Host values only (``seq_lens_cpu``, ``encoder_lens_cpu``; ``encoder_cols_cpu`` = each row's encoder
-    region width, or 0). ``col_index`` is accepted for the builder's call and unused (the buffers keep
-    their own column offsets).
+    Host values only (``seq_lens_cpu``, ``encoder_lens_cpu``; ``span`` = the ``req_to_token`` columns each
+    request needs, its encoder region included: NumPy [n]; None: ``seq_lens``, no encoder region). ``col_index`` is
+    accepted for the builder's call and unused (the buffers keep their own column offsets).
     """
     if batch.forward_mode is not mode:
         raise ValueError(f"batch.forward_mode must be {mode.name} (the captured mode), got {batch.forward_mode.name}")
@@ -168,12 +168,10 @@ def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs:
         raise ValueError(f"batch.encoder_lens must be {'given' if buf.with_encoder else 'None'}: the buffers "
                          f"were allocated with with_encoder={buf.with_encoder}")
     seq = batch.seq_lens_cpu.numpy()
-    if n:
-        cols = encoder_cols_cpu.numpy() if isinstance(encoder_cols_cpu, Tensor) else encoder_cols_cpu
-        span = seq + cols  # int64 with an encoder region (int64 widths), else int32
-        if int(span.max()) > buf.max_context:
-            raise ValueError(f"seq_lens exceed the captured max_context {buf.max_context} (encoder region "
-                             f"included): {span.tolist()}")
+    if n and (batch.seq_lens_max if span is None else int(span.max())) > buf.max_context:
+        span = seq if span is None else span
+        raise ValueError(f"seq_lens exceed the captured max_context {buf.max_context} (encoder region "
+                         f"included): {span.tolist()}")
     _write(buf, bs, q, batch if n else None, req_to_token, seq)
 
 
@@ -211,7 +209,7 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
         _write_table(buf, "encoder", buf.enc_page_table, n, enc_pages, req_to_token, rows,
                      buf.enc_cache_seqlens[:n], None)
         first_col = buf.enc_first_col[:n]
-    pages = -(-int(seq.max()) // p) if n else 0
+    pages = -(-batch.seq_lens_max // p) if n else 0
     _write_table(buf, "decoder", buf.page_table, n, pages, req_to_token, rows, buf.cache_seqlens[:n], first_col)
     if buf.attention_chunk_size is not None:
         local_rows = torch.index_select(rows, 0, buf.local_req[:live]) if live else None

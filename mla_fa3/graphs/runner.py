@@ -133,6 +133,7 @@ class GraphRunner:
         self._batches: dict[tuple[int, int, Any], ForwardBatch] = {}
         self._graphs: dict[tuple[int, int, Any], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int, Any], Any] = {}
+        self._kernels: dict[int, tuple] = {}  # draft step -> the kernels captured for it (see _graph_kernels)
         self.pool = None  # the graphs' shared memory pool (CUDA)
         self.captured = False
         if capture_now:
@@ -147,6 +148,7 @@ class GraphRunner:
         """Set up the backend's graph state and capture every (size, draft step), largest first."""
         if self.captured:
             raise RuntimeError("capture() was already called")
+        self._kernels.clear()
         self.backend.init_cuda_graph_state(self.batch_sizes[-1], self.max_context,
                                            max_num_draft_tokens=self.num_draft_tokens)
         stream = torch.cuda.Stream(self.device) if self.use_graphs else None
@@ -165,9 +167,14 @@ class GraphRunner:
         self.captured = True
 
     def _graph_kernels(self, step: int) -> tuple:
-        """Decode kernels to capture a graph for (``(None,)``: the backend picks one at capture)."""
-        kernels = getattr(self._step_backend(step), "graph_kernels", None)
-        return tuple(kernels()) if callable(kernels) and len(kernels()) > 1 else (None,)
+        """Decode kernels to capture a graph for (``(None,)``: the backend picks one at capture); asked
+        of the backend once per capture (a replay reads the captured list)."""
+        hit = self._kernels.get(step)
+        if hit is None:
+            kernels = getattr(self._step_backend(step), "graph_kernels", None)
+            kernels = tuple(kernels()) if callable(kernels) else ()
+            hit = self._kernels[step] = kernels if len(kernels) > 1 else (None,)
+        return hit
 
     def _capture_one(self, key: tuple, batch: ForwardBatch, stream) -> None:
         inputs = self._static_inputs(key[0])
@@ -201,7 +208,7 @@ class GraphRunner:
         if batch.batch_size < 1:
             raise ValueError("batch.batch_size must be >= 1 (an IDLE step needs no graph)")
         bs = padded_size(batch.batch_size, self.batch_sizes)
-        longest = int(batch.seq_lens_cpu.max())  # CPU tensor: no device sync
+        longest = batch.seq_lens_max  # host int (the CPU copy): no device sync
         if longest > self.max_context:
             raise ValueError(f"batch.seq_lens holds a context of {longest} tokens, over the max_context "
                              f"{self.max_context} the graphs were planned for")
@@ -255,6 +262,7 @@ class GraphRunner:
         self._graphs.clear()
         self._outputs.clear()
         self._batches.clear()
+        self._kernels.clear()
         self.pool = None
         self.captured = False
 

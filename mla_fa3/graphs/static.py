@@ -79,9 +79,9 @@ class StaticBuffers:
 
 def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
     """The smallest captured size >= ``n``; ``ValueError`` when ``n`` exceeds them all."""
-    for b in sorted(batch_sizes):
-        if b >= n:
-            return b
+    fit = min((b for b in batch_sizes if b >= n), default=None)  # no sort per run
+    if fit is not None:
+        return fit
     raise ValueError(f"batch_size {n} exceeds the largest captured batch size {max(batch_sizes)} "
                      f"(captured: {sorted(batch_sizes)}); run it eagerly or capture a larger size")
 
