@@ -33,18 +33,19 @@ process-wide state (not per thread).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-from typing import Iterator, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fa3, fp8, reference, validate
+from . import fa3, reference, validate
 from .calls import MergeCall, VarlenCall
 from .fa3 import FA3UnavailableError
+from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_impl, ran, resolve,
+                        resolve_impl, set_impl, use_impl)
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
+from .triton_ops import (fp8_fused_available, get_splitkv_schedule, quantize_query_e4m3, splitkv_available,
+                         splitkv_mla_with_kvcache, store_e4m3)
 from .types import (
     FLASHMLA_PAGE_SIZE,
     LN2,
@@ -93,87 +94,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-ImplLike = Union[Impl, str]
-
-_global_impl: Impl = Impl.AUTO
-_last_impl: Optional[Impl] = None
-
-
-def _coerce_impl(impl: ImplLike, name: str = "impl") -> Impl:
-    if isinstance(impl, Impl):
-        return impl
-    if isinstance(impl, str):
-        try:
-            return Impl(impl.lower())
-        except ValueError:
-            pass
-        raise ValueError(f"{name} must be one of {[i.value for i in Impl]}, got {impl!r}")
-    raise TypeError(f"{name} must be an Impl or str, got {type(impl).__name__}")
-
-
-def set_impl(impl: ImplLike) -> None:
-    """Set the process-wide implementation used when an op gets ``impl=None``."""
-    global _global_impl
-    _global_impl = _coerce_impl(impl)
-
-
-def get_impl() -> Impl:
-    """The process-wide implementation choice (may be AUTO)."""
-    return _global_impl
-
-
-@contextlib.contextmanager
-def use_impl(impl: ImplLike) -> Iterator[Impl]:
-    """Context manager: run the enclosed ops with ``impl`` unless a call passes its own ``impl=``."""
-    global _global_impl
-    new = _coerce_impl(impl)
-    old = _global_impl
-    _global_impl = new
-    try:
-        yield new
-    finally:
-        _global_impl = old
-
-
-def coerce_impl(impl: Optional[ImplLike]) -> Optional[Impl]:
-    """``impl`` as an :class:`Impl` (None stays None: the global setting at call time); named error otherwise."""
-    return None if impl is None else _coerce_impl(impl)
-
-
-def resolve_impl(impl: Optional[ImplLike], device: Union[torch.device, str]) -> Impl:
-    """FA3 or REFERENCE: what an op on ``device`` runs with ``impl`` (None = the global setting, now)."""
-    return _resolve(impl, torch.device(device))
-
-
-def last_impl() -> Optional[Impl]:
-    """FA3 or REFERENCE: what the most recent op call actually ran (None before the first call)."""
-    return _last_impl
-
-
-def _fa3_usable_on(device: torch.device) -> bool:
-    return fa3.why_unavailable(device) is None
-
-
-def fa3_available() -> bool:
-    """True when a CUDA device of capability (9, 0) is present and ``sgl_kernel`` imports."""
-    if not torch.cuda.is_available():
-        return False
-    return _fa3_usable_on(torch.device("cuda", torch.cuda.current_device()))
-
-
-def _resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
-    """AUTO -> FA3 where it runs, REFERENCE off CUDA; FA3UnavailableError (why) for FA3 / AUTO on CUDA."""
-    chosen = _global_impl if impl is None else _coerce_impl(impl)
-    if chosen is Impl.TRITON:
-        raise ValueError("impl='triton' runs only the split-KV ops (splitkv_mla_with_kvcache) and the FP8 "
-                         "quantization ops (store_e4m3, quantize_query_e4m3); use fa3/reference/auto")
-    if chosen is Impl.REFERENCE or (chosen is Impl.AUTO and device.type != "cuda"):
-        return Impl.REFERENCE
-    error = fa3.unavailable_error(device, auto=chosen is Impl.AUTO)
-    if error is not None:
-        raise error
-    return Impl.FA3
-
 
 def _run_attention(chosen: Impl, name: str, args, return_lse: bool):
     """Run attention op ``name`` of the chosen implementation on validated ``args``; the fixed return."""
@@ -181,13 +101,8 @@ def _run_attention(chosen: Impl, name: str, args, return_lse: bool):
         out, lse = getattr(fa3, name)(args, return_lse=return_lse)
     else:
         out, lse = getattr(reference, name)(args)
-    _ran(chosen)
+    ran(chosen)
     return (out, lse) if return_lse else out
-
-
-def _ran(impl: Impl) -> None:
-    global _last_impl
-    _last_impl = impl
 
 
 def flash_attn_with_kvcache(
@@ -224,7 +139,7 @@ def flash_attn_with_kvcache(
     Returns out (q's shape with d_v; q's dtype, bf16 for fp8 inputs), or (out, lse) — lse float32,
     natural log, ``out.shape[:-1]``.
     """
-    chosen = _resolve(impl, validate.device_of(q, "q"))
+    chosen = resolve(impl, validate.device_of(q, "q"))
     args = validate.check_kvcache(
         q, k_cache, v_cache, qv=qv, page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
@@ -257,7 +172,7 @@ def flash_attn_varlen_func(
     ``[bs+1]``); causal is bottom-right aligned. softmax_scale defaults to ``d ** -0.5``.
     Returns out ``[T_q, H, d_v]``, or (out, lse ``[T_q, H]`` float32 natural log).
     """
-    chosen = _resolve(impl, validate.device_of(q, "q"))
+    chosen = resolve(impl, validate.device_of(q, "q"))
     args = validate.check_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
@@ -275,11 +190,11 @@ def merge_state(
     ``lse = logaddexp(lse_a, lse_b)`` and ``o = o_a·e^(lse_a-lse) + o_b·e^(lse_b-lse)``; a row with both
     LSEs -inf gives o 0, lse -inf. o has o_a's dtype, lse is float32.
     """
-    chosen = _resolve(impl, validate.device_of(o_a, "o_a"))
+    chosen = resolve(impl, validate.device_of(o_a, "o_a"))
     validate.check_merge(o_a, lse_a, o_b, lse_b, impl=chosen)
     backend = fa3 if chosen is Impl.FA3 else reference
     out = backend.merge_state(o_a, lse_a, o_b, lse_b)
-    _ran(chosen)
+    ran(chosen)
     return out
 
 
@@ -295,7 +210,7 @@ def prepare_flash_attn_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: 
                               causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                               impl: Optional[ImplLike] = None) -> Tuple[Impl, VarlenCall]:
     """Validate a :func:`flash_attn_varlen_func` call (same checks, same errors) without running it."""
-    chosen = _resolve(impl, validate.device_of(q, "q"))
+    chosen = resolve(impl, validate.device_of(q, "q"))
     return chosen, validate.check_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -312,7 +227,7 @@ def run_flash_attn_varlen(chosen: Impl, call: VarlenCall) -> Tuple[Tensor, Tenso
 def prepare_merge_state(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor,
                         impl: Optional[ImplLike] = None) -> MergeCall:
     """Validate a :func:`merge_state` signature (same checks, same errors) for :func:`run_merge_state`."""
-    chosen = _resolve(impl, validate.device_of(o_a, "o_a"))
+    chosen = resolve(impl, validate.device_of(o_a, "o_a"))
     validate.check_merge(o_a, lse_a, o_b, lse_b, impl=chosen)
     return MergeCall(impl=chosen, o_shape=tuple(o_a.shape), dtype=o_a.dtype)
 
@@ -323,7 +238,7 @@ def run_merge_state(call: MergeCall, o_a: Tensor, lse_a: Tensor, o_b: Tensor, ls
         raise ValueError(f"o_a / o_b must be {call.o_shape} {call.dtype} (the validated merge), got "
                          f"{tuple(o_a.shape)} {o_a.dtype} / {tuple(o_b.shape)} {o_b.dtype}")
     out = (fa3 if call.impl is Impl.FA3 else reference).merge_state(o_a, lse_a, o_b, lse_b)
-    _ran(call.impl)
+    ran(call.impl)
     return out
 
 
@@ -336,13 +251,13 @@ def get_mla_decode_metadata(
     head). Not legal inside a CUDA graph: plan outside, then ``FlashMLASchedule.copy_`` into the
     schedule captured with the graph. The reference returns an empty marker schedule.
     """
-    chosen = _resolve(impl, validate.device_of(cache_seqlens, "cache_seqlens"))
+    chosen = resolve(impl, validate.device_of(cache_seqlens, "cache_seqlens"))
     validate.check_mla_metadata(cache_seqlens, num_q_heads_per_kv, is_fp8=is_fp8)
     if chosen is Impl.FA3:
         schedule = fa3.get_mla_decode_metadata(cache_seqlens, num_q_heads_per_kv, is_fp8=is_fp8)
     else:
         schedule = FlashMLASchedule(impl=Impl.REFERENCE, is_fp8=is_fp8)
-    _ran(chosen)
+    ran(chosen)
     return schedule
 
 
@@ -374,170 +289,10 @@ def flash_mla_with_kvcache(
     output is cast; the reference rounds its fp32 result once). Returns out ``[bs, sq, H, head_dim_v]``,
     or (out, lse ``[bs, sq, H]``).
     """
-    chosen = _resolve(impl, validate.device_of(q, "q"))
+    chosen = resolve(impl, validate.device_of(q, "q"))
     args = validate.check_flash_mla(
         q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
         out_dtype=out_dtype, impl=chosen,
     )
     return _run_attention(chosen, "flash_mla_with_kvcache", args, return_lse)
-
-
-# ------------------------------------------------------------------ split-KV decode (our Triton kernel)
-# TRITON (``splitkv_triton.py``; triton is imported only there and in ``fp8_triton.py``) on CUDA — or on CPU under
-# TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
-# e.g. set_impl('fa3')) means TRITON here.
-
-
-@functools.lru_cache(maxsize=None)
-def _splitkv_kernels():
-    """The kernel module, or why it does not import (str)."""
-    try:
-        from . import splitkv_triton
-    except Exception as exc:  # ImportError (no triton) or a broken triton install
-        return f"{type(exc).__name__}: {exc}"
-    return splitkv_triton
-
-
-def _resolve_triton(impl: Optional[ImplLike], device: torch.device, kernels, what: str) -> Impl:
-    """TRITON or REFERENCE for an op whose compiled form is the Triton module ``kernels`` (or why it is missing)."""
-    chosen = _global_impl if impl is None else _coerce_impl(impl)
-    chosen = Impl.TRITON if chosen is Impl.FA3 else chosen
-    here = device.type == "cuda" and torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    usable = here and not isinstance(kernels, str)
-    if chosen is Impl.AUTO:
-        if not usable and device.type == "cuda":  # never a silent fall-back to the reference on a GPU
-            raise KernelUnavailableError(f"{what} Triton kernel unavailable on {device}: {kernels}; "
-                                         "pass impl='reference' to run the torch reference")
-        return Impl.TRITON if usable else Impl.REFERENCE
-    if chosen is Impl.TRITON and not usable:
-        why = kernels if here else f"the tensors are on {device}, it needs a CUDA device"
-        raise KernelUnavailableError(f"{what} Triton kernel unavailable: {why}; pass impl='reference'")
-    return chosen
-
-
-def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
-    return _resolve_triton(impl, device, _splitkv_kernels(), "split-KV")
-
-
-def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
-    """Whether ``splitkv_mla_with_kvcache`` runs on ``device`` with ``impl`` (the Triton kernel, or the
-    reference where that is the choice) — without raising. Host only."""
-    try:
-        _resolve_splitkv(impl, torch.device(device))
-    except (KernelUnavailableError, ValueError):
-        return False
-    return True
-
-
-def get_splitkv_schedule(
-    seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
-    num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = 128,
-    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
-) -> SplitKVSchedule:
-    """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
-
-    seqlens: the host copy of cache_seqlens (CPU int tensor or ints; a CUDA tensor is refused).
-    num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
-    any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
-    waves). ``config``: the kernel's launch parameters (``KernelConfig``; None: the measured table's choice
-    for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
-    overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
-    """
-    from . import splitkv_plan
-
-    device = torch.device(device)
-    if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
-        num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
-    return splitkv_plan.plan_schedule(
-        seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
-        num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch, config=config,
-    )
-
-
-def splitkv_mla_with_kvcache(
-    q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
-    schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
-    descale_k: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
-) -> Tuple[Tensor, Tensor]:
-    """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
-
-    q ``[bs, sq, H, D]`` (q_lat | q_rope), kv_cache ``[num_pages, page_size, 1, D]`` read in place,
-    page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``, schedule from
-    ``get_splitkv_schedule`` planned from the same lengths (the kernel never reads past
-    cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
-    with descale_q / descale_k (1,) float32, output bf16. Always returns (out ``[bs, sq, H,
-    head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
-    """
-    chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
-    call = validate.check_splitkv(
-        q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
-        softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
-    )
-    if chosen is Impl.TRITON:
-        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule)
-    else:
-        out, lse = reference.flash_mla_with_kvcache(call)
-    _ran(chosen)
-    return out, lse
-
-
-# ------------------------------------------------------------------ FP8 quantization (fused Triton kernels)
-# TRITON (``fp8_triton.py``) on CUDA — or on CPU under TRITON_INTERPRET=1 (tests) — else REFERENCE
-# (``fp8.py``, a few torch kernels, any device); FA3 means TRITON here, as for split-KV. Same results bit
-# for bit. Neither syncs nor allocates outside torch's allocator: both can be captured in a CUDA graph.
-
-
-@functools.lru_cache(maxsize=None)
-def _fp8_kernels():
-    """The fused FP8 kernel module, or why it does not import (str)."""
-    try:
-        from . import fp8_triton
-    except Exception as exc:  # ImportError (no triton) or a broken triton install
-        return f"{type(exc).__name__}: {exc}"
-    return fp8_triton
-
-
-def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
-    """Whether ``store_e4m3`` / ``quantize_query_e4m3`` run on ``device`` with ``impl`` (without raising). Host only."""
-    try:
-        _resolve_triton(impl, torch.device(device), _fp8_kernels(), "FP8 quantization")
-    except (KernelUnavailableError, ValueError):
-        return False
-    return True
-
-
-def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Optional[ImplLike] = None) -> None:
-    """Quantize rows and scatter them into an e4m3 cache: ``out[loc[t]] = e4m3(clamp(x[t] / scale, ±448))``.
-
-    out ``[S, W]`` float8_e4m3fn (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
-    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's), x ``[T, W]`` float
-    (last dim contiguous), scale ``[1]`` float32 on the device. x / scale in fp32; NaN -> 0, ±inf and
-    overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
-    """
-    chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
-    validate.check_store_e4m3(out, loc, x, scale)
-    if chosen is Impl.TRITON:
-        _fp8_kernels().store_e4m3(out, loc, x, scale)
-    elif x.shape[0]:
-        out[loc] = fp8.quantize_e4m3(x, scale)
-    _ran(chosen)
-
-
-def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
-    """Per-step dynamic e4m3 quantization of the query ``q = [q_a | q_b]`` given as its two parts.
-
-    q_a ``[T, H, DA]``, q_b ``[T, H, DB]`` (same float dtype and device; any strides with a contiguous
-    last dim, e.g. q_lat and a slice of the model's q). Returns (q8 ``[T, H, DA + DB]`` e4m3
-    contiguous, descale ``[1]`` float32) with ``descale = max(absmax(q), 2^-100) / 448`` and
-    ``q8 = e4m3(q / descale)`` (``fp8.quantize_e4m3_dynamic``; T = 0: descale 1). TRITON: two launches,
-    and q is never concatenated in its own dtype.
-    """
-    chosen = _resolve_triton(impl, validate.device_of(q_a, "q_a"), _fp8_kernels(), "FP8 quantization")
-    validate.check_quantize_query(q_a, q_b)
-    if chosen is Impl.TRITON:
-        out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
-    else:
-        out = fp8.quantize_e4m3_dynamic(torch.cat([q_a, q_b], dim=-1))
-    _ran(chosen)
-    return out

@@ -1,0 +1,186 @@
+"""The ops of our own Triton kernels: split-KV MLA decode and the fused FP8 quantization.
+
+Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
+TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
+imported only by the kernel modules (``splitkv_triton.py``, ``fp8_triton.py``) and only when available.
+Re-exported by ``mla_fa3.ops``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import fp8, reference, validate
+from .selection import ImplLike, coerce, get_impl, ran
+from .splitkv_config import KernelConfig
+from .splitkv_plan import SplitKVSchedule
+from .types import Impl, KernelUnavailableError
+
+__all__ = ["get_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache", "fp8_fused_available",
+           "store_e4m3", "quantize_query_e4m3"]
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------ split-KV decode (our Triton kernel)
+# TRITON (``splitkv_triton.py``; triton is imported only there and in ``fp8_triton.py``) on CUDA — or on CPU under
+# TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
+# e.g. set_impl('fa3')) means TRITON here.
+
+
+@functools.lru_cache(maxsize=None)
+def _splitkv_kernels():
+    """The kernel module, or why it does not import (str)."""
+    try:
+        from . import splitkv_triton
+    except Exception as exc:  # ImportError (no triton) or a broken triton install
+        return f"{type(exc).__name__}: {exc}"
+    return splitkv_triton
+
+
+def _resolve_triton(impl: Optional[ImplLike], device: torch.device, kernels, what: str) -> Impl:
+    """TRITON or REFERENCE for an op whose compiled form is the Triton module ``kernels`` (or why it is missing)."""
+    chosen = get_impl() if impl is None else coerce(impl)
+    chosen = Impl.TRITON if chosen is Impl.FA3 else chosen
+    here = device.type == "cuda" and torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    usable = here and not isinstance(kernels, str)
+    if chosen is Impl.AUTO:
+        if not usable and device.type == "cuda":  # never a silent fall-back to the reference on a GPU
+            raise KernelUnavailableError(f"{what} Triton kernel unavailable on {device}: {kernels}; "
+                                         "pass impl='reference' to run the torch reference")
+        return Impl.TRITON if usable else Impl.REFERENCE
+    if chosen is Impl.TRITON and not usable:
+        why = kernels if here else f"the tensors are on {device}, it needs a CUDA device"
+        raise KernelUnavailableError(f"{what} Triton kernel unavailable: {why}; pass impl='reference'")
+    return chosen
+
+
+def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
+    return _resolve_triton(impl, device, _splitkv_kernels(), "split-KV")
+
+
+def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``splitkv_mla_with_kvcache`` runs on ``device`` with ``impl`` (the Triton kernel, or the
+    reference where that is the choice) — without raising. Host only."""
+    try:
+        _resolve_splitkv(impl, torch.device(device))
+    except (KernelUnavailableError, ValueError):
+        return False
+    return True
+
+
+def get_splitkv_schedule(
+    seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
+    num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = 128,
+    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
+) -> SplitKVSchedule:
+    """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
+
+    seqlens: the host copy of cache_seqlens (CPU int tensor or ints; a CUDA tensor is refused).
+    num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
+    any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
+    waves). ``config``: the kernel's launch parameters (``KernelConfig``; None: the measured table's choice
+    for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
+    overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
+    """
+    from . import splitkv_plan
+
+    device = torch.device(device)
+    if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
+        num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
+    return splitkv_plan.plan_schedule(
+        seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
+        num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch, config=config,
+    )
+
+
+def splitkv_mla_with_kvcache(
+    q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
+    schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
+    descale_k: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
+
+    q ``[bs, sq, H, D]`` (q_lat | q_rope), kv_cache ``[num_pages, page_size, 1, D]`` read in place,
+    page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``, schedule from
+    ``get_splitkv_schedule`` planned from the same lengths (the kernel never reads past
+    cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
+    with descale_q / descale_k (1,) float32, output bf16. Always returns (out ``[bs, sq, H,
+    head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
+    """
+    chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
+    call = validate.check_splitkv(
+        q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
+        softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
+    )
+    if chosen is Impl.TRITON:
+        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule)
+    else:
+        out, lse = reference.flash_mla_with_kvcache(call)
+    ran(chosen)
+    return out, lse
+
+
+# ------------------------------------------------------------------ FP8 quantization (fused Triton kernels)
+# TRITON (``fp8_triton.py``) on CUDA — or on CPU under TRITON_INTERPRET=1 (tests) — else REFERENCE
+# (``fp8.py``, a few torch kernels, any device); FA3 means TRITON here, as for split-KV. Same results bit
+# for bit. Neither syncs nor allocates outside torch's allocator: both can be captured in a CUDA graph.
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_kernels():
+    """The fused FP8 kernel module, or why it does not import (str)."""
+    try:
+        from . import fp8_triton
+    except Exception as exc:  # ImportError (no triton) or a broken triton install
+        return f"{type(exc).__name__}: {exc}"
+    return fp8_triton
+
+
+def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``store_e4m3`` / ``quantize_query_e4m3`` run on ``device`` with ``impl`` (without raising). Host only."""
+    try:
+        _resolve_triton(impl, torch.device(device), _fp8_kernels(), "FP8 quantization")
+    except (KernelUnavailableError, ValueError):
+        return False
+    return True
+
+
+def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Optional[ImplLike] = None) -> None:
+    """Quantize rows and scatter them into an e4m3 cache: ``out[loc[t]] = e4m3(clamp(x[t] / scale, ±448))``.
+
+    out ``[S, W]`` float8_e4m3fn (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
+    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's), x ``[T, W]`` float
+    (last dim contiguous), scale ``[1]`` float32 on the device. x / scale in fp32; NaN -> 0, ±inf and
+    overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
+    """
+    chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
+    validate.check_store_e4m3(out, loc, x, scale)
+    if chosen is Impl.TRITON:
+        _fp8_kernels().store_e4m3(out, loc, x, scale)
+    elif x.shape[0]:
+        out[loc] = fp8.quantize_e4m3(x, scale)
+    ran(chosen)
+
+
+def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
+    """Per-step dynamic e4m3 quantization of the query ``q = [q_a | q_b]`` given as its two parts.
+
+    q_a ``[T, H, DA]``, q_b ``[T, H, DB]`` (same float dtype and device; any strides with a contiguous
+    last dim, e.g. q_lat and a slice of the model's q). Returns (q8 ``[T, H, DA + DB]`` e4m3
+    contiguous, descale ``[1]`` float32) with ``descale = max(absmax(q), 2^-100) / 448`` and
+    ``q8 = e4m3(q / descale)`` (``fp8.quantize_e4m3_dynamic``; T = 0: descale 1). TRITON: two launches,
+    and q is never concatenated in its own dtype.
+    """
+    chosen = _resolve_triton(impl, validate.device_of(q_a, "q_a"), _fp8_kernels(), "FP8 quantization")
+    validate.check_quantize_query(q_a, q_b)
+    if chosen is Impl.TRITON:
+        out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
+    else:
+        out = fp8.quantize_e4m3_dynamic(torch.cat([q_a, q_b], dim=-1))
+    ran(chosen)
+    return out
