@@ -374,16 +374,19 @@ class StepPlanner:
         if self.num_heads is None or self.mla_dims is None:
             return self._extend(batch, md, *absorbed, "prefill_path='auto': the backend was built without "
                                 "num_heads / mla_dims, which the prefill cost model needs -> absorbed")
-        if self._workspace is None:
-            self._workspace = PrefillWorkspace(self.workspace_tokens)
-        decision, prefill = plan_extend(md, self.req_to_token, batch.req_pool_indices, num_heads=self.num_heads,
-                                        dims=self.mla_dims, workspace_tokens=self.workspace_tokens,
-                                        page_size=self.page_size, prefill_path=self.prefill_path,
-                                        workspace=self._workspace)
+        decision, prefill = self._prefill_plan(batch, md, self.prefill_path)
         if prefill is None:
             return self._extend(batch, md, *absorbed, decision.explain(), decision)
         reason = decision.explain() + "; absorbed FA3 for layers with softcap / window / local attention"
         return self._extend(batch, md, decision.path, None, reason, decision, prefill)
+
+    def _prefill_plan(self, batch: ForwardBatch, md: AttentionMetadata, override: PrefillOverride):
+        """The prefill cost model's decision and, for an MHA path, its chunks (the workspace reused)."""
+        if self._workspace is None:
+            self._workspace = PrefillWorkspace(self.workspace_tokens)
+        return plan_extend(md, self.req_to_token, batch.req_pool_indices, num_heads=self.num_heads,
+                           dims=self.mla_dims, workspace_tokens=self.workspace_tokens, page_size=self.page_size,
+                           prefill_path=override, workspace=self._workspace)
 
     def _plan_extend_fp8(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
         """Extend-like step over an FP8 pool: MHA rows dequantize chunk by chunk; decode rows FlashMLA FP8."""
@@ -392,12 +395,7 @@ class StepPlanner:
         if batch.batch_size == 0 or int(md.extend_lens_cpu.sum()) == 0:
             return self._extend(batch, md, AttentionPath.ABSORBED, None, f"{md.mode.name} with no new tokens: "
                                 "nothing to compute")
-        if self._workspace is None:
-            self._workspace = PrefillWorkspace(self.workspace_tokens)
-        decision, prefill = plan_extend(md, self.req_to_token, batch.req_pool_indices, num_heads=self.num_heads,
-                                        dims=self.mla_dims, workspace_tokens=self.workspace_tokens,
-                                        page_size=self.page_size, prefill_path=PrefillOverride.MHA,
-                                        workspace=self._workspace)
+        decision, prefill = self._prefill_plan(batch, md, PrefillOverride.MHA)
         flashmla = "decode rows: FlashMLA FP8 (the only kernel that reads e4m3)"
         if prefill is None:  # every row is a decode row (one new token over a prefix)
             schedule = ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads, is_fp8=True, impl=self.impl)

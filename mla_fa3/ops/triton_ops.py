@@ -33,13 +33,21 @@ Tensor = torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
-def _splitkv_kernels():
-    """The kernel module, or why it does not import (str)."""
+def _triton_module(which: str):
+    """The Triton kernel module ``which`` ("splitkv" | "fp8"), or why it does not import (str)."""
     try:
-        from . import splitkv_triton
+        if which == "splitkv":
+            from . import splitkv_triton as module
+        else:
+            from . import fp8_triton as module
     except Exception as exc:  # ImportError (no triton) or a broken triton install
         return f"{type(exc).__name__}: {exc}"
-    return splitkv_triton
+    return module
+
+
+def _splitkv_kernels():
+    """The split-KV kernel module, or why it does not import (str)."""
+    return _triton_module("splitkv")
 
 
 def _resolve_triton(impl: Optional[ImplLike], device: torch.device, kernels, what: str) -> Impl:
@@ -131,14 +139,9 @@ def splitkv_mla_with_kvcache(
 # for bit. Neither syncs nor allocates outside torch's allocator: both can be captured in a CUDA graph.
 
 
-@functools.lru_cache(maxsize=None)
 def _fp8_kernels():
     """The fused FP8 kernel module, or why it does not import (str)."""
-    try:
-        from . import fp8_triton
-    except Exception as exc:  # ImportError (no triton) or a broken triton install
-        return f"{type(exc).__name__}: {exc}"
-    return fp8_triton
+    return _triton_module("fp8")
 
 
 def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
