@@ -165,7 +165,8 @@ class MLABackend:
             prefill_path=override, workspace_tokens=prefill_workspace_tokens, req_to_token=self.builder.req_to_token,
             impl=self.impl, device=self.device, kv_dtype=None if pool is None else pool.kv_dtype,
             latent_width=None if pool is None else pool.kv_lora_rank + pool.qk_rope_head_dim,
-            other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset())
+            other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset(),
+            weight_dtype=None if pool is None else pool.dtype)
         self.step_plan: StepPlan | None = None  # the current step's plan (eager, captured or replayed)
         # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
         # kernels are captured per size and each replay picks one from the live lengths (host ints)

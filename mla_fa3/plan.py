@@ -99,6 +99,7 @@ class PathRecord:
     other_paths: frozenset[AttentionPath] = frozenset()  # paths of the backend's non-MLA layers
     decision: PathDecision | None = None  # the prefill cost model's decision, when one was consulted
     kv_bytes: int | None = None  # latent-cache bytes one MLA layer reads this step (None: unknown, graphs)
+    weight_bytes: int | None = None  # W_UK + W_UV bytes one MLA layer reads (None: heads / dims not given)
     num_splits: int | None = None  # split-KV work items (splits) per head tile, when the kernel is splitkv
 
     def summary(self) -> str:
@@ -109,7 +110,10 @@ class PathRecord:
         graph = " [graph]" if self.graph else ""
         others = ", also " + ", ".join(sorted(p.value for p in self.other_paths)) if self.other_paths else ""
         kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
-        return f"{self.mode}: {self.path.value}{kernel}{impl}{kv}{graph}{others} — {self.reason}"
+        reads = [f"{name} {n / 2**20:.2f} MiB" for name, n in (("kv", self.kv_bytes), ("weights", self.weight_bytes))
+                 if n is not None]
+        reads_s = f" [reads per layer: {', '.join(reads)}]" if reads else ""
+        return f"{self.mode}: {self.path.value}{kernel}{impl}{kv}{graph}{others}{reads_s} — {self.reason}"
 
 
 @dataclass
@@ -188,8 +192,8 @@ class StepPlanner:
     def __init__(self, *, decode_kernel: DecodeKernel | str, page_size: int, num_heads: int | None,
                  mla_dims: MLADims | None, prefill_path: PrefillOverride, workspace_tokens: int,
                  req_to_token: torch.Tensor, impl: ops.Impl | None, device: torch.device,
-                 kv_dtype: torch.dtype | None,
-                 latent_width: int | None, other_paths: frozenset[AttentionPath]):
+                 kv_dtype: torch.dtype | None, latent_width: int | None, other_paths: frozenset[AttentionPath],
+                 weight_dtype: torch.dtype | None = None):
         self.decode_kernel = decode_kernel
         self.page_size = page_size
         self.num_heads = num_heads
@@ -210,6 +214,11 @@ class StepPlanner:
         self._table = decode_policy.MEASURED  # the measured table the caches were filled from
         self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
         self._kv_dtype_name = None if kv_dtype is None else str(kv_dtype).replace("torch.", "")
+        # W_UK [H, d_nope, r] and W_UV [H, r, d_v]: read by every MLA layer (absorption / projection, or
+        # the MHA prefill's decompression), in the compute dtype
+        self._weight_bytes = None if num_heads is None or mla_dims is None or weight_dtype is None else (
+            num_heads * mla_dims.kv_lora_rank * (mla_dims.qk_nope_head_dim + mla_dims.v_head_dim)
+            * weight_dtype.itemsize)
 
     # ------------------------------------------------------------------------------ decode kernel
     def choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
@@ -417,7 +426,7 @@ class StepPlanner:
 
     def _record(self, mode: str, path: AttentionPath, kernel: str | None, reason: str, **extra) -> PathRecord:
         return PathRecord(mode, path, kernel, reason, impl=ops.resolve_impl(self.impl, self.device).value,
-                          kv_dtype=self._kv_dtype_name,
+                          kv_dtype=self._kv_dtype_name, weight_bytes=self._weight_bytes,
                           other_paths=self.other_paths, **extra)
 
     def _kv_bytes(self, batch: ForwardBatch | None) -> int | None:

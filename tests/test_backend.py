@@ -383,3 +383,15 @@ def test_local_attention_mla_layer(spec_name):
         o, _ = dense_attention(case.q[s:e], k, kv[..., d.qk_nope_head_dim:], scale=layer.scaling, mask=mask)
         refs.append(o)
     assert rel_err(out, torch.cat(refs)) <= TOL
+
+
+def test_explain_counts_the_bytes_a_layer_reads():
+    """kv: each request's latent rows once; weights: W_UK + W_UV — both from the definitions, not the code."""
+    case = make_mla_case("small_decode", "odd_small", seed=3)
+    _, backend = run_step(case)
+    rec = backend.explain()
+    d, H = case.cfg.dims, case.cfg.num_heads
+    width = d.kv_lora_rank + d.qk_rope_head_dim
+    assert rec.kv_bytes == sum(p + n for p, n in zip(case.spec.prefix_lens, case.spec.extend_lens)) * width * 4
+    assert rec.weight_bytes == H * d.kv_lora_rank * (d.qk_nope_head_dim + d.v_head_dim) * 4
+    assert "reads per layer" in rec.summary()
