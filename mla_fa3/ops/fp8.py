@@ -61,5 +61,8 @@ def quantize_e4m3_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
     if x.numel() == 0:
         return x.to(FP8_DTYPE), torch.ones(1, dtype=torch.float32, device=x.device)
     amax = torch.linalg.vector_norm(x.detach(), ord=float("inf"), dtype=torch.float32)
-    scale = amax.clamp_min_(DYNAMIC_TINY).div_(FP8_E4M3_MAX).reshape(1)
+    # divide by a tensor, not a Python number: on CUDA torch turns division by a scalar into a multiply by
+    # its reciprocal (1 ulp off); tensor / tensor is the correctly rounded division the fused kernel does
+    divisor = torch.full((), FP8_E4M3_MAX, dtype=torch.float32, device=amax.device)
+    scale = amax.clamp_min_(DYNAMIC_TINY).div_(divisor).reshape(1)
     return torch.div(x, scale).to(FP8_DTYPE), scale
