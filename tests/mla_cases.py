@@ -269,3 +269,20 @@ def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] >= rows:
         return x
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def capture_layer_graph(backend, layer, q_buf: torch.Tensor, lat_buf: torch.Tensor, static):
+    """One MLA layer's forward over static buffers captured in a CUDA graph (the backend's capture hook,
+    two warm-up calls on a side stream, then the capture); returns ``(graph, out_buf)``. GPU only."""
+    backend.init_forward_metadata_capture_cuda_graph(static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backend.forward(q_buf, lat_buf, None, layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out_buf = backend.forward(q_buf, lat_buf, None, layer, static)
+    return graph, out_buf

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_cases import follow_up, make_batch, make_mla_case, mla_oracle, padded
+from mla_cases import capture_layer_graph, follow_up, make_batch, make_mla_case, mla_oracle, padded
 from specs import NONIDLE_SPECS, SPECS, BatchSpec
 
 from mla_fa3 import ops
@@ -131,17 +131,7 @@ def test_cuda_graph_replay_smaller_batches_vs_oracle(kernel, mode, k):
     else:
         static = ForwardBatch.decode([0] * cap, [1] * cap, loc_buf, DEV)
     assert static.out_cache_loc is loc_buf
-    backend.init_forward_metadata_capture_cuda_graph(static)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            backend.forward(q_buf, lat_buf, None, case.layer, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out_buf = backend.forward(q_buf, lat_buf, None, case.layer, static)
+    graph, out_buf = capture_layer_graph(backend, case.layer, q_buf, lat_buf, static)
     for step in (follow_up(case, mode, (40, 3, 77), (k,) * 3, requests=[0, 1, 2], seed=0, pad_to=cap),
                  follow_up(case, mode, (60, 30), (k, k), requests=[2, 0], seed=1, pad_to=cap)):
         backend.init_forward_metadata_replay_cuda_graph(step.batch)

@@ -15,14 +15,14 @@ runs the arithmetic the GPU runs (its own fp32 -> fp8 cast does not round to nea
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter import interpreter_main, run_under_interpreter, subprocess_env
 
 from mla_fa3 import ops
 from mla_fa3.ops.types import Impl
@@ -223,18 +223,11 @@ def test_impl_choice_on_cpu():
 def test_import_does_not_need_triton():
     code = ("import sys; sys.modules['triton'] = None; import mla_fa3.ops.triton_ops as o; "
             "assert isinstance(o._fp8_kernels(), str); print('ok')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 # ------------------------------------------------------------------------------------------ Triton interpreter
-
-
-def _env():
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def _pool_and_backend_run() -> None:
@@ -281,14 +274,8 @@ def _interpreter_run() -> dict:
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(_env(), TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=240)
-    assert res.returncode == 0, res.stderr[-4000:]
-    failures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert failures == {}, failures
+    assert run_under_interpreter(__file__) == {}
 
 
-if __name__ == "__main__":  # the interpreter subprocess: TRITON_INTERPRET=1 is set before triton is imported
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    print(json.dumps(_interpreter_run()))
+if __name__ == "__main__":  # the interpreter subprocess (TRITON_INTERPRET=1 set before triton is imported)
+    interpreter_main(_interpreter_run)

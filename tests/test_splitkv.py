@@ -9,16 +9,16 @@ no split exceeds ``chunk`` and the count never exceeds ``target + bs`` (the grap
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from interpreter import interpreter_main, run_under_interpreter, subprocess_env
 
 from ops_cases import build_flashmla, flashmla_oracle, tolerances
 
@@ -254,7 +254,7 @@ def test_impl_choice_on_cpu():
 def test_import_does_not_need_triton():
     code = ("import sys; sys.modules['triton'] = None; import mla_fa3.ops.triton_ops as o; "
             "assert isinstance(o._splitkv_kernels(), str); print('ok')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
@@ -309,13 +309,6 @@ INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choi
 }
 
 
-def _env():
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    return env
-
-
 def _interpreter_run() -> dict:
     """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
     failures = {}
@@ -343,14 +336,8 @@ def _interpreter_run() -> dict:
 
 def test_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(_env(), TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=240)
-    assert res.returncode == 0, res.stderr[-4000:]
-    failures = json.loads(res.stdout.strip().splitlines()[-1])
-    assert failures == {}, failures
+    assert run_under_interpreter(__file__) == {}
 
 
-if __name__ == "__main__":  # the interpreter subprocess: TRITON_INTERPRET=1 is set before triton is imported
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    print(json.dumps(_interpreter_run()))
+if __name__ == "__main__":  # the interpreter subprocess (TRITON_INTERPRET=1 set before triton is imported)
+    interpreter_main(_interpreter_run)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from mla_cases import follow_up, make_mla_case, padded
+from mla_cases import capture_layer_graph, follow_up, make_mla_case, padded
 from ops_cases import BAD_PAGE, check, cosine
 from specs import SPECS, BatchSpec
 
@@ -256,17 +256,7 @@ def test_backend_splitkv_graph_replay_and_no_sync():
     lat_buf = torch.zeros(cap * k, d.latent_dim, dtype=BF16, device=DEV)
     loc_buf = torch.zeros(cap * k, dtype=torch.int64, device=DEV)
     static = ForwardBatch.decode([0] * cap, [1] * cap, loc_buf, DEV)
-    backend.init_forward_metadata_capture_cuda_graph(static)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            backend.forward(q_buf, lat_buf, None, case.layer, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out_buf = backend.forward(q_buf, lat_buf, None, case.layer, static)
+    graph, out_buf = capture_layer_graph(backend, case.layer, q_buf, lat_buf, static)
     for step in (follow_up(case, ForwardMode.DECODE, (40, 3, 1500), (k,) * 3, requests=[0, 1, 2], seed=0, pad_to=cap),
                  follow_up(case, ForwardMode.DECODE, (1400, 30), (k, k), requests=[2, 0], seed=1, pad_to=cap)):
         backend.init_forward_metadata_replay_cuda_graph(step.batch)
