@@ -130,6 +130,14 @@ class MLABackend:
             self.decode_kernel = DecodeKernel.FA3
         if self.decode_kernel is DecodeKernel.FLASHMLA and page_size != FLASHMLA_PAGE_SIZE:
             raise ValueError(f"decode_kernel=flashmla needs page_size {FLASHMLA_PAGE_SIZE}, got {page_size}")
+        # FlashMLA (and the split-KV kernel) read only a 512 + 64 latent row; the torch reference reads any
+        self.whole_row_kernels_fit = _whole_row_kernels_fit(self.mla_pool, impl, self.device)
+        if not self.whole_row_kernels_fit and self.decode_kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
+            pool = self.mla_pool
+            raise ValueError(f"decode_kernel={self.decode_kernel.value} reads a latent row of "
+                             f"{ops.FLASHMLA_HEAD_DIM_V} + {ops.FLASHMLA_HEAD_DIM - ops.FLASHMLA_HEAD_DIM_V} only; the "
+                             f"latent pool has {pool.kv_lora_rank} + {pool.qk_rope_head_dim}"
+                             + (" (an FP8 pool needs FlashMLA)" if self.kv_fp8 else ""))
         if num_heads is not None or self.decode_kernel is not DecodeKernel.FA3:
             kernel = getattr(self.decode_kernel, "value", self.decode_kernel)
             if num_heads is None:
@@ -166,7 +174,7 @@ class MLABackend:
             impl=self.impl, device=self.device, kv_dtype=None if pool is None else pool.kv_dtype,
             latent_width=None if pool is None else pool.kv_lora_rank + pool.qk_rope_head_dim,
             other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset(),
-            weight_dtype=None if pool is None else pool.dtype)
+            weight_dtype=None if pool is None else pool.dtype, whole_row_kernels=self.whole_row_kernels_fit)
         self.step_plan: StepPlan | None = None  # the current step's plan (eager, captured or replayed)
         # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
         # kernels are captured per size and each replay picks one from the live lengths (host ints)
@@ -349,9 +357,11 @@ class MLABackend:
         if not kernels:
             raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
         kernel, why = kernels[0], None
-        if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync)
+        if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync), among the captured ones
             kernel, why = self.planner.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
                                                             mean_seqlen(batch))
+            if kernel not in kernels:
+                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
         entry = self._graph[(mode, bs, k, kernel)]
         md = entry.plan.metadata
         self.step_plan = None  # a failed update leaves no stale plan behind
@@ -363,7 +373,7 @@ class MLABackend:
             schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
         self.graph_kernel = kernel
         self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
-                                                  graph=True, schedule=schedule)
+                                                  graph=True, schedule=schedule, static_batch=entry.plan.batch)
         return md
 
 
@@ -371,6 +381,14 @@ def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int],
     """(sorted sizes, size -> kernels in ``DecodeKernel`` order) of the graphs captured for ``(mode, k)``."""
     sizes = sorted({b for (m, b, kk, _) in graphs if m is mode and kk == k})
     return sizes, {b: [kn for kn in DecodeKernel if (mode, b, k, kn) in graphs] for b in sizes}
+
+
+def _whole_row_kernels_fit(pool: MLATokenPool | None, impl, device: torch.device) -> bool:
+    """False when the step's kernels are the compiled ones and the latent row is not FlashMLA's 512 + 64."""
+    if pool is None or (pool.kv_lora_rank == ops.FLASHMLA_HEAD_DIM_V
+                        and pool.kv_lora_rank + pool.qk_rope_head_dim == ops.FLASHMLA_HEAD_DIM):
+        return True
+    return ops.resolve_impl(impl, device) is ops.Impl.REFERENCE
 
 
 def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path) -> None:

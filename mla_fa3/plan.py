@@ -129,7 +129,8 @@ class StepPlan:
     flashmla_schedule: FlashMLASchedule | None = None  # when kernel is FLASHMLA (of the split rows on an MHA path)
     splitkv_schedule: SplitKVSchedule | None = None  # when kernel is SPLITKV
     prefill: PrefillPlan | None = None  # when path is an MHA prefill
-    graph_bs: int | None = None  # a CUDA-graph step: its captured size (the padded static batch is its batch)
+    graph_bs: int | None = None  # a CUDA-graph step: its captured size
+    static_batch: ForwardBatch | None = None  # a replayed graph step: the static batch it was captured with
     _seen: list[ForwardBatch] = field(default_factory=list, repr=False)  # batches already matched
 
     def route(self, layer: AttentionLayer) -> tuple[AttentionPath, DecodeKernel]:
@@ -147,9 +148,11 @@ class StepPlan:
         """Raise ValueError unless ``batch`` is the batch this plan was made for (host values only)."""
         if batch is self.batch or any(batch is b for b in self._seen):
             return
-        if self.graph_bs is not None and batch.batch_size == self.graph_bs and self.metadata is not None \
-                and batch.forward_mode is self.metadata.mode:
-            self._seen.append(batch)  # the graph's static (padded) batch
+        if batch is self.static_batch:  # a replayed graph runs the layers on its static (padded) batch
+            return
+        if self.graph_bs is not None and self.static_batch is None and self.metadata is not None \
+                and batch.batch_size == self.graph_bs and batch.forward_mode is self.metadata.mode:
+            self._seen.append(batch)  # captured from a size alone: a padded batch of that size
             return
         planned = self.batch
         if planned is None:  # captured from a size: the mode and size must fit the captured metadata
@@ -193,7 +196,7 @@ class StepPlanner:
                  mla_dims: MLADims | None, prefill_path: PrefillOverride, workspace_tokens: int,
                  req_to_token: torch.Tensor, impl: ops.Impl | None, device: torch.device,
                  kv_dtype: torch.dtype | None, latent_width: int | None, other_paths: frozenset[AttentionPath],
-                 weight_dtype: torch.dtype | None = None):
+                 weight_dtype: torch.dtype | None = None, whole_row_kernels: bool = True):
         self.decode_kernel = decode_kernel
         self.page_size = page_size
         self.num_heads = num_heads
@@ -204,6 +207,7 @@ class StepPlanner:
         self.impl = impl  # the backend's ops implementation (None: the ops global setting at call time)
         self.device = device
         self.kv_dtype = kv_dtype  # storage dtype of the latent pool
+        self.whole_row_kernels = whole_row_kernels  # FlashMLA / split-KV can read this latent row (512 + 64)
         self.kv_fp8 = kv_dtype == FP8_DTYPE  # e4m3 latent: FlashMLA FP8 decode, MHA prefill (dequantized)
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
@@ -243,6 +247,8 @@ class StepPlanner:
             return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
         if self.page_size != FLASHMLA_PAGE_SIZE:
             return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
+        if not self.whole_row_kernels:
+            return DecodeKernel.FA3, "auto: the latent row is not FlashMLA's 512 + 64 -> FA3"
         allow = self._splitkv_usable()
         self._check_table()
         if type(batch_size) is not int or type(max_seqlen_k) is not int or not (
@@ -299,7 +305,7 @@ class StepPlanner:
             return (DecodeKernel.FLASHMLA,)
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return (self.decode_kernel,)
-        if self.page_size != FLASHMLA_PAGE_SIZE:
+        if self.page_size != FLASHMLA_PAGE_SIZE or not self.whole_row_kernels:
             return (DecodeKernel.FA3,)
         if self._splitkv_usable() and splitkv_measured():
             return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
@@ -347,13 +353,13 @@ class StepPlanner:
         return ops.get_splitkv_schedule(lens_cpu, **kw, device=self.device)
 
     def decode_plan(self, batch: ForwardBatch | None, metadata: AttentionMetadata, kernel: DecodeKernel,
-                    reason: str, *, graph: bool, schedule: FlashMLASchedule | SplitKVSchedule | None = None
-                    ) -> StepPlan:
+                    reason: str, *, graph: bool, schedule: FlashMLASchedule | SplitKVSchedule | None = None,
+                    static_batch: ForwardBatch | None = None) -> StepPlan:
         """The plan of a decode-like / verify step on ``kernel`` (eager, captured or replayed).
 
         ``schedule``: the kernel's schedule already planned for this step (a replay's captured one, its new
         plan copied in); planned here when the kernel is FLASHMLA / SPLITKV and none is given (a captured
-        SPLITKV graph: sized for any lengths of its batch size)."""
+        SPLITKV graph: sized for any lengths of its batch size). ``static_batch``: a replay's capture batch."""
         splits = None
         if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
             reason += (f"; FA3 for layers with softcap / window / local attention or other than "
@@ -369,7 +375,8 @@ class StepPlanner:
         flashmla = schedule if kernel is DecodeKernel.FLASHMLA else None
         splitkv = schedule if kernel is DecodeKernel.SPLITKV else None
         return StepPlan(batch, metadata, AttentionPath.ABSORBED, kernel, self.num_heads, record, flashmla,
-                        splitkv_schedule=splitkv, graph_bs=metadata.batch_size if graph else None)
+                        splitkv_schedule=splitkv, graph_bs=metadata.batch_size if graph else None,
+                        static_batch=static_batch)
 
     def _plan_extend(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
         if self.kv_fp8:

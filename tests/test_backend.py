@@ -323,6 +323,10 @@ def test_graph_runner_style_capture_with_a_static_batch_and_oversize_replay():
     backend.init_forward_metadata_replay_cuda_graph(case.batch)
     out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
     assert rel_err(out, mla_oracle(case)) <= TOL
+    # the replayed step accepts its live batch and the capture's static batch, not another batch of the size
+    other = make_mla_case(BatchSpec(DEC, (9, 2, 5), (1,) * 3), "tiny", seed=3)
+    with pytest.raises(ValueError, match="not the batch this step was planned for"):
+        backend.forward(other.q, None, None, case.layer, other.batch, save_kv_cache=False)
     big = make_mla_case(BatchSpec(DEC, (1, 2, 3, 4), (1,) * 4), "tiny", seed=2)
     with pytest.raises(ValueError, match="captured"):
         backend.init_forward_metadata_replay_cuda_graph(big.batch)

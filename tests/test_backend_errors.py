@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mla_cases import make_batch, make_layout, make_mla_case
+from specs import BatchSpec
 
 from mla_fa3 import ops
 from mla_fa3.policy.paths import DecodeKernel
@@ -149,3 +150,21 @@ def test_backend_range_checks_slots_and_pages_against_the_pool_before_any_kernel
     with pytest.raises(ValueError, match="page"):
         backend_for(case).init_forward_metadata(case.batch)
     assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip(before, case.pool.kv_buffer))
+
+
+def test_whole_row_kernels_need_flashmla_dims_where_the_compiled_kernels_run(monkeypatch):
+    """FlashMLA and split-KV read only a 512 + 64 latent row: where the compiled kernels would run (the
+    impl resolves to FA3), another row is refused at construction for an explicit choice, and 'auto'
+    never picks them; the torch reference reads any row."""
+    case = make_mla_case(BatchSpec(ForwardMode.DECODE, (70, 5), (1, 1), page_size=64), "tiny")
+    kw = dict(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool, page_size=64, device="cpu",
+              num_heads=case.cfg.num_heads, mla_dims=case.cfg.dims)
+    assert MLABackend(**kw, decode_kernel="flashmla").whole_row_kernels_fit  # reference: any row
+    monkeypatch.setattr(ops, "resolve_impl", lambda impl, device: ops.Impl.FA3)
+    for kernel in ("flashmla", "splitkv"):
+        with pytest.raises(ValueError, match=f"decode_kernel={kernel} reads a latent row of 512 \\+ 64 only"):
+            MLABackend(**kw, decode_kernel=kernel)
+    auto = MLABackend(**kw, decode_kernel="auto")
+    assert auto.graph_kernels() == (DecodeKernel.FA3,)
+    kernel, reason = auto.planner.choose_decode_kernel(2, 75, 40.0)
+    assert kernel is DecodeKernel.FA3 and "512 + 64" in reason

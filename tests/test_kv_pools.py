@@ -120,3 +120,14 @@ def test_clear_pages_zeroes_exactly_those_pages_in_every_layer(pool_kind):
         assert bool((buf.float().view(pool.num_pages, -1)[[1, 4]] == 0).all())
     with pytest.raises(ValueError, match="^page_ids must be in"):
         pool.clear_pages([6])
+
+
+def test_mla_pool_storage_dtype_is_the_compute_dtype_or_e4m3() -> None:
+    """A floating storage dtype other than the compute dtype would hand the kernels a cache in another
+    dtype than q: refused at construction, nothing allocated."""
+    with pytest.raises(TypeError, match="kv_dtype must be None, torch.float8_e4m3fn or dtype"):
+        MLATokenPool(1, 4, 16, 8, 4, torch.bfloat16, "cpu", kv_dtype=torch.float32)
+    pool = MLATokenPool(1, 4, 16, 8, 4, torch.bfloat16, "cpu", kv_dtype=torch.bfloat16)
+    x = torch.randn(3, 12, dtype=torch.bfloat16)
+    pool.set_latent(0, torch.tensor([16, 17, 40]), x)
+    assert torch.equal(pool.kv_buffer[0][[16, 17, 40]], x)

@@ -153,8 +153,8 @@ class MLATokenPool(_TokenPoolBase):
         super().__init__(num_layers, num_pages, page_size, device, debug_checks)
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
-        if kv_dtype not in (None, FP8_DTYPE, *_FLOAT_DTYPES):
-            raise TypeError(f"kv_dtype must be None, torch.float8_e4m3fn or a float dtype, got {kv_dtype}")
+        if kv_dtype not in (None, FP8_DTYPE, dtype):  # the kernels read the cache in q's dtype, or e4m3
+            raise TypeError(f"kv_dtype must be None, torch.float8_e4m3fn or dtype ({dtype}), got {kv_dtype}")
         self.kv_lora_rank = check_int(kv_lora_rank, "kv_lora_rank")
         self.qk_rope_head_dim = check_int(qk_rope_head_dim, "qk_rope_head_dim")
         self.width = kv_lora_rank + qk_rope_head_dim
@@ -212,7 +212,7 @@ class MLATokenPool(_TokenPoolBase):
             torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
         buf = self.kv_buffer[layer]
         if not self.is_fp8:
-            buf[rows, cols] = x.to(self.dtype)
+            buf[rows, cols] = x.to(buf.dtype)  # the storage dtype (kv_dtype), which may differ from dtype
             return
         ops.store_e4m3(buf[:, cols], rows, _rows_2d(x), self.scale[layer])
 

@@ -47,6 +47,8 @@ from .splitkv_plan import SplitKVSchedule
 from .triton_ops import (fp8_fused_available, get_splitkv_schedule, quantize_query_e4m3, splitkv_available,
                          splitkv_mla_with_kvcache, store_e4m3)
 from .types import (
+    FLASHMLA_HEAD_DIM,
+    FLASHMLA_HEAD_DIM_V,
     FLASHMLA_PAGE_SIZE,
     LN2,
     LSE_BASE,
@@ -64,6 +66,8 @@ __all__ = [
     "FlashMLASchedule",
     "LSE_BASE",
     "FLASHMLA_PAGE_SIZE",
+    "FLASHMLA_HEAD_DIM",
+    "FLASHMLA_HEAD_DIM_V",
     "LN2",
     "lse_base2_to_natural",
     "lse_natural_to_base2",

@@ -20,8 +20,6 @@ MERGE_FA3_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FA3_MAX_HEAD_DIM = 256  # FA3's largest q/k (and plain v) head dim
 FA3_MAX_QV_HEAD_DIM = 512  # largest v head dim FA3 accepts (q/k head dim <= 64: absorbed MLA)
 FA3_MIN_QV_V_HEAD_DIM = 256  # FA3 runs qv (absorbed MLA) only for v head dims >= 256
-FLASHMLA_HEAD_DIM = 576  # r + d_rope, the only q/k head dim FlashMLA supports
-FLASHMLA_HEAD_DIM_V = 512  # r, the only v head dim FlashMLA supports
 FA3_HINT = "; use impl='reference' for this combination"
 
 

@@ -19,6 +19,8 @@ import torch
 LSE_BASE = "e"  # every LSE returned or accepted by mla_fa3.ops is a natural logarithm
 LN2 = math.log(2.0)
 FLASHMLA_PAGE_SIZE = 64  # FlashMLA's paged KV cache has a fixed block size of 64 tokens
+FLASHMLA_HEAD_DIM = 576  # r + d_rope, the only q/k head dim FlashMLA (and the split-KV kernel) supports
+FLASHMLA_HEAD_DIM_V = 512  # r, the only v head dim FlashMLA supports
 
 
 def lse_base2_to_natural(lse2: torch.Tensor) -> torch.Tensor:

@@ -21,14 +21,12 @@ from ._checks import (  # noqa: F401  (device_of is part of this module's interf
     FA3_HALF_DTYPES,
     FA3_HINT,
     FA3_KVCACHE_DTYPES,
-    FLASHMLA_HEAD_DIM,
-    FLASHMLA_HEAD_DIM_V,
     FP8_DTYPES,
     MERGE_FA3_DTYPES,
     device_of,
 )
 from .calls import FlashMLACall, KVCacheCall, VarlenCall
-from .types import FLASHMLA_PAGE_SIZE, FlashMLASchedule, Impl
+from .types import FLASHMLA_HEAD_DIM, FLASHMLA_HEAD_DIM_V, FLASHMLA_PAGE_SIZE, FlashMLASchedule, Impl
 
 Tensor = torch.Tensor
 
