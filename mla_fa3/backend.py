@@ -54,29 +54,16 @@ from dataclasses import dataclass
 import torch
 
 from mla_fa3 import absorb, chunked_prefix, mha_fallback, ops
+from mla_fa3.backend_config import resolve_config
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
-from mla_fa3.kv.pools import MHATokenPool, MLATokenPool, same_device
 from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
-from mla_fa3.plan import DECODE_KERNEL_AUTO, PathRecord, StepPlan, StepPlanner, mean_seqlen
-from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
+from mla_fa3.plan import PathRecord, StepPlan, StepPlanner, mean_seqlen
+from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
 
 __all__ = ["MLABackend"]
-
-
-def _coerce_decode_kernel(value) -> DecodeKernel | str | None:
-    if value is None or isinstance(value, DecodeKernel):
-        return value
-    if isinstance(value, str):
-        low = value.lower()
-        if low == DECODE_KERNEL_AUTO:
-            return DECODE_KERNEL_AUTO
-        for k in DecodeKernel:
-            if k.value == low:
-                return k
-    raise ValueError(f"decode_kernel must be 'auto', 'fa3', 'flashmla', 'splitkv' or a DecodeKernel, got {value!r}")
 
 
 @dataclass
@@ -113,31 +100,10 @@ class MLABackend:
         """
         self.device = torch.device(device)
         self.page_size = check_int(page_size, "page_size")
-        self.mla_pool, self.mha_pool = _split_pools(kv_pool)
-        for pool in (self.mla_pool, self.mha_pool):
-            if pool is None:
-                continue
-            if pool.page_size != page_size:
-                raise ValueError(f"page_size {page_size} differs from the pool's page_size {pool.page_size}")
-            if not same_device(pool.device, self.device):
-                raise ValueError(f"kv_pool is on {pool.device} but the backend's device is {self.device}")
-        self.decode_kernel = _coerce_decode_kernel(decode_kernel)
-        self.kv_fp8 = self.mla_pool is not None and self.mla_pool.is_fp8
-        if self.kv_fp8:
-            _check_fp8_setup(self.decode_kernel, page_size, num_heads, mla_dims, prefill_path)
-            self.decode_kernel = DecodeKernel.FLASHMLA
-        elif self.decode_kernel is None:
-            self.decode_kernel = DecodeKernel.FA3
-        if self.decode_kernel is DecodeKernel.FLASHMLA and page_size != FLASHMLA_PAGE_SIZE:
-            raise ValueError(f"decode_kernel=flashmla needs page_size {FLASHMLA_PAGE_SIZE}, got {page_size}")
-        # FlashMLA (and the split-KV kernel) read only a 512 + 64 latent row; the torch reference reads any
-        self.whole_row_kernels_fit = _whole_row_kernels_fit(self.mla_pool, impl, self.device)
-        if not self.whole_row_kernels_fit and self.decode_kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
-            pool = self.mla_pool
-            raise ValueError(f"decode_kernel={self.decode_kernel.value} reads a latent row of "
-                             f"{ops.FLASHMLA_HEAD_DIM_V} + {ops.FLASHMLA_HEAD_DIM - ops.FLASHMLA_HEAD_DIM_V} only; the "
-                             f"latent pool has {pool.kv_lora_rank} + {pool.qk_rope_head_dim}"
-                             + (" (an FP8 pool needs FlashMLA)" if self.kv_fp8 else ""))
+        cfg = resolve_config(kv_pool, self.page_size, self.device, decode_kernel, num_heads, mla_dims,
+                             prefill_path, impl)
+        self.mla_pool, self.mha_pool, self.decode_kernel = cfg.mla_pool, cfg.mha_pool, cfg.decode_kernel
+        self.kv_fp8, self.whole_row_kernels_fit = cfg.kv_fp8, cfg.whole_row_kernels_fit
         if num_heads is not None or self.decode_kernel is not DecodeKernel.FA3:
             kernel = getattr(self.decode_kernel, "value", self.decode_kernel)
             if num_heads is None:
@@ -176,6 +142,7 @@ class MLABackend:
             other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset(),
             weight_dtype=None if pool is None else pool.dtype, whole_row_kernels=self.whole_row_kernels_fit)
         self.step_plan: StepPlan | None = None  # the current step's plan (eager, captured or replayed)
+        self.device_metadata = False  # graphs derive their page table / FlashMLA schedule (graph_prologue)
         # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
         # kernels are captured per size and each replay picks one from the live lengths (host ints)
         self._graph: dict[tuple[ForwardMode, int, int, DecodeKernel], _GraphEntry] = {}
@@ -292,12 +259,34 @@ class MLABackend:
 
     # ------------------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_context: int, *, max_num_draft_tokens: int = 1,
-                              with_encoder: bool = False) -> None:
-        """Allocate the capture buffers once (through the builder); call before any capture."""
+                              with_encoder: bool = False, device_metadata: bool = False) -> None:
+        """Allocate the capture buffers once (through the builder); call before any capture.
+
+        ``device_metadata``: the caller runs :meth:`graph_prologue` inside every captured graph, before
+        its layers (``graphs.runner.GraphRunner`` does): the page table (where the buffers allow it) and
+        the FlashMLA schedule are then derived on the device by the graph itself, and a replay update
+        is one host->device copy plus host checks. Without it (SGLang's protocol) the replay update
+        writes them."""
         self.builder.init_capture_buffers(max_bs, max_context, max_num_draft_tokens=max_num_draft_tokens,
-                                          with_encoder=with_encoder, pad_seqlen=self.get_cuda_graph_seq_len_fill_value())
+                                          with_encoder=with_encoder, pad_seqlen=self.get_cuda_graph_seq_len_fill_value(),
+                                          device_tables=device_metadata)
+        self.device_metadata = bool(device_metadata)
         self._graph.clear()
         self._graph_sizes.clear()
+
+    def graph_prologue(self) -> None:
+        """Device work of the captured / replayed step that runs inside its CUDA graph, before the layers
+        (with ``init_cuda_graph_state(device_metadata=True)``): the page table from ``req_to_token`` and
+        the FlashMLA schedule from the live lengths. Tensor ops on fixed shapes, no host value read."""
+        plan = self.step_plan
+        if plan is None or plan.graph_bs is None:
+            raise RuntimeError("graph_prologue runs on a captured or replayed step (init_forward_metadata_"
+                               "capture_cuda_graph / _replay_cuda_graph first)")
+        if not self.device_metadata:
+            raise RuntimeError("graph_prologue needs init_cuda_graph_state(..., device_metadata=True)")
+        self.builder.derive_tables(plan.metadata)
+        if plan.flashmla_schedule is not None:
+            self.planner.replan_flashmla(plan.metadata, plan.flashmla_schedule)
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
                                                  num_draft_tokens: int = 1, kernel: DecodeKernel | None = None):
@@ -367,7 +356,7 @@ class MLABackend:
         self.step_plan = None  # a failed update leaves no stale plan behind
         self.builder.replay(batch, md)
         schedule = entry.plan.flashmla_schedule
-        if schedule is not None:
+        if schedule is not None and not self.device_metadata:  # else: re-planned in the graph (graph_prologue)
             self.planner.replan_flashmla(md, schedule)
         if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
             schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
@@ -383,31 +372,6 @@ def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int],
     return sizes, {b: [kn for kn in DecodeKernel if (mode, b, k, kn) in graphs] for b in sizes}
 
 
-def _whole_row_kernels_fit(pool: MLATokenPool | None, impl, device: torch.device) -> bool:
-    """False when the step's kernels are the compiled ones and the latent row is not FlashMLA's 512 + 64."""
-    if pool is None or (pool.kv_lora_rank == ops.FLASHMLA_HEAD_DIM_V
-                        and pool.kv_lora_rank + pool.qk_rope_head_dim == ops.FLASHMLA_HEAD_DIM):
-        return True
-    return ops.resolve_impl(impl, device) is ops.Impl.REFERENCE
-
-
-def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path) -> None:
-    """An FP8 latent pool is read by FlashMLA's FP8 decode and the (dequantizing) MHA prefill only."""
-    if decode_kernel is DecodeKernel.FA3:
-        raise ValueError("decode_kernel='fa3' cannot read an FP8 latent pool (FA3: HeaddimV > 256 requires "
-                         "fp16/bf16); use decode_kernel='flashmla', 'auto' or None")
-    if page_size != FLASHMLA_PAGE_SIZE:
-        raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent pool, got {page_size}: "
-                         f"FlashMLA's FP8 decode, the only kernel that reads an e4m3 latent, takes pages of "
-                         f"{FLASHMLA_PAGE_SIZE}")
-    if num_heads is None or mla_dims is None:
-        raise ValueError("num_heads and mla_dims are required with an FP8 latent pool (FlashMLA's schedule "
-                         "and the MHA prefill that extend rows take)")
-    if PrefillOverride.coerce(prefill_path) is PrefillOverride.ABSORBED:
-        raise ValueError("prefill_path='absorbed' cannot run on an FP8 latent pool: extend rows read it "
-                         "dequantized chunk by chunk (MHA prefill); use 'auto' or 'mha'")
-
-
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:
     """The layers FlashMLA FP8 cannot serve raise (before anything is stored)."""
     if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
@@ -416,14 +380,3 @@ def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:
     if plan.num_heads is not None and layer.num_heads != plan.num_heads:
         raise ValueError(f"layer {layer.layer_id} has {layer.num_heads} heads but the FP8 step was planned for "
                          f"num_heads={plan.num_heads} (FlashMLA's schedule depends on it)")
-
-
-def _split_pools(kv_pool) -> tuple[MLATokenPool | None, MHATokenPool | None]:
-    """(mla_pool, mha_pool) from one pool or a tuple/list of them."""
-    pools = list(kv_pool) if isinstance(kv_pool, (tuple, list)) else [kv_pool]
-    mla = [p for p in pools if isinstance(p, MLATokenPool)]
-    mha = [p for p in pools if isinstance(p, MHATokenPool)]
-    if len(mla) + len(mha) != len(pools) or len(mla) > 1 or len(mha) > 1 or not pools:
-        raise TypeError("kv_pool must be an MLATokenPool, an MHATokenPool, or a tuple of one of each, got "
-                        f"{[type(p).__name__ for p in pools]}")
-    return (mla[0] if mla else None), (mha[0] if mha else None)

@@ -37,7 +37,8 @@ from torch import Tensor
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request, to_device
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.kv.pools import check_page_size, same_device
-from mla_fa3.graphs.capture import CaptureBuffers, capture_views, replay_into
+from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, capture_views, derive_tables,
+                                   replay_into)
 from mla_fa3.pages import cumsum_padded, gather_page_table, local_layout
 
 __all__ = ["AttentionMetadata", "LocalAttentionMetadata", "EncoderMetadata", "MetadataBuilder"]
@@ -183,12 +184,11 @@ class MetadataBuilder:
                              f"in {rows.tolist()}")
         if self.req_pool is None:
             return
-        row_list = r.tolist()
-        held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
         span = self._span_np(batch)
-        have = np.fromiter(map(allocated.__getitem__, row_list), dtype=np.int64, count=len(row_list))
-        if all(map(held, row_list)) and not (span > have).any():
+        if self.req_pool.rows_cover(r, span):
             return
+        held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
+        row_list = r.tolist()
         for b, (row, need) in enumerate(zip(row_list, span.tolist())):  # name the first offender
             if not held(row):
                 raise ValueError(f"req_pool_indices[{b}] = {row} is not a held request row (never allocated, "
@@ -337,8 +337,12 @@ class MetadataBuilder:
     # ------------------------------------------------------------------ CUDA graphs
     def init_capture_buffers(self, max_bs: int, max_context: int | None = None, *,
                              max_num_draft_tokens: int = 1, with_encoder: bool = False,
-                             pad_seqlen: int = 1) -> CaptureBuffers:
+                             pad_seqlen: int = 1, device_tables: bool = False) -> CaptureBuffers:
         """Allocate, once, every tensor a captured graph will read (see ``graphs.capture``).
+
+        ``device_tables``: derive the page table on the device (:meth:`derive_tables`, run inside the
+        graph) instead of at each replay, where the buffers allow it (no encoder, no local attention, at
+        most ``DEVICE_TABLES_MAX_ENTRIES`` page ids); ``capture_buffers.device_tables`` says whether it does.
 
         ``pad_seqlen`` is the ``cache_seqlens`` of padding rows: 1 (default: every kernel, FlashMLA
         included, accepts it; the row reads slot 0 of padding page 0, so its output is finite) or 0
@@ -347,10 +351,23 @@ class MetadataBuilder:
         max_context = self.max_context if max_context is None else max_context
         if not isinstance(max_context, int) or not 1 <= max_context <= self.max_context:
             raise ValueError(f"max_context must be an int in [1, {self.max_context}], got {max_context!r}")
+        device_tables = bool(device_tables) and not with_encoder and self.attention_chunk_size is None \
+            and isinstance(max_bs, int) and max_bs * -(-max_context // self.page_size) <= DEVICE_TABLES_MAX_ENTRIES
         self.capture_buffers = CaptureBuffers.allocate(
             max_bs, max_context, self.page_size, self.device, max_num_draft_tokens=max_num_draft_tokens,
-            with_encoder=with_encoder, attention_chunk_size=self.attention_chunk_size, pad_seqlen=pad_seqlen)
+            with_encoder=with_encoder, attention_chunk_size=self.attention_chunk_size, pad_seqlen=pad_seqlen,
+            device_tables=device_tables)
         return self.capture_buffers
+
+    def derive_tables(self, metadata: AttentionMetadata) -> None:
+        """The device half of a replay with device tables: ``metadata.page_table`` from the staged rows
+        and lengths (tensor ops on fixed shapes; graph-legal). A no-op when the page table is written at
+        replay (buffers without ``device_tables``)."""
+        buf = self._buffers()
+        if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
+            raise ValueError("metadata must come from MetadataBuilder.capture")
+        if buf.device_tables:
+            derive_tables(buf, metadata.batch_size, self.req_to_token)
 
     def capture(self, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1) -> AttentionMetadata:
         """Metadata whose tensors are views ``[:bs]`` of the capture buffers, holding padding values."""
@@ -391,7 +408,7 @@ class MetadataBuilder:
                     self._span_np(batch) if batch.encoder_lens_cpu is not None else None)
         if metadata.encoder is not None:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
-        if self.debug_checks:
+        if self.debug_checks and not buf.device_tables:  # device tables: derived later, inside the graph
             self._check_pages("page_table", metadata.page_table)
 
     def _buffers(self) -> CaptureBuffers:

@@ -214,6 +214,7 @@ class StepPlanner:
         self._workspace: PrefillWorkspace | None = None  # the MHA prefill's chunk buffers, reused
         # (bs, length bucket, skew bucket, split-KV usable) -> (kernel, reason): see choose_decode_kernel
         self._kernel_cache: dict[tuple, tuple[DecodeKernel, str]] = {}
+        self._splitkv_ok: dict = {}  # ops implementation setting -> split-KV runs here (see _splitkv_usable)
         self._graph_kernels: tuple[bool, tuple[DecodeKernel, ...]] | None = None  # (split-KV usable, kernels)
         self._table = decode_policy.MEASURED  # the measured table the caches were filled from
         self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
@@ -312,7 +313,13 @@ class StepPlanner:
         return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
 
     def _splitkv_usable(self) -> bool:
-        return ops.splitkv_available(self.device, self.impl)
+        """Whether the split-KV kernel runs here, cached per ops implementation setting (the backend's, or
+        the global one it follows when None)."""
+        key = ops.get_impl() if self.impl is None else self.impl
+        hit = self._splitkv_ok.get(key)
+        if hit is None:
+            hit = self._splitkv_ok[key] = ops.splitkv_available(self.device, self.impl)
+        return hit
 
     def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
         """FlashMLA's tile schedule for the step (not graph-legal: plan outside, ``copy_`` into a captured one)."""

@@ -38,10 +38,11 @@ def _check_cpu(out, eager, ref, batch):
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device_metadata", [True, False])
 @pytest.mark.parametrize("name", GRAPH_CPU)
-def test_replay_smaller_batch_after_pool_reuse_equals_eager_and_oracle(name):
+def test_replay_smaller_batch_after_pool_reuse_equals_eager_and_oracle(name, device_metadata):
     world = World(GRAPH_SPECS[name], "cpu", torch.float32, seed=zlib.crc32(name.encode()))
-    runner = world.runner()
+    runner = world.runner(device_metadata=device_metadata)
     sizes = GRAPH_SPECS[name].sizes
     run_round(world, runner, max(sizes), poison=False, check=_check_cpu, longest=True)  # fills pool, rows, buffers
     run_round(world, runner, GRAPH_SPECS[name].live, poison=True, check=_check_cpu)
@@ -112,10 +113,13 @@ def test_padding_resets_only_rows_earlier_runs_filled():
         assert torch.equal(buf.inputs["x"][: padded * q], torch.cat([x, torch.zeros(pad * q, 3)]))
 
 
-def test_prepare_is_six_device_ops_without_reading_the_device():
+@pytest.mark.parametrize("device_metadata", [True, False])
+def test_prepare_device_ops_without_reading_the_device(device_metadata):
     """Steady-state decode prepare on the ``meta`` device (the CUDA path, no data: a host read of a device
-    value raises): one batched copy of the live rows, one host->device copy of the metadata, four
-    page-table ops — no padding reset, no other device op."""
+    value raises): one batched copy of the live rows and one host->device copy of the metadata; with
+    ``device_metadata=False`` (the SGLang protocol) also the four page-table ops — no padding reset, no
+    other device op. With device metadata the page table is derived by the graph's prologue: tensor ops
+    on fixed shapes, no copy from the host."""
     dims, heads, page, ctx = MLA_CONFIGS["tiny"].dims, 4, 16, 256
     req_pool = ReqToTokenPool(9, ctx, "meta")
     req_pool.claim(list(range(9)), ctx)  # a layout the test owns (the meta device holds no values)
@@ -125,7 +129,8 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
     specs = {"q": InputSpec((heads, dims.qk_head_dim), torch.float32),
              "latent": InputSpec((dims.latent_dim,), torch.float32)}
     runner = GraphRunner(backend, lambda batch, inputs: None, batch_sizes=[4, 8], mode=ForwardMode.DECODE,
-                         max_context=ctx, input_specs=specs, device="meta", use_graphs=False)
+                         max_context=ctx, input_specs=specs, device="meta", use_graphs=False,
+                         device_metadata=device_metadata)
     batch = ForwardBatch.decode([3, 1, 7, 2, 5, 8], [40, 17, 256, 3, 99, 120], list(range(1, 7)), "meta")
     inputs = {name: torch.empty(6, *spec.shape, device="meta") for name, spec in specs.items()}
     runner.prepare(batch, inputs)
@@ -133,7 +138,17 @@ def test_prepare_is_six_device_ops_without_reading_the_device():
     with log:
         assert runner.prepare(batch, inputs) == (8, 0, None)
     assert log.host_to_device_copies() == 1
-    assert log.device_ops() == Counter(_foreach_copy_=1, copy_=1, index_select=1, lt=1, floor_divide_=1, mul=1)
+    table_ops = Counter(index_select=1, lt=1, floor_divide_=1, mul=1)
+    if not device_metadata:
+        assert log.device_ops() == Counter(_foreach_copy_=1, copy_=1) + table_ops
+        return
+    assert backend.builder.capture_buffers.device_tables
+    assert log.device_ops() == Counter(_foreach_copy_=1, copy_=1)
+    prologue = DeviceOpLog()
+    with prologue:
+        backend.graph_prologue()
+    assert prologue.host_to_device_copies() == 0
+    assert prologue.device_ops() == table_ops + Counter(ge=1, mul=1, clamp=1)
 
 
 def test_oversize_batch_and_overlong_context_raise_before_writing():

@@ -55,11 +55,12 @@ def _checked_run(runner):
     return run
 
 
-def _run_case(spec: GraphSpec, name: str, decode_kernel: str):
+def _run_case(spec: GraphSpec, name: str, decode_kernel: str, device_metadata: bool = True):
     torch.manual_seed(0)
     world = World(spec, "cuda", torch.bfloat16, cfg="deepseek_v3", seed=zlib.crc32(name.encode()),
                   max_context=MAX_CONTEXT, decode_kernel=decode_kernel, impl="fa3")
-    runner = world.runner()
+    runner = world.runner(device_metadata=device_metadata)
+    assert runner.device_metadata == device_metadata
     assert runner.use_graphs
     for bs in spec.sizes:
         for step in range(world.steps):
@@ -70,14 +71,17 @@ def _run_case(spec: GraphSpec, name: str, decode_kernel: str):
     return world
 
 
+@pytest.mark.parametrize("device_metadata", [True, False])
 @pytest.mark.parametrize("name", GRAPH_GPU)
-def test_fa3_replay_smaller_batch_equals_eager_and_oracle(name):
-    _run_case(GRAPH_SPECS[name], name, "fa3")
+def test_fa3_replay_smaller_batch_equals_eager_and_oracle(name, device_metadata):
+    _run_case(GRAPH_SPECS[name], name, "fa3", device_metadata)
 
 
+@pytest.mark.parametrize("device_metadata", [True, False])
 @pytest.mark.parametrize("name", GRAPH_FLASHMLA)
-def test_flashmla_replay_smaller_batch_equals_eager_and_oracle(name):
-    world = _run_case(GRAPH_SPECS[name], name, "flashmla")
+def test_flashmla_replay_smaller_batch_equals_eager_and_oracle(name, device_metadata):
+    """With device metadata FlashMLA's schedule is re-planned inside the graph (get_mla_metadata captured)."""
+    world = _run_case(GRAPH_SPECS[name], name, "flashmla", device_metadata)
     assert world.backend.explain().kernel == "flashmla"
 
 

@@ -36,8 +36,15 @@ def setup(page_size: int, variant: str, pad: int = 1, max_bs: int = 6):
     chunk = CHUNK[page_size] if variant == "local" else None
     builder = MetadataBuilder(w.pool, page_size, "cpu", attention_chunk_size=chunk, num_slots=w.num_slots)
     builder.init_capture_buffers(max_bs, w.pool.max_context, max_num_draft_tokens=4,
-                                 with_encoder=enc is not None, pad_seqlen=pad)
+                                 with_encoder=enc is not None, pad_seqlen=pad, device_tables=variant == "device")
+    assert builder.capture_buffers.device_tables == (variant == "device")
     return w, builder, chunk
+
+
+def replay(builder: MetadataBuilder, batch, cap) -> None:
+    """The replay update, then (device tables) what the graph's prologue derives on the device."""
+    builder.replay(batch, cap)
+    builder.derive_tables(cap)
 
 
 def snapshot(builder: MetadataBuilder) -> dict:
@@ -45,7 +52,7 @@ def snapshot(builder: MetadataBuilder) -> dict:
     return {k: v.clone() for k, v in vars(buf).items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("variant", ["plain", "encoder", "local"])
+@pytest.mark.parametrize("variant", ["plain", "device", "encoder", "local"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("mode_name", list(MODES))
 def test_replay_small_after_big_equals_eager(mode_name: str, page_size: int, variant: str) -> None:
@@ -56,10 +63,10 @@ def test_replay_small_after_big_equals_eager(mode_name: str, page_size: int, var
     small = make_batch(w, mode, [q] * len(SMALL), idx=SMALL, with_encoder=enc)
     cap5 = builder.capture(5, mode, num_draft_tokens=q)
     cap3 = builder.capture(3, mode, num_draft_tokens=q)
-    builder.replay(big, cap5)
+    replay(builder, big, cap5)
     check_replay(cap5, builder.build(big), builder, 5, q, 1)
     for cap in (cap5, cap3):  # after the big batch, the small one on either captured size
-        builder.replay(small, cap)
+        replay(builder, small, cap)
         eager = builder.build(small)
         check_replay(cap, eager, builder, len(SMALL), q, 1)
         live = AttentionMetadata(mode=mode, batch_size=2, page_size=page_size, cache_seqlens=cap.cache_seqlens[:2],

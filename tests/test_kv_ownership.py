@@ -94,7 +94,7 @@ def test_claim_refuses_a_held_row_and_bad_lengths():
     unchanged(pool, alloc, lambda: pool.claim([1, 1], 3), OwnershipError, "more than once")
     unchanged(pool, alloc, lambda: pool.claim([1], 33), ValueError, "num_tokens")
     pool.claim([2, 3], [4, 0])
-    assert pool.allocated_len[2:] == [4, 0] and pool.available_size() == 1
+    assert pool.allocated_len[2:].tolist() == [4, 0] and pool.available_size() == 1
     # the allocator refuses a claimed row whose tokens it did not give
     unchanged(pool, alloc, lambda: alloc.alloc_for_request(pool, 2, 4, 1), OwnershipError, "claimed row")
 

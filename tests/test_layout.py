@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("policy",),  # decode-kernel choice, prefill cost model, their tables
     ("prefill_plan",),  # the MHA prefill's per-step chunks and row split
     ("plan",),  # the typed per-step plan
+    ("backend_config",),  # the backend's pools, decode kernel and FP8 rules, checked at construction
     ("lse", "absorb", "chunked_prefix", "mha_fallback"),  # the compute paths
     ("backend",),  # plan once per step, route each layer
     ("draft_backend",),  # one backend per draft step

@@ -150,9 +150,13 @@ def test_replay_host_bench_runs_and_reports_every_component(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert replay_host.main(["--bs", "1,4", "--context", "256", "--iters", "5", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["bs"] for r in rows] == [1, 4]
+    assert [(r["bs"], r["metadata"]) for r in rows] == [(1, "device"), (4, "device"), (1, "host"), (4, "host")]
     for r in rows:
         for c in (*replay_host.COMPONENTS, "other", "prepare", "batch"):
             assert r[f"{c}_us"] >= 0 or c == "other"
         assert r["prepare_ops"] > 0 and r["kernel"] in ("fa3", "flashmla", "splitkv")
+        assert r["prologue_gpu_us"] is None  # measured on CUDA only
+    by = {(r["bs"], r["metadata"]): r for r in rows}
+    for bs in (1, 4):  # the page-table gather (four ops) left the update for the graph's prologue
+        assert by[(bs, "host")]["replay_into_ops"] - by[(bs, "device")]["replay_into_ops"] >= 4
     assert "prepare" in capsys.readouterr().out

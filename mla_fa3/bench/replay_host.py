@@ -5,6 +5,13 @@ engine builds (``ForwardBatch.decode``) and ``GraphRunner.prepare`` — the runn
 that pad the live batch into the static buffers, the decode-kernel choice, the batch validation, the
 metadata write (``graphs.capture.replay_into``), the FlashMLA schedule re-plan and the step plan.
 
+Two ways of updating, side by side in one run (``--metadata``): ``device`` (``GraphRunner``'s default:
+the page table and the FlashMLA schedule are derived inside the graph by ``MLABackend.graph_prologue``,
+so the update is the host checks, the padding copies and one host->device copy) and ``host`` (the
+SGLang protocol, ``device_metadata=False``: the update also gathers the page table and re-plans
+FlashMLA). On CUDA the GPU time of the prologue itself is measured too (``prologue_gpu``: a graph of
+the prologue alone, replayed, CUDA events; it runs once per step, not per layer).
+
 Workload: ``bs`` requests at random lengths in ``[context/4, context]`` (seeded), each step one token
 longer (a decode step of a running batch); page 64, 16 heads, ``decode_kernel='auto'`` (a graph per
 kernel per size, the kernel chosen per step from the live lengths). Graphs are not captured: only the
@@ -142,7 +149,8 @@ def probed(probe: Probe):
 class Workload:
     """Pools, backend and runner for ``max_bs`` requests; :meth:`step` gives step ``i``'s batch inputs."""
 
-    def __init__(self, device: torch.device, max_bs: int, context: int, heads: int, steps: int, seed: int = 0):
+    def __init__(self, device: torch.device, max_bs: int, context: int, heads: int, steps: int, seed: int = 0,
+                 device_metadata: bool = True):
         self.device = device
         self.cap = -(-(context + steps + 1) // PAGE) * PAGE  # tokens per row, a whole number of pages
         rows = max_bs + 1  # row 0 unused: rows 1..max_bs hold the requests
@@ -160,7 +168,8 @@ class Workload:
         self.lens0 = rng.integers(max(context // 4, 1), context + 1, size=max_bs)
         sizes = sorted({min(2 ** i, max_bs) for i in range(max_bs.bit_length() + 1)})
         self.runner = GraphRunner(self.backend, lambda batch, inputs: inputs["input_ids"], batch_sizes=sizes,
-                                  mode=ForwardMode.DECODE, max_context=self.cap, device=device, use_graphs=False)
+                                  mode=ForwardMode.DECODE, max_context=self.cap, device=device, use_graphs=False,
+                                  device_metadata=device_metadata)
 
     def step(self, bs: int, i: int) -> tuple[list[int], list[int], list[int]]:
         """(rows, seq_lens, out_cache_loc) of step ``i`` of ``bs`` requests (host lists)."""
@@ -169,10 +178,34 @@ class Workload:
         return list(range(1, bs + 1)), seq.tolist(), loc.tolist()
 
 
+def prologue_gpu_us(work: Workload, bs: int, reps: int = 200) -> float | None:
+    """GPU µs of ``graph_prologue`` for the last prepared step of size ``bs`` (a CUDA graph of it alone)."""
+    if work.device.type != "cuda" or not work.runner.device_metadata:
+        return None
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        work.backend.graph_prologue()  # warm up (lazy inits) off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph, stream=stream):
+        work.backend.graph_prologue()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
 def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: int, iters: int,
-            warmup: int = 20) -> list[dict]:
+            warmup: int = 20, device_metadata: bool = True) -> list[dict]:
     """Per batch size: median µs per step of each component, ``prepare`` and ``batch``; ops and Python µs."""
-    work = Workload(device, max(bs_list), context, heads, steps=3 * iters + warmup + 1)
+    work = Workload(device, max(bs_list), context, heads, steps=3 * iters + warmup + 1,
+                    device_metadata=device_metadata)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
     for bs in bs_list:
@@ -222,7 +255,9 @@ def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: i
                     one("ops")
         med = {k: statistics.median(v) * 1e6 for k, v in walls.items()}
         row = {"bs": bs, "device": device.type, "context": context, "heads": heads,
-               "kernel": getattr(work.backend.graph_kernel, "value", None)}
+               "metadata": "device" if work.runner.device_metadata else "host",
+               "kernel": getattr(work.backend.graph_kernel, "value", None),
+               "prologue_gpu_us": prologue_gpu_us(work, bs)}
         row.update({f"{k}_us": v for k, v in med.items()})
         row.update({f"{k}_ops": statistics.median(v) for k, v in ops.items()})
         op_med = {k: statistics.median(v) * 1e6 for k, v in op_s.items()}
@@ -237,11 +272,11 @@ def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: i
 
 def _table(rows: list[dict]) -> str:
     parts = ["prepare", "prepare_gpu_path", *COMPONENTS, "other", "batch"]
-    lines = [" ".join(f"{c[:13]:>13}" for c in ("bs", "kernel", *parts))]
+    lines = [" ".join(f"{c[:13]:>13}" for c in ("bs", "metadata", "kernel", *parts))]
     for suffix, what in (("_us", "wall µs"), ("_python_us", "python µs"), ("_ops", "aten ops")):
         lines.append(f"-- {what}")
         for r in rows:
-            cells = [f"{r['bs']:>13}", f"{str(r['kernel']):>13}"]
+            cells = [f"{r['bs']:>13}", f"{r['metadata']:>13}", f"{str(r['kernel']):>13}"]
             cells += [f"{r[p + suffix]:>13.1f}" if p + suffix in r else f"{'':>13}" for p in parts]
             lines.append(" ".join(cells))
     return "\n".join(lines)
@@ -255,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--quick", action="store_true", help="100 iterations")
+    p.add_argument("--metadata", default="device,host", help="comma-separated: device (derived in the graph: "
+                   "GraphRunner's default), host (written by the replay update: the SGLang protocol)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     try:
@@ -267,10 +304,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs CUDA")
     torch.set_num_threads(1)
-    rows = measure(device, bs_list, args.context, args.heads, 100 if args.quick else args.iters)
+    ways = [w.strip() for w in args.metadata.split(",") if w.strip()]
+    if not ways or any(w not in ("device", "host") for w in ways):
+        p.error(f"--metadata must list device and/or host, got {args.metadata!r}")
+    rows = [r for w in ways for r in measure(device, bs_list, args.context, args.heads,
+                                              100 if args.quick else args.iters, device_metadata=w == "device")]
     print(f"replay update host time, µs per step (median; device {device.type}, context {args.context}, "
           f"page {PAGE}, {args.heads} heads, decode_kernel=auto)")
     print(_table(rows))
+    gpu = [(r["bs"], r["prologue_gpu_us"]) for r in rows if r["prologue_gpu_us"] is not None]
+    if gpu:
+        print("prologue GPU µs per step (inside the graph): " + ", ".join(f"bs {b}: {t:.1f}" for b, t in gpu))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

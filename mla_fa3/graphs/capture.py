@@ -28,6 +28,14 @@ staging buffer is pinned and comes fresh from PyTorch's caching host allocator e
 non-blocking copy records an event on its block, so the block is not handed out again (and never
 overwritten) while the copy may still be in flight. No device value is ever read on the host.
 
+Device-derived page table (``device_tables=True``; decoder tables only, no encoder / local attention):
+the replay stages the request rows (``req_rows``, -1 for padding rows) with the lengths, and the page
+table is NOT written on the host; :func:`derive_tables` computes ``page_table[:bs]`` over its whole
+width from ``req_rows``, ``cache_seqlens`` and ``req_to_token`` in tensor ops on fixed shapes, which a
+CUDA graph captures: a replay then costs one host->device copy in all (``GraphRunner`` runs it inside
+every graph, before the layers). The whole-width gather costs ``bs * ceil(max_context / p)`` entries of
+GPU work per replay instead of host launches (:data:`DEVICE_TABLES_MAX_ENTRIES` bounds it).
+
 A mismatching batch (mode, ``k``, size, context, encoder presence) raises ValueError before any write.
 """
 
@@ -42,7 +50,11 @@ from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
 from mla_fa3.pages import gather_page_table, local_layout_np, max_local_rows
 
-__all__ = ["CaptureBuffers", "capture_views", "replay_into"]
+__all__ = ["CaptureBuffers", "DEVICE_TABLES_MAX_ENTRIES", "capture_views", "derive_tables", "replay_into"]
+
+# a device-derived page table is gathered whole-width at every replay: at most this many entries
+# (max_bs * pages of max_context), 4 MB of int32 — e.g. 128 requests x 512k tokens at page 64
+DEVICE_TABLES_MAX_ENTRIES = 1 << 20
 
 
 def _i32(*shape: int, device: torch.device) -> Tensor:
@@ -76,13 +88,16 @@ class CaptureBuffers:
     local_req: Tensor | None = None  # [max_rows] (packed): batch row of each live virtual request
     local_col0: Tensor | None = None  # [max_rows] (packed): its first req_to_token column
     local_page_table: Tensor | None = None  # [max_rows, C/p]
+    req_rows: Tensor | None = None  # [max_bs] (packed), device_tables only: request rows, -1 = padding
+    device_tables: bool = False  # the page table is derived on the device (derive_tables), not at replay
     staging: Tensor | None = None  # [N] int32, cpu — reused host staging buffer (CPU device only)
     dirty: dict = field(default_factory=dict)  # table name -> (rows, cols) possibly non-zero
 
     @classmethod
     def allocate(cls, max_bs: int, max_context: int, page_size: int, device: torch.device, *,
                  max_num_draft_tokens: int = 1, with_encoder: bool = False,
-                 attention_chunk_size: int | None = None, pad_seqlen: int = 1) -> "CaptureBuffers":
+                 attention_chunk_size: int | None = None, pad_seqlen: int = 1,
+                 device_tables: bool = False) -> "CaptureBuffers":
         if not isinstance(max_bs, int) or max_bs < 1:
             raise ValueError(f"max_bs must be a positive int, got {max_bs!r}")
         if not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 1:
@@ -91,7 +106,15 @@ class CaptureBuffers:
             raise ValueError(f"pad_seqlen must be 0 or 1, got {pad_seqlen!r}")
         device = torch.device(device)
         max_pages = -(-max_context // page_size)
+        if device_tables and (with_encoder or attention_chunk_size is not None):
+            raise ValueError("device_tables derives the decoder page table only: not with an encoder or local "
+                             "attention (their tables are written at replay)")
+        if device_tables and max_bs * max_pages > DEVICE_TABLES_MAX_ENTRIES:
+            raise ValueError(f"device_tables gathers max_bs * pages = {max_bs * max_pages} page ids per replay, "
+                             f"over DEVICE_TABLES_MAX_ENTRIES = {DEVICE_TABLES_MAX_ENTRIES}")
         sizes = [("cache_seqlens", max_bs), ("cu_seqlens_k", max_bs + 1)]
+        if device_tables:
+            sizes.append(("req_rows", max_bs))
         if with_encoder:
             sizes += [("enc_cache_seqlens", max_bs), ("enc_cu_seqlens_k", max_bs + 1), ("enc_first_col", max_bs)]
         rows = 0
@@ -110,7 +133,8 @@ class CaptureBuffers:
         width = max(max_pages, attention_chunk_size // page_size if attention_chunk_size else 0)
         buf = cls(max_bs=max_bs, max_context=max_context, page_size=page_size,
                   max_num_draft_tokens=max_num_draft_tokens, pad_seqlen=pad_seqlen, with_encoder=with_encoder,
-                  attention_chunk_size=attention_chunk_size, packed=packed, regions=regions,
+                  attention_chunk_size=attention_chunk_size, device_tables=device_tables, packed=packed,
+                  regions=regions,
                   cu_seqlens_q_table=table.to(torch.int32),
                   col_offsets=torch.arange(width, dtype=torch.int64, device=device) * page_size,
                   page_table=_i32(max_bs, max_pages, device=device), **views)
@@ -201,7 +225,17 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
             first_np = (enc.astype(np.int64) + (p - 1)) // p * p
             s[o: o + n] = first_np
     live = _stage_local(buf, s, bs, q, n, seq, first_np) if buf.attention_chunk_size is not None else 0
+    rows_cpu = None if batch is None else batch.req_pool_indices_cpu
+    if buf.device_tables:
+        o, length = reg["req_rows"]
+        s[o + n: o + length] = -1
+        if rows_cpu is not None:
+            s[o: o + n] = rows_cpu.numpy()
     buf.packed.copy_(stage, non_blocking=device.type == "cuda")  # the one host->device copy
+    if buf.device_tables:
+        if n and rows_cpu is None:  # rows given as a device tensor: one device->device copy
+            buf.req_rows[:n].copy_(batch.req_pool_indices)
+        return  # the page table: derive_tables, on the device
 
     rows, first_col = (batch.req_pool_indices if n else None), None
     if buf.with_encoder:
@@ -215,6 +249,18 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
         local_rows = torch.index_select(rows, 0, buf.local_req[:live]) if live else None
         _write_table(buf, "local", buf.local_page_table, live, buf.attention_chunk_size // p if live else 0,
                      req_to_token, local_rows, buf.local_cache_seqlens[:live], buf.local_col0[:live])
+
+
+def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor) -> None:
+    """``page_table[:bs]`` over its whole width from the staged ``req_rows`` and ``cache_seqlens``
+    (``device_tables`` buffers). Tensor ops on fixed shapes, no host value: graph-legal, and what a
+    captured graph re-runs at each replay. Padding rows (row -1) get page 0 throughout."""
+    if not buf.device_tables:
+        raise ValueError("derive_tables needs buffers allocated with device_tables=True")
+    rows = buf.req_rows[:bs]
+    tokens = buf.cache_seqlens[:bs] * (rows >= 0)  # padding rows: no live page
+    gather_page_table(req_to_token, rows.clamp(min=0), tokens, buf.page_table.shape[1], buf.page_size,
+                      col_offsets=buf.col_offsets, out=buf.page_table[:bs])
 
 
 def _stage_lengths(s: np.ndarray, lens_region: tuple[int, int], cu_region: tuple[int, int],

@@ -89,6 +89,10 @@ class GraphRunner:
         seq_len_fill: ``seq_lens`` of the static batch's padding rows (raised to ``q``); the
             kernels' padding lengths are the metadata builder's (``graphs.capture``).
         capture_now: capture in the constructor (default) or later through :meth:`capture`.
+        device_metadata: with a backend that has ``graph_prologue`` (``MLABackend``), derive the page
+            table and the FlashMLA schedule inside each graph, before ``forward_fn`` (default): the
+            replay update then writes the lengths and rows in one host->device copy. False: the
+            backend's replay update writes them (the SGLang protocol).
     """
 
     def __init__(self, backend: Any, forward_fn: Callable[[ForwardBatch, dict], Any], *,
@@ -96,7 +100,7 @@ class GraphRunner:
                  max_context: int, num_draft_steps: int = 1,
                  input_specs: Mapping[str, InputSpec] | None = None,
                  device: torch.device | str | None = None, use_graphs: bool | None = None,
-                 seq_len_fill: int = 1, capture_now: bool = True):
+                 seq_len_fill: int = 1, capture_now: bool = True, device_metadata: bool = True):
         if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
             raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE, got {mode!r}")
         sizes = sorted(set(batch_sizes))
@@ -116,6 +120,9 @@ class GraphRunner:
         self.batch_sizes = sizes
         self.num_draft_tokens = queries_per_request(mode, num_draft_tokens)
         self.num_draft_steps = num_draft_steps if mode is ForwardMode.DRAFT_DECODE else 1
+        # the backend's device half of each step's metadata runs inside the graph (see graph_prologue)
+        self.device_metadata = bool(device_metadata) and callable(getattr(self._step_backend(0), "graph_prologue",
+                                                                          None))
         self.max_context = max_context
         self.tokens_per_request = self.num_draft_tokens
         if max_context < self.tokens_per_request:
@@ -149,8 +156,9 @@ class GraphRunner:
         if self.captured:
             raise RuntimeError("capture() was already called")
         self._kernels.clear()
+        extra = {"device_metadata": True} if self.device_metadata else {}
         self.backend.init_cuda_graph_state(self.batch_sizes[-1], self.max_context,
-                                           max_num_draft_tokens=self.num_draft_tokens)
+                                           max_num_draft_tokens=self.num_draft_tokens, **extra)
         stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         for bs in reversed(self.batch_sizes):
             for step in range(self.num_draft_steps):
@@ -176,17 +184,23 @@ class GraphRunner:
             hit = self._kernels[step] = kernels if len(kernels) > 1 else (None,)
         return hit
 
+    def _step_fn(self, key: tuple, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> Any:
+        """What a graph holds: the backend's device metadata (with ``device_metadata``), then ``forward_fn``."""
+        if self.device_metadata:
+            self._step_backend(key[1]).graph_prologue()
+        return self.forward_fn(batch, inputs)
+
     def _capture_one(self, key: tuple, batch: ForwardBatch, stream) -> None:
         inputs = self._static_inputs(key[0])
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm up off the capture: lazy inits, workspace allocations
             for _ in range(2):
-                self.forward_fn(batch, inputs)
+                self._step_fn(key, batch, inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            out = self.forward_fn(batch, inputs)
+            out = self._step_fn(key, batch, inputs)
         self.pool = graph.pool()
         self._graphs[key] = graph
         self._outputs[key] = out
@@ -243,8 +257,7 @@ class GraphRunner:
         if self.use_graphs:
             self._graphs[key].replay()
             return self._outputs[key]
-        bs = key[0]
-        return self.forward_fn(self._batches[key], self._static_inputs(bs))
+        return self._step_fn(key, self._batches[key], self._static_inputs(key[0]))
 
     def run(self, batch: ForwardBatch, inputs: Mapping[str, Tensor]) -> Any:
         """Pad ``batch`` to the next captured size, update the metadata, replay; first ``n·q`` rows."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from mla_fa3.batch import to_device
@@ -56,15 +57,20 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(size, max_context, dtype=torch.int32, device=self.device)
         self._free: deque[int] = deque(range(size))
-        self._held = [False] * size  # row handed out (alloc / claim) and not freed
-        self.allocated_len = [0] * size  # host: tokens of the row with a slot in req_to_token
+        # host arrays (NumPy, so that a batch's rows are checked in one vectorized read):
+        self._held = np.zeros(size, dtype=bool)  # row handed out (alloc / claim) and not freed
+        self.allocated_len = np.zeros(size, dtype=np.int64)  # tokens of the row with a slot in req_to_token
 
     def available_size(self) -> int:
         return len(self._free)
 
     def is_held(self, row: int) -> bool:
         """Row ``row`` is handed out (by :meth:`alloc` or :meth:`claim`) and not freed."""
-        return 0 <= row < self.size and self._held[row]
+        return 0 <= row < self.size and bool(self._held[row])
+
+    def rows_cover(self, rows: np.ndarray, span: np.ndarray) -> bool:
+        """Every row of ``rows`` (int array, in range) is held and has ``span`` tokens allocated (one NumPy pass)."""
+        return bool(self._held[rows].all()) and not bool((span > self.allocated_len[rows]).any())
 
     def check_held(self, row: object, name: str = "req_idx") -> int:
         """``row`` as an int if it is a held row; else TypeError / ValueError / OwnershipError (named)."""
