@@ -290,15 +290,17 @@ def test_cuda_graph_capture_then_replay_reads_captured_metadata(mode, k, kernel)
         assert backend.explain().kernel == kernel and backend.explain().graph
 
 
-def test_auto_graphs_capture_both_kernels_and_each_replay_picks_from_live_lengths():
-    """decode_kernel='auto' on page 64: one graph per kernel per size; a replay picks the kernel that
-    kernel_choice gives for the live lengths (skew included) and computes the right answer with it."""
+def test_auto_graphs_capture_every_kernel_and_each_replay_picks_from_live_lengths():
+    """decode_kernel='auto' on page 64: one graph per kernel per size (split-KV too: the built-in table has
+    split-KV times and the reference impl runs it); a replay picks the kernel that kernel_choice gives for
+    the live lengths (skew included) and computes the right answer with it."""
     kc = pytest.importorskip("mla_fa3.policy.decode_kernel")
     spec = BatchSpec(DEC, (40, 3, 77), (1,) * 3, page_size=64)
     case = make_mla_case(spec, "deepseek_v3", seed=9)
     H = case.cfg.num_heads
     backend = backend_for(case, decode_kernel="auto", num_heads=H)
-    assert backend.graph_kernels() == (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+    assert kc.splitkv_measured()
+    assert backend.graph_kernels() == (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
     backend.init_cuda_graph_state(4, case.layout.req_to_token_pool.max_context)
     for kernel in backend.graph_kernels():
         backend.init_forward_metadata_capture_cuda_graph(4, DEC, kernel=kernel)

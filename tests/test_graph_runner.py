@@ -198,8 +198,9 @@ def test_constructor_rejects_bad_arguments():
 
 
 def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks():
-    """decode_kernel='auto' on page 64: the runner captures FA3 and FlashMLA per size; each run replays
-    the kernel the backend chose from the live lengths, and the answer matches the fp64 oracle."""
+    """decode_kernel='auto' on page 64: the runner captures FA3, FlashMLA and split-KV per size (the built-in
+    table has split-KV times); each run replays the kernel the backend chose from the live lengths, and the
+    answer matches the fp64 oracle."""
     from mla_cases import follow_up, make_mla_case, mla_oracle, rel_err
     from specs import BatchSpec
 
@@ -216,7 +217,8 @@ def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks
     runner = GraphRunner(backend, lambda b, x: backend.forward(x["q"], x["latent"], None, case.layer, b),
                          batch_sizes=[4], mode=ForwardMode.DECODE, max_context=case.layout.req_to_token_pool.max_context,
                          input_specs=specs, device="cpu", use_graphs=False)
-    assert set(runner._batches) == {(4, 0, DecodeKernel.FA3), (4, 0, DecodeKernel.FLASHMLA)}
+    kernels = (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
+    assert set(runner._batches) == {(4, 0, k) for k in kernels}
     for prefix, requests in (((40, 3, 77), [0, 1, 2]), ((70, 35), [2, 0])):
         step = follow_up(case, ForwardMode.DECODE, prefix, (1,) * len(prefix), requests=requests, seed=1)
         out = runner.run(step.batch, {"q": step.q, "latent": step.new_latent})

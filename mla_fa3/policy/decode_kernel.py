@@ -1,6 +1,6 @@
-"""Per-shape choice of the absorbed-MLA decode kernel: FA3, FlashMLA or split-KV, from the recorded H200 sweep.
+"""Per-shape choice of the absorbed-MLA decode kernel: FA3, FlashMLA or split-KV, from the recorded H200 sweeps.
 
-Both kernels compute the same absorbed decode step (``absorb.py``): per request ``b``, ``H`` query
+All three kernels compute the same absorbed decode step (``absorb.py``): per request ``b``, ``H`` query
 heads of a 576-wide latent query (``q_lat`` [H, r=512] | ``q_rope`` [H, 64]) over ``L_b`` cached
 latent rows (``c_kv`` | ``k_rope``), output [H, 512]. Per layer and step, with ``bs`` requests,
 
@@ -13,7 +13,10 @@ Small ``H`` is memory bound, ``H = 128`` compute bound on the H200. The full swe
 and skewed lengths) shows: FlashMLA up to 3x faster on SKEWED batches (FA3 splits the KV by the
 longest request and balances badly when lengths differ; ~2x at 64-128 heads, 1.1-1.3x at 16-32),
 FA3 up to 1.7x faster for a single request at 4k-64k with <= 64 heads, FlashMLA 1.1-1.3x faster at
-1k context, ~1.0-1.2x either way elsewhere.
+1k context, ~1.0-1.2x either way elsewhere. The split-KV sweep
+(``docs/perf/2026-12-03/decode_small_batch.csv``; heads 16 / 128, bs 1-8, context 16k-128k, equal
+lengths) shows our Triton split-KV kernel 3-25 % faster than the faster of FA3 / FlashMLA at 16 heads,
+bs 1-2, 16k-32k, within 1 % at 16 heads bs 1 64k, and slower everywhere else (up to 3.7x at 128 heads).
 FlashMLA needs page size 64.
 
 The choice (host arithmetic on host numbers; no tensors, no sync):
@@ -28,21 +31,26 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
   no scheduler-metadata step). Farther than ``MAX_DISTANCE`` from every shape: FA3.
 - Split-KV (``ops.splitkv_mla_with_kvcache``, our Triton kernel) replaces that pick only when every one
   of the nearest shapes has a measured ``splitkv_ms`` and its geometric-mean gain over the faster of
-  FA3 / FlashMLA is >= ``MIN_GAIN``: a shape without a split-KV measurement never picks it.
+  FA3 / FlashMLA is >= ``MIN_GAIN``: one nearest shape without a split-KV measurement (``None``) rules it
+  out, and the reason says so (split-KV is picked on evidence only; a missing time is never a gain).
 
-Offline check on the recorded sweep (``evaluate_on_csv``; slowdown = picked kernel time / faster
-kernel time, 180 page-64 rows): the fitted table picks within 2 % everywhere (worst 1.019x); leave
-each row out of the table and predict it from its neighbours: 172/180 within 5 %, 177/180 within
-15 %, worst 1.215x. The skew-blind table the sweep ran with: 106/180 within 5 %, worst 2.10x.
+Offline check on the recorded sweeps (``evaluate_on_csv``; slowdown = picked kernel time / fastest
+measured kernel time, page-64 rows). decode_small_batch: 32/32 within 5 % (worst 1.009x), split-KV
+picked at 16 heads bs 1 16k and 32k, bs 2 16k; leave-one-out over its own 32 rows: 31/32, worst 1.156x.
+decode_2026-12-02_run1: 179/179 scored rows within 5 % (worst 1.019x; the 180th, 16 heads bs 1 16k, picks
+split-KV, which that sweep did not time: not scored); leave-one-out over its 180 rows: 172/180 within
+5 %, 177/180 within 15 %, worst 1.215x. The skew-blind table that sweep ran with: 106/180, worst 2.10x.
+Its repeat (run2): 179/179 within 5 %, worst 1.038x, the same split-KV row not scored.
 
-The table (``Measured``, ``MEASURED``) lives in ``policy/decode_table.py`` and is re-exported here.
-Regenerate it from a decode-benchmark CSV (``mla-fa3 bench decode --out DIR``)::
+The table (``Measured``, ``MEASURED``) lives in ``policy/decode_table.py`` and is re-exported here, as is
+the CSV reader (``policy/decode_csv.py``). Regenerate it from decode-benchmark CSVs
+(``mla-fa3 bench decode --out DIR``; repeat ``--from-csv`` to merge sweeps, oldest first)::
 
     python -m mla_fa3.policy.decode_kernel --from-csv DIR/decode.csv      # prints the MEASURED literal
     python -m mla_fa3.policy.decode_kernel --evaluate DIR/decode.csv      # the summary above for that CSV
 
 and paste the literal over ``MEASURED`` in ``policy/decode_table.py``, or load it at run time with
-``table_from_csv(path)`` and pass ``table=`` to the functions.
+``table_from_csvs(paths)`` and pass ``table=`` to the functions.
 """
 
 from __future__ import annotations
@@ -53,11 +61,18 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from mla_fa3.checks import check_int, is_real
+from mla_fa3.policy.decode_csv import (format_table, row_measurement, shape_key, table_from_csv, table_from_csvs,
+                                       table_from_rows)
 from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
+
+__all__ = ["KernelChoice", "explain_decode_kernel", "splitkv_measured", "splitkv_possible", "fp8_decode_note",
+           "evaluate_on_csv", "Evaluation", "RuleStats", "main",
+           # re-exported: the table (decode_table) and its CSV reader / literal printer (decode_csv)
+           "Measured", "MEASURED", "table_from_rows", "table_from_csv", "table_from_csvs", "format_table"]
 
 MIN_GAIN = 1.02  # FlashMLA must be measured at least 2 % faster to be worth its scheduling step
 HEADS_WEIGHT = 2.0  # heads move the memory/compute bound: a heads mismatch counts double
@@ -128,7 +143,7 @@ def explain_decode_kernel(
     kv_fp8: bool = False,
     allow_splitkv: bool = True,
 ) -> KernelChoice:
-    """Choose FA3 or FlashMLA for one decode step's shape and say why.
+    """Choose FA3, FlashMLA or split-KV for one decode step's shape and say why.
 
     ``kv_fp8``: the latent cache is e4m3 — FlashMLA's FP8 decode is then the only kernel that reads it
     (FA3 refuses an e4m3 latent: ``HeaddimV > 256 requires fp16 and bf16``); page 64 is required.
@@ -176,7 +191,10 @@ def explain_decode_kernel(
     where = f"nearest measured shape{'s' if len(near) > 1 else ''} ({', '.join(sources)}) {where}"
     what = "gain" if len(near) == 1 else "geometric-mean gain"
     skv = [m.splitkv_gain for m in near]
-    if allow_splitkv and all(g is not None for g in skv):
+    unmeasured = sum(g is None for g in skv)
+    if allow_splitkv and 0 < unmeasured < len(skv):  # a tie with an unmeasured shape: no evidence there
+        where += f"; split-KV not measured at {unmeasured} of these {len(skv)} shapes (not picked)"
+    if allow_splitkv and not unmeasured:
         skv_gain = math.exp(sum(math.log(g) for g in skv) / len(skv))
         where += "; split-KV " + ", ".join(f"{m.splitkv_ms:.4g} ms" for m in near[:4])
         if skv_gain >= min_gain:
@@ -190,90 +208,23 @@ def explain_decode_kernel(
 
 
 def splitkv_measured(table: Sequence[Measured] | None = None) -> bool:
-    """Whether ``table`` (default ``MEASURED``) has any split-KV time, i.e. whether the choice can pick it."""
+    """Whether ``table`` (default ``MEASURED``) has any split-KV time: without one the choice never picks it
+    (:func:`splitkv_possible` says whether it can at a given head count)."""
     return any(m.splitkv_ms is not None for m in (MEASURED if table is None else table))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Regenerating the table from a decode-benchmark CSV
+def splitkv_possible(num_heads: int, table: Sequence[Measured] | None = None, *, min_gain: float = MIN_GAIN) -> bool:
+    """Whether the choice can pick split-KV for some step at ``num_heads`` (e.g. worth capturing its graphs).
 
-
-def _row_measurement(i: int, row: dict, source: str) -> Measured | None:
-    """The Measured of one CSV row (page 64 with both kernel times), or None for rows that are not."""
-    try:
-        if int(row["page"]) != FLASHMLA_PAGE_SIZE:
-            return None
-        fa3, mla = row.get("fa3_ms", ""), row.get("flashmla_ms", "")
-        if fa3 in ("", None) or mla in ("", None):
-            return None
-        h, bs, ctx = int(row["heads"]), int(row["batch"]), int(row["context"])
-        fa3_ms, mla_ms = float(fa3), float(mla)
-        skv = row.get("splitkv_ms", "")
-        skv_ms = None if skv in ("", None) else float(skv)
-        kind = row.get("lengths", "equal")
-        if kind == "equal" or bs == 1:
-            skew = 1.0
-        else:  # the skew of the lengths actually run: Σ L_b / (bs · L_max)
-            skew = round(int(row["kv_tokens"]) / (bs * ctx), 4)
-    except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"rows[{i}] is not a decode-benchmark row ({e!r}): {row}") from None
-    if not (fa3_ms > 0 and mla_ms > 0 and 0 < skew <= 1):
-        return None
-    if skv_ms is not None and not skv_ms > 0:
-        skv_ms = None
-    return Measured(h, bs, ctx, fa3_ms=fa3_ms, flashmla_ms=mla_ms, source=source, skew=skew, splitkv_ms=skv_ms)
-
-
-def table_from_rows(rows: Iterable[dict], *, source: str = "bench CSV") -> tuple[Measured, ...]:
-    """Measured shapes from decode-benchmark rows (dicts with the CSV's columns).
-
-    Uses rows with ``page == 64`` and both ``fa3_ms`` and ``flashmla_ms`` present (``splitkv_ms`` when the
-    row has it), equal and skewed
-    lengths (skew = ``kv_tokens / (batch · context)``, rounded to 4 decimals); a shape seen twice keeps
-    the last row. Sorted by (heads, batch, context, skew).
+    Never False where :func:`explain_decode_kernel` could pick it: a pick needs a nearest shape whose
+    split-KV gain is >= ``min_gain`` (a geometric mean >= min_gain has a member >= min_gain) within
+    ``MAX_DISTANCE + TIE_DISTANCE``, which its heads term alone, ``HEADS_WEIGHT·|Δlog2 H|``, must not exceed.
     """
-    out: dict[tuple[int, int, int, float], Measured] = {}
-    for i, row in enumerate(rows):
-        m = _row_measurement(i, row, source)
-        if m is not None:
-            out[(m.num_heads, m.batch_size, m.context, m.skew)] = m
-    return tuple(out[k] for k in sorted(out))
-
-
-def table_from_csv(path: str) -> tuple[Measured, ...]:
-    """``table_from_rows`` over a CSV written by ``mla-fa3 bench decode --out DIR``."""
-    with open(path, newline="") as f:
-        return table_from_rows(csv.DictReader(f), source=f"bench CSV {path}")
-
-
-def format_table(table: Sequence[Measured]) -> str:
-    """Python source of a ``MEASURED`` literal for ``table`` (to paste into ``policy/decode_table.py``).
-
-    Two shapes per line as (heads, batch, context, skew, fa3_ms, flashmla_ms[, splitkv_ms]); floats are
-    printed with ``repr`` so that the literal reproduces ``table`` exactly. A source with split-KV
-    measurements gets the 7-field form (None where a shape lacks one). Needs only ``Measured`` in scope.
-    """
-    groups: dict[str, list[Measured]] = {}
-    for m in table:
-        groups.setdefault(m.source, []).append(m)
-    lines = ["MEASURED: tuple[Measured, ...] = ("]
-    for source, ms in groups.items():
-        skv = any(m.splitkv_ms is not None for m in ms)
-        if skv:
-            lines += ["    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, skew=skew,",
-                      f"               source={source!r})",
-                      "      for h, b, ctx, skew, fa3, mla, skv in (  # heads, batch, context, skew, FA3 / FlashMLA / "
-                      "split-KV ms"]
-        else:
-            lines += ["    *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,",
-                      f"               source={source!r})",
-                      "      for h, b, ctx, skew, fa3, mla in (  # heads, batch, context, skew, FA3 ms, FlashMLA ms"]
-        cells = [f"({m.num_heads}, {m.batch_size}, {m.context}, {m.skew!r}, {m.fa3_ms!r}, {m.flashmla_ms!r}"
-                 + (f", {m.splitkv_ms!r})," if skv else "),") for m in ms]
-        lines += ["        " + " ".join(cells[i:i + 2]) for i in range(0, len(cells), 2)]
-        lines.append("    )),")
-    lines.append(")")
-    return "\n".join(lines)
+    check_int(num_heads, "num_heads")
+    reach = (MAX_DISTANCE + TIE_DISTANCE) / HEADS_WEIGHT
+    return any(m.splitkv_gain is not None and m.splitkv_gain >= min_gain
+               and abs(math.log2(m.num_heads) - math.log2(num_heads)) <= reach
+               for m in (MEASURED if table is None else table))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,21 +233,26 @@ def format_table(table: Sequence[Measured]) -> str:
 
 @dataclass(frozen=True)
 class RuleStats:
-    """How one kernel-choice rule did on a sweep's page-64 rows (slowdown = picked / faster kernel time)."""
+    """How one kernel-choice rule did on a sweep's page-64 rows (slowdown = picked / fastest kernel time)."""
 
-    rows: int  # page-64 rows with both kernel times
-    flashmla_picks: int  # rows where the rule picked FlashMLA
+    rows: int  # rows scored: page-64 rows with both FA3 and FlashMLA times, less the unscored ones
+    flashmla_picks: int  # scored rows where the rule picked FlashMLA
     within_5pct: int  # rows with slowdown <= 1.05
     within_15pct: int  # rows with slowdown <= 1.15
-    worst_slowdown: float  # max slowdown (1.0 = always the fastest measured kernel)
+    worst_slowdown: float  # max slowdown (1.0 = always the fastest measured kernel; nan: no row scored)
     worst_shape: str  # the row where the worst slowdown happened
     mean_slowdown: float  # arithmetic mean of the slowdowns
-    splitkv_picks: int = 0  # rows where the rule picked split-KV
+    splitkv_picks: int = 0  # scored rows where the rule picked split-KV
+    unscored: int = 0  # rows where the rule picked split-KV but the CSV has no split-KV time: not scored
+    splitkv_at: tuple[str, ...] = ()  # the shapes of every split-KV pick (scored or not)
 
     def line(self) -> str:
-        return (f"within 5 %: {self.within_5pct}/{self.rows}, within 15 %: {self.within_15pct}/{self.rows}, "
-                f"worst {self.worst_slowdown:.3f}x ({self.worst_shape}), mean {self.mean_slowdown:.4f}x, "
-                f"FlashMLA picked {self.flashmla_picks}/{self.rows}, split-KV {self.splitkv_picks}/{self.rows}")
+        out = (f"within 5 %: {self.within_5pct}/{self.rows}, within 15 %: {self.within_15pct}/{self.rows}, "
+               f"worst {self.worst_slowdown:.3f}x ({self.worst_shape}), mean {self.mean_slowdown:.4f}x, "
+               f"FlashMLA picked {self.flashmla_picks}/{self.rows}, split-KV {self.splitkv_picks}/{self.rows}")
+        if self.unscored:
+            out += f"; split-KV picked on {self.unscored} more rows without a split-KV time (not scored)"
+        return out
 
 
 @dataclass(frozen=True)
@@ -309,31 +265,37 @@ class Evaluation:
     recorded: RuleStats | None  # the ``backend_kernel`` column: what the backend picked in the sweep
 
     def format(self) -> str:
-        lines = [f"{self.path}: slowdown = picked kernel / faster kernel, page-64 rows",
+        lines = [f"{self.path}: slowdown = picked kernel / fastest measured kernel, page-64 rows",
                  f"  rule (table):        {self.fitted.line()}",
                  f"  rule (leave-1-out):  {self.leave_one_out.line()}"]
         if self.recorded is not None:
             lines.append(f"  recorded backend:    {self.recorded.line()}")
+        if self.fitted.splitkv_at:
+            lines.append(f"  split-KV picked (table) at: {'; '.join(self.fitted.splitkv_at)}")
         return "\n".join(lines)
 
 
-def _time_ms(m: Measured, kernel: DecodeKernel) -> float:
-    """The measured time of ``kernel`` at ``m`` (split-KV unmeasured: never picked by the rule, FA3's)."""
-    if kernel is DecodeKernel.FLASHMLA:
-        return m.flashmla_ms
-    if kernel is DecodeKernel.SPLITKV and m.splitkv_ms is not None:
+def _time_ms(m: Measured, kernel: DecodeKernel) -> float | None:
+    """The measured time of ``kernel`` at ``m`` (None: split-KV, not measured there)."""
+    if kernel is DecodeKernel.SPLITKV:
         return m.splitkv_ms
-    return m.fa3_ms
+    return m.flashmla_ms if kernel is DecodeKernel.FLASHMLA else m.fa3_ms
 
 
 def _stats(picks: Sequence[tuple[Measured, DecodeKernel]]) -> RuleStats:
-    """RuleStats of (row, picked kernel) pairs; slowdown against the fastest kernel measured at the row."""
-    slow = [_time_ms(m, k) / min(t for t in (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) if t is not None)
-            for m, k in picks]
+    """RuleStats of (row, picked kernel) pairs; slowdown against the fastest kernel measured at the row.
+
+    A split-KV pick at a row without a split-KV time has no time to score: it is counted (``unscored``),
+    never scored as another kernel's time."""
+    scored = [(m, k, t) for m, k in picks if (t := _time_ms(m, k)) is not None]
+    slow = [t / min(x for x in (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) if x is not None) for m, _, t in scored]
+    skv_at = tuple(m.shape() for m, k in picks if k is DecodeKernel.SPLITKV)
+    if not slow:
+        return RuleStats(0, 0, 0, 0, math.nan, "-", math.nan, 0, len(picks), skv_at)
     worst = max(range(len(slow)), key=slow.__getitem__)
-    return RuleStats(len(slow), sum(k is DecodeKernel.FLASHMLA for _, k in picks), sum(s <= 1.05 for s in slow),
-                     sum(s <= 1.15 for s in slow), slow[worst], picks[worst][0].shape(), sum(slow) / len(slow),
-                     sum(k is DecodeKernel.SPLITKV for _, k in picks))
+    return RuleStats(len(slow), sum(k is DecodeKernel.FLASHMLA for _, k, _ in scored), sum(s <= 1.05 for s in slow),
+                     sum(s <= 1.15 for s in slow), slow[worst], scored[worst][0].shape(), sum(slow) / len(slow),
+                     sum(k is DecodeKernel.SPLITKV for _, k, _ in scored), len(picks) - len(scored), skv_at)
 
 
 def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_gain: float = MIN_GAIN) -> Evaluation:
@@ -346,7 +308,7 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
     """
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    data = [(m, row) for i, row in enumerate(rows) if (m := _row_measurement(i, row, f"bench CSV {path}"))]
+    data = [(m, row) for i, row in enumerate(rows) if (m := row_measurement(i, row, f"bench CSV {path}"))]
     if not data:
         raise ValueError(f"path {path!r} has no page-64 rows with both fa3_ms and flashmla_ms")
     full = table_from_rows(row for _, row in data)
@@ -356,11 +318,8 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
         return explain_decode_kernel(m.num_heads, m.batch_size, m.context, FLASHMLA_PAGE_SIZE,
                                      mean_seqlen_k=min(mean, m.context), table=tab, min_gain=min_gain).kernel
 
-    def key(m: Measured):
-        return m.num_heads, m.batch_size, m.context, m.skew
-
     fitted = _stats([(m, pick(m, row, table)) for m, row in data])
-    loo = _stats([(m, pick(m, row, [t for t in full if key(t) != key(m)])) for m, row in data])
+    loo = _stats([(m, pick(m, row, [t for t in full if shape_key(t) != shape_key(m)])) for m, row in data])
     kernels = {k.value: k for k in DecodeKernel}
     recorded = [(m, kernels[row["backend_kernel"]]) for m, row in data if row.get("backend_kernel") in kernels]
     return Evaluation(path, fitted, loo, _stats(recorded) if recorded else None)
@@ -369,22 +328,23 @@ def evaluate_on_csv(path: str, *, table: Sequence[Measured] | None = None, min_g
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m mla_fa3.policy.decode_kernel",
-        description="Print the measured FA3-vs-FlashMLA decode table, regenerate it from a bench CSV (the "
-                    "MEASURED literal to paste into mla_fa3/policy/decode_table.py), or evaluate the choice "
-                    "on a bench CSV.",
+        description="Print the measured decode-kernel table, regenerate it from bench CSVs (the MEASURED literal to "
+                    "paste into mla_fa3/policy/decode_table.py), or evaluate the choice on bench CSVs.",
     )
-    p.add_argument("--from-csv", metavar="CSV",
+    p.add_argument("--from-csv", metavar="CSV", action="append",
                    help="decode-benchmark CSV (mla-fa3 bench decode --out DIR); prints its table as the MEASURED "
-                        "literal to paste into mla_fa3/policy/decode_table.py")
-    p.add_argument("--evaluate", metavar="CSV",
-                   help="score the choice (table: --from-csv's, else the built-in) on this CSV's page-64 rows")
+                        "literal to paste into mla_fa3/policy/decode_table.py. Repeat to merge sweeps: a shape "
+                        "measured by a later CSV replaces the earlier CSVs' row of that shape")
+    p.add_argument("--evaluate", metavar="CSV", action="append",
+                   help="score the choice (table: --from-csv's, else the built-in) on this CSV's page-64 rows "
+                        "(repeatable)")
     args = p.parse_args(argv)
-    table = table_from_csv(args.from_csv) if args.from_csv else MEASURED
+    table = table_from_csvs(args.from_csv) if args.from_csv else MEASURED
     if not table:
-        print(f"{args.from_csv}: no page-64 rows with both fa3_ms and flashmla_ms", file=sys.stderr)
+        print(f"{', '.join(args.from_csv)}: no page-64 rows with both fa3_ms and flashmla_ms", file=sys.stderr)
         return 1
     if args.evaluate:
-        print(evaluate_on_csv(args.evaluate, table=table).format())
+        print("\n".join(evaluate_on_csv(path, table=table).format() for path in args.evaluate))
     else:
         print(format_table(table))
     return 0
