@@ -48,7 +48,7 @@ from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
 from mla_fa3.policy import decode_kernel as decode_policy
-from mla_fa3.policy.decode_kernel import MEAN_SLACK, explain_decode_kernel, splitkv_measured
+from mla_fa3.policy.decode_kernel import MEAN_SLACK, explain_decode_kernel, splitkv_possible
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
@@ -308,7 +308,7 @@ class StepPlanner:
             return (self.decode_kernel,)
         if self.page_size != FLASHMLA_PAGE_SIZE or not self.whole_row_kernels:
             return (DecodeKernel.FA3,)
-        if self._splitkv_usable() and splitkv_measured():
+        if self._splitkv_usable() and self.num_heads is not None and splitkv_possible(self.num_heads):
             return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
         return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
 

@@ -37,8 +37,10 @@ from typing import Sequence
 
 import torch
 
+from mla_fa3 import ops
 from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from mla_fa3.models.loader import load_model
+from mla_fa3.policy.decode_kernel import splitkv_possible
 from mla_fa3.serve.configs import bench_config, model_config
 from mla_fa3.serve.loop import ServingLoop, default_graph_batch_sizes
 from mla_fa3.serve.memory import GIB, plan_memory
@@ -160,6 +162,14 @@ def _settings(args) -> list[dict]:
     return [dict(base, **{key: v}) for v in values]
 
 
+def _graph_kernel_count(setting: dict, page: int, heads: int, device) -> int:
+    """Graphs per batch size the backend will capture (the memory plan sizes their memory): FA3 and
+    FlashMLA under 'auto' on page 64, plus split-KV where its kernel runs and the table can pick it."""
+    if setting["kv_dtype"] == "fp8" or setting["decode_kernel"] != "auto" or page != 64:
+        return 1
+    return 3 if ops.splitkv_available(device) and splitkv_possible(heads) else 2
+
+
 def run_setting(model: DeepseekForCausalLM, workload: Workload, setting: dict, args, progress=None) -> dict:
     """One run of the workload with ``setting``; returns the report entry (summary, requests, steps)."""
     cfg = model.config
@@ -177,7 +187,7 @@ def run_setting(model: DeepseekForCausalLM, workload: Workload, setting: dict, a
         plan = plan_memory(cfg, gpu_memory_gib=gib, weight_dtype=args.dtype, kv_dtype=setting["kv_dtype"],
                            page_size=page, max_running=args.max_running, max_context=max_context,
                            token_budget=budget, graph_batch_sizes=sizes,
-                           graph_kernels=2 if setting["decode_kernel"] == "auto" and page == 64 else 1)
+                           graph_kernels=_graph_kernel_count(setting, page, cfg.num_attention_heads, args.device))
         num_pages = None
     loop = ServingLoop(model, page_size=page, max_running=args.max_running, max_context=max_context,
                        num_pages=num_pages, memory_plan=plan, token_budget=budget, use_cuda_graph=graphs,
