@@ -176,16 +176,16 @@ class MetadataBuilder:
     def _check_rows(self, batch: ForwardBatch, rows: Tensor) -> None:
         """Rows in range; with a ReqToTokenPool: held, and ``seq_lens`` (after the encoder region) within
         the tokens allocated to each row. Host ints only (the batch's CPU copies)."""
-        size = self.req_to_token.shape[0]
         r = rows.numpy()
+        span = self._span_np(batch) if self.req_pool is not None else None
+        if span is not None and self.req_pool.rows_cover(r, span):  # the common case, in one NumPy pass
+            return
+        size = self.req_to_token.shape[0]
         lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= size:
             raise ValueError(f"req_pool_indices must be in [0, {size}), got {lo if lo < 0 else hi} "
                              f"in {rows.tolist()}")
         if self.req_pool is None:
-            return
-        span = self._span_np(batch)
-        if self.req_pool.rows_cover(r, span):
             return
         held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
         row_list = r.tolist()
@@ -200,11 +200,11 @@ class MetadataBuilder:
                                  f"{allocated[row]} tokens allocated to request row {row}")
 
     def _span_np(self, batch: ForwardBatch) -> np.ndarray:
-        """[bs] int64: the columns each request's row needs (its encoder region, then ``seq_lens``)."""
-        span = batch.seq_lens_cpu.numpy().astype(np.int64)
+        """[bs] int32 (int64 with an encoder): the columns each request's row needs (its encoder region, then ``seq_lens``)."""
+        span = batch.seq_lens_cpu.numpy()  # a view: never written
         if batch.encoder_lens_cpu is not None:
             p = self.page_size
-            span += (batch.encoder_lens_cpu.numpy().astype(np.int64) + (p - 1)) // p * p
+            span = span.astype(np.int64) + (batch.encoder_lens_cpu.numpy().astype(np.int64) + (p - 1)) // p * p
         return span
 
     def _check_out_cache_loc(self, batch: ForwardBatch, rows: Tensor) -> None:

@@ -215,6 +215,7 @@ class StepPlanner:
         # (bs, length bucket, skew bucket, split-KV usable) -> (kernel, reason): see choose_decode_kernel
         self._kernel_cache: dict[tuple, tuple[DecodeKernel, str]] = {}
         self._splitkv_ok: dict = {}  # ops implementation setting -> split-KV runs here (see _splitkv_usable)
+        self._impl_names: dict = {}  # ops implementation setting -> the implementation's name (_impl_name)
         self._graph_kernels: tuple[bool, tuple[DecodeKernel, ...]] | None = None  # (split-KV usable, kernels)
         self._table = decode_policy.MEASURED  # the measured table the caches were filled from
         self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
@@ -439,9 +440,17 @@ class StepPlanner:
         return StepPlan(batch, md, path, kernel_enum, self.num_heads, record, schedule, prefill=prefill)
 
     def _record(self, mode: str, path: AttentionPath, kernel: str | None, reason: str, **extra) -> PathRecord:
-        return PathRecord(mode, path, kernel, reason, impl=ops.resolve_impl(self.impl, self.device).value,
+        return PathRecord(mode, path, kernel, reason, impl=self._impl_name(),
                           kv_dtype=self._kv_dtype_name, weight_bytes=self._weight_bytes,
                           other_paths=self.other_paths, **extra)
+
+    def _impl_name(self) -> str:
+        """The ops implementation the step's kernels run, cached per setting (as ``_splitkv_usable``)."""
+        key = ops.get_impl() if self.impl is None else self.impl
+        hit = self._impl_names.get(key)
+        if hit is None:
+            hit = self._impl_names[key] = ops.resolve_impl(self.impl, self.device).value
+        return hit
 
     def _kv_bytes(self, batch: ForwardBatch | None) -> int | None:
         """Latent rows one MLA layer reads this step (each request's keys once), from host lengths."""

@@ -46,6 +46,8 @@ def check_page_size(page_size: int) -> int:
 
 def same_device(a: torch.device, b: torch.device) -> bool:
     """``cuda`` and ``cuda:0`` (the current device) name the same place; tensors report ``cuda:0``."""
+    if a == b:  # the common case (two torch.device objects), without constructing anything
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

@@ -69,8 +69,13 @@ class ReqToTokenPool:
         return 0 <= row < self.size and bool(self._held[row])
 
     def rows_cover(self, rows: np.ndarray, span: np.ndarray) -> bool:
-        """Every row of ``rows`` (int array, in range) is held and has ``span`` tokens allocated (one NumPy pass)."""
-        return bool(self._held[rows].all()) and not bool((span > self.allocated_len[rows]).any())
+        """Every row of ``rows`` (int64 array) is in range, held and has ``span`` tokens allocated (one NumPy
+        pass; False when any is not — the caller names the offender)."""
+        try:  # as unsigned, a negative row is out of range instead of counting from the end
+            idx = rows.view(np.uint64)
+            return bool(self._held[idx].all()) and not bool((span > self.allocated_len[idx]).any())
+        except IndexError:
+            return False
 
     def check_held(self, row: object, name: str = "req_idx") -> int:
         """``row`` as an int if it is a held row; else TypeError / ValueError / OwnershipError (named)."""
