@@ -19,7 +19,11 @@ itself gets in that precision, MoE routing flips included): a step also passes w
 most twice the baseline's (``rel <= 2 rel_base``, ``1 - cos <= 2 (1 - cos_base)``).
 
 Over every compared position (each prompt position of the prefill, each decode step) the report also
-gives the top-1 agreement (our argmax == HF's) and the mean logit cosine. With an FP8 latent cache
+gives the top-1 agreement (our argmax == HF's) and the mean logit cosine, and keeps them position by
+position (:class:`PositionScores`), so that two runs over the same positions can be compared pair by
+pair (``mla_fa3.kv_accuracy``). With ``forced_tokens`` the decode steps are teacher-forced in our engine
+too (``Engine.generate(forced_tokens=...)``): the new tokens are given, not our argmax, so every run
+sees the same contexts whatever it predicts. With an FP8 latent cache
 (``kv_dtype="fp8"``) the thresholds are :data:`FP8_KV_TOLERANCES` (the cache is quantized to e4m3:
 3 mantissa bits), with the same baseline rule.
 """
@@ -40,7 +44,8 @@ from mla_fa3.models.loader import CheckpointError, check_checkpoint, iter_checkp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOLERANCES", "StepRow", "ValidateReport", "hf_reference_model", "run_validate", "format_report"]
+__all__ = ["TOLERANCES", "StepRow", "PositionScores", "ValidateReport", "hf_reference_model", "run_validate",
+           "format_report", "position_scores", "teacher_forced_logits"]
 
 # dtype -> (max relative logit error, min cosine, min fraction of agreeing greedy tokens)
 TOLERANCES = {
@@ -76,6 +81,25 @@ class StepRow:
 
 
 @dataclass
+class PositionScores:
+    """Every compared logit row, request by request: the prompt's positions, then decode steps 1 .. steps."""
+
+    ours_top1: torch.Tensor  # [N] int64 cpu: our argmax
+    ref_top1: torch.Tensor  # [N] int64 cpu: transformers' (float32) argmax
+    cosine: torch.Tensor  # [N] float64 cpu: cosine similarity of our logit row and the reference's
+    decode: torch.Tensor  # [N] bool cpu: a decode step's row (False: a prompt position, from the prefill)
+    base_top1: torch.Tensor | None = None  # [N] int64 cpu: transformers in the model dtype (bf16 / fp16 runs)
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """[N] bool: our argmax equals transformers'."""
+        return self.ours_top1 == self.ref_top1
+
+    def __len__(self) -> int:
+        return self.ours_top1.numel()
+
+
+@dataclass
 class ValidateReport:
     rows: list[StepRow]
     dtype: torch.dtype
@@ -85,6 +109,9 @@ class ValidateReport:
     prompts: list[list[int]] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     kv_dtype: str = "auto"
+    positions: PositionScores | None = None
+    kv_scales: list[float] | None = None  # the FP8 cache's per-layer scales, as used
+    forced: bool = False  # decode teacher-forced on given tokens (not our greedy ones)
 
     @property
     def top1_agreement(self) -> float:
@@ -154,11 +181,16 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
                  steps: int = 16, device: str = "cpu", seed: int = 0, prompt_lengths=(11, 6, 17),
                  max_prefill_tokens: int | None = None, use_cuda_graph: bool = False, config: str | None = None,
                  progress: Callable[[str, int, int], None] | None = None, kv_dtype: str = "auto",
-                 kv_scales=None) -> ValidateReport:
+                 kv_scales=None, prompts: list[list[int]] | None = None,
+                 forced_tokens: list[list[int]] | None = None) -> ValidateReport:
     """Run the comparison (module docstring). ``checkpoint=None`` builds the embedded ``config``
     (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
     head dims are the ones FA3 implements). What it does is logged (``logging``, INFO);
-    ``progress(phase, i, n)`` follows loading ("load") and generation ("prefill", "decode")."""
+    ``progress(phase, i, n)`` follows loading ("load") and generation ("prefill", "decode").
+
+    ``prompts``: token-id lists (default: random ones of ``prompt_lengths``, from ``seed + 1``).
+    ``forced_tokens``: per prompt ``steps + 1`` new tokens to teacher-force (default: our greedy ones).
+    ``kv_scales``: the FP8 cache's per-layer scales (default: the checkpoint's, else 1.0)."""
     from mla_fa3.serve.engine import Engine
 
     say = logger.info
@@ -184,38 +216,53 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
     try:
         say("loading our model through mla_fa3.models.loader")
         ours = load_model(path, dtype=dtype, device=device, progress=progress)
-        prompts = _prompts(ours.config.vocab_size, tuple(prompt_lengths), seed + 1)
+        if prompts is None:
+            prompts = _prompts(ours.config.vocab_size, tuple(prompt_lengths), seed + 1)
+        prompts = [[int(t) for t in p] for p in prompts]
         engine = Engine(ours, page_size=page_size, max_batch_size=len(prompts),
                         max_context=max(map(len, prompts)) + steps + 1, max_prefill_tokens=max_prefill_tokens,
                         use_cuda_graph=use_cuda_graph, kv_dtype=kv_dtype, kv_scales=kv_scales)
         res = engine.generate(prompts, steps + 1, return_logits=True, return_prefill_logits=True,
-                              progress=progress)
-        say("transformers reference forward (teacher-forced on our tokens)")
-        refs = _teacher_forced(hf, prompts, res.token_ids, device)
+                              progress=progress, forced_tokens=forced_tokens)
+        scales = [float(x) for x in engine.kv_pool.scale] if engine.kv_pool.is_fp8 else None
+        say("transformers reference forward (teacher-forced on the new tokens)")
+        refs = teacher_forced_logits(hf, prompts, res.token_ids, device)
         base = None
         if dtype != torch.float32:
             say(f"transformers baseline in {dtype}")
-            base = _teacher_forced(copy.deepcopy(hf).to(dtype), prompts, res.token_ids, device)
+            base = teacher_forced_logits(copy.deepcopy(hf).to(dtype), prompts, res.token_ids, device)
     finally:
         if tmp is not None:
             tmp.cleanup()
     bases = base or [None] * len(prompts)
-    rows = [_row(0, [(pl, ref[: len(p)], None if b is None else b[: len(p)], None)
+    rows = [_row(0, [(pl, ref[: len(p)], None if b is None else b[: len(p)])
                      for p, pl, ref, b in zip(prompts, res.prefill_logits, refs, bases)])]
     for i in range(1, steps + 1):
         sl = [slice(len(p) - 1 + i, len(p) + i) for p in prompts]
-        rows.append(_row(i, [(lg[i: i + 1], ref[s], None if b is None else b[s], toks[i])
-                             for s, lg, ref, b, toks in zip(sl, res.logits, refs, bases, res.token_ids)]))
-    # step 0's agreement: the first new token (from the prefill) against HF's argmax at the prompt end
-    first = sum(int(ref[len(p) - 1].argmax()) == toks[0] for p, ref, toks in zip(prompts, refs, res.token_ids))
-    rows[0].agree, rows[0].total = first, len(prompts)
-    fp8 = kv_dtype in ("fp8", "float8_e4m3fn", torch.float8_e4m3fn)
+        rows.append(_row(i, [(lg[i: i + 1], ref[s], None if b is None else b[s])
+                             for s, lg, ref, b in zip(sl, res.logits, refs, bases)]))
+    fp8 = scales is not None
     return ValidateReport(rows, dtype, page_size, label, FP8_KV_TOLERANCES if fp8 else TOLERANCES[dtype], prompts,
-                          res.token_ids, "float8_e4m3fn" if fp8 else "auto")
+                          res.token_ids, "float8_e4m3fn" if fp8 else "auto",
+                          position_scores(prompts, steps, res, refs, base), scales, forced_tokens is not None)
 
 
-def _teacher_forced(hf, prompts, token_ids, device) -> list[torch.Tensor]:
-    """Per prompt: HF logits [len(prompt) + n_new - 1, V] float32 cpu over prompt + our tokens."""
+def position_scores(prompts, steps: int, res, refs, bases=None) -> PositionScores:
+    """Score a generation (``Engine.generate`` with both logit kinds, ``steps + 1`` new tokens) against
+    :func:`teacher_forced_logits` ``refs`` (and ``bases``, transformers in the model dtype, or None), row by
+    row: prompt positions 0 .. L-1 (the prefill's logits), then decode step i = 1 .. steps (the logits of
+    new token i, HF's row L - 1 + i)."""
+    ours = [torch.cat([pl, lg[1: steps + 1]]) for pl, lg in zip(res.prefill_logits, res.logits)]
+    refs = [ref[: len(p) + steps] for p, ref in zip(prompts, refs)]
+    o, r = torch.cat(ours).double(), torch.cat(refs).double()
+    decode = torch.cat([torch.arange(len(p) + steps) >= len(p) for p in prompts])
+    base = None if bases is None else torch.cat([b[: len(p) + steps] for p, b in zip(prompts, bases)]).argmax(-1)
+    return PositionScores(o.argmax(-1), r.argmax(-1), F.cosine_similarity(o, r, dim=-1), decode, base)
+
+
+def teacher_forced_logits(hf, prompts, token_ids, device) -> list[torch.Tensor]:
+    """Per prompt: HF logits [len(prompt) + n_new - 1, V] float32 cpu over prompt + the new tokens (all but
+    the last)."""
     out = []
     for p, toks in zip(prompts, token_ids):
         ids = torch.tensor([p + toks[:-1]], device=device)
@@ -232,14 +279,16 @@ def _errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
 
 
 def _row(step: int, items) -> StepRow:
-    """items: (ours [n, V], ref [n, V], baseline [n, V] or None, our greedy token or None) per request."""
+    """items: (ours [n, V], ref [n, V], baseline [n, V] or None) per request. Token agreement: the last
+    row's argmax against HF's (our new token from that row, unless teacher-forced; step 0: the prompt's
+    last position, which gives the first new token)."""
     max_abs = rel = 0.0
     cos = 1.0
     base_rel, base_cos = 0.0, 1.0
     has_base = False
     agree = total = top1 = positions = 0
     cos_sum = 0.0
-    for ours, ref, base, tok in items:
+    for ours, ref, base in items:
         top1 += int((ours.argmax(dim=-1) == ref.argmax(dim=-1)).sum())
         positions += ours.shape[0]
         cos_sum += float(F.cosine_similarity(ours.double(), ref.double(), dim=-1).sum())
@@ -249,9 +298,8 @@ def _row(step: int, items) -> StepRow:
             has_base = True
             _, r, c = _errors(base, ref)
             base_rel, base_cos = max(base_rel, r), min(base_cos, c)
-        if tok is not None:
-            agree += int(int(ref[-1].argmax()) == tok)
-            total += 1
+        agree += int(int(ref[-1].argmax()) == int(ours[-1].argmax()))
+        total += 1
     return StepRow(step, max_abs, rel, cos, agree, total,
                    base_rel if has_base else None, base_cos if has_base else None, top1, positions, cos_sum)
 
@@ -271,7 +319,8 @@ def format_report(report: ValidateReport) -> str:
         if r.base_rel is not None:
             line += f"   {r.base_rel:10.3e} / {r.base_cosine:.6f}"
         lines.append(line + ("" if r.within(rel_t, cos_t) else "   <- over threshold"))
-    lines.append(f"greedy tokens identical to transformers: {'yes' if report.greedy_identical else 'no'} "
+    what = "top-1 at every step (teacher-forced)" if report.forced else "greedy tokens"
+    lines.append(f"{what} identical to transformers: {'yes' if report.greedy_identical else 'no'} "
                  f"(decode agreement {report.agree_fraction:.1%})")
     lines.append(f"top-1 agreement over {sum(r.positions for r in report.rows)} positions (prefill + decode): "
                  f"{report.top1_agreement:.1%}; mean logit cosine {report.mean_cosine:.6f}")
@@ -285,6 +334,7 @@ def format_report(report: ValidateReport) -> str:
 
 def report_json(report: ValidateReport) -> str:
     return json.dumps({"passed": report.passed, "greedy_identical": report.greedy_identical,
-                       "kv_dtype": report.kv_dtype, "top1_agreement": report.top1_agreement,
+                       "kv_dtype": report.kv_dtype, "kv_scales": report.kv_scales, "forced": report.forced,
+                       "top1_agreement": report.top1_agreement,
                        "mean_cosine": report.mean_cosine,
                        "rows": [r.__dict__ for r in report.rows], "token_ids": report.token_ids})

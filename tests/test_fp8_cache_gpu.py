@@ -6,19 +6,23 @@
    probabilities to e4m3 for its PV product, so the bound is a cosine (>= 0.999) and a relative error
    printed next to the same step run by the torch reference on the same pool.
 2. CUDA-graph capture and replay of FP8 decode steps equal the eager step.
-3. A tiny random-weight DeepSeek-V3-dims model built with transformers, teacher-forced over >= 256
-   positions (prefill and decode) against transformers in fp32: logit cosine and top-1 agreement with
-   a bf16 cache and an FP8 cache side by side (printed; ``-s`` shows them). Target (issue 12): FP8 top-1
-   within 1 percentage point of the bf16 cache's.
+3. Tiny random-weight DeepSeek-V3-dims models built with transformers, teacher-forced over 3240
+   positions (3 models x 8 prompts, prefill and decode) against transformers in fp32: logit cosine and
+   top-1 agreement with a bf16 cache, an FP8 cache at scale 1.0 and one at calibrated per-layer scales
+   side by side, the paired top-1 gaps with 95 % intervals (printed; ``-s`` shows them). Target (issue
+   12): FP8 top-1 within 1 percentage point of the bf16 cache's (verdict printed); asserted: the floor
+   (mean cosine >= 0.995, gap <= 5 points).
 
 4. The fused FP8 quantization kernels (``ops.store_e4m3``, ``ops.quantize_query_e4m3``: Triton) equal the
    torch reference bit for bit at serving sizes (and the e4m3 table oracle of ``test_fp8_quant``), also
    captured in a CUDA graph and replayed on new inputs.
 
-Run on the H200: ``pytest -q -s tests/test_fp8_cache_gpu.py`` (about a minute).
+Run on the H200: ``pytest -q -s tests/test_fp8_cache_gpu.py`` (about a minute or two).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -88,24 +92,22 @@ def test_fp8_decode_graph_replay_equals_eager():
 
 
 def test_model_accuracy_bf16_cache_vs_fp8_cache():
-    """Teacher-forced vs transformers fp32: >= 256 positions, bf16 and FP8 caches side by side."""
-    from mla_fa3.hf_compare import run_validate
+    """Teacher-forced vs transformers fp32 on 3 random-weight models x 8 prompts (3240 positions, 1152 of
+    them decode steps): the bf16 cache, FP8 with scale 1.0 and FP8 with calibrated per-layer scales side by
+    side, every cache on the same positions, so the top-1 gaps are paired (``mla_fa3.kv_accuracy``)."""
+    from mla_fa3.kv_accuracy import compare_kv_caches, format_comparison
 
-    kw = dict(dtype=BF16, device=DEV, config="v3_mla_dims", page_size=64, steps=48, prompt_lengths=(96, 80),
-              seed=0)
-    reports = {kv: run_validate(kv_dtype=kv, **kw) for kv in ("auto", "fp8")}
-    positions = sum(r.positions for r in reports["fp8"].rows)
-    print(f"\nmodel accuracy (v3_mla_dims, bf16 model, page 64, {positions} positions, vs transformers fp32)")
-    print(f"{'cache':>14} {'top-1 agree':>12} {'mean cos':>10} {'min cos':>10}")
-    for kv, rep in reports.items():
-        name = "bf16" if kv == "auto" else "float8_e4m3fn"
-        print(f"{name:>14} {rep.top1_agreement:12.2%} {rep.mean_cosine:10.6f} {min(r.cosine for r in rep.rows):10.6f}")
-    gap = reports["auto"].top1_agreement - reports["fp8"].top1_agreement
-    print(f"FP8 top-1 gap to the bf16 cache: {100 * gap:.2f} points (target <= 1): "
-          f"{'MET' if gap <= 0.01 else 'MISSED'}")
-    assert positions >= 256
-    assert reports["fp8"].mean_cosine >= 0.995
-    assert gap <= 0.05  # the hard floor; the 1-point target is printed above
+    cmp = compare_kv_caches(config="v3_mla_dims", seeds=(0, 1, 2), prompt_lengths=(128, 112, 96, 88, 80, 72, 64, 56),
+                            steps=48, dtype=BF16, device=DEV, page_size=64)
+    print("\n" + format_comparison(cmp))
+    decode = int(cmp.runs[0].scores.decode.sum())
+    assert cmp.positions >= 2048 and decode >= 1024 and cmp.positions - decode >= 1024
+    _, unit, calibrated = cmp.runs
+    assert unit.kv_scales == [[1.0, 1.0]] * 3
+    assert all(math.isfinite(s) and 0 < s != 1.0 for seed in calibrated.kv_scales for s in seed)
+    for i, run in enumerate(cmp.runs[1:], start=1):  # the hard floor; the 1-point target is printed above
+        assert float(run.scores.cosine.mean()) >= 0.995, run.name
+        assert cmp.gap(i).gap <= 0.05, run.name
 
 
 # ---------------------------------------------------------------------------------------------------

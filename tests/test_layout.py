@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("backend",),  # plan once per step, route each layer
     ("draft_backend",),  # one backend per draft step
     ("models",),  # DeepSeek V2/V3 on the backend, the HF loader
-    ("serve", "hf_compare"),  # generation and serving loops; the comparison with transformers
+    ("serve", "hf_compare", "kv_accuracy"),  # generation and serving loops; the comparisons with transformers
     ("bench",),  # H200 benchmarks
     ("cli", "__main__", "__init__"),  # the `mla-fa3` command
 ]

@@ -10,9 +10,10 @@ requests join :class:`mla_fa3.serve.loop.ServingLoop` together and it runs them 
    row with ``prefix_len = s``, so later chunks attend to the cached earlier ones; the last chunk of
    a prompt gives its first new token. A step may hold decode rows of requests already past their
    prompt next to prefill chunks (MIXED);
-3. **decode** — one token per request per step, greedy ``argmax``; the next step's input ids are
-   gathered from the previous step's samples on the device, and tokens reach the host one step late
-   (``eos_token_id`` retires a request; its token is kept);
+3. **decode** — one token per request per step, greedy ``argmax`` (or, with ``forced_tokens``, the
+   teacher-forced token: validation scores every cache setting on the same contexts); the next step's
+   input ids are gathered from the previous step's samples on the device, and tokens reach the host one
+   step late (``eos_token_id`` retires a request; its token is kept);
 4. rows and pages are freed as each request finishes (``Scheduler.finish``; freed pages are zeroed).
 
 A request longer than the model's ``max_position_embeddings`` (prompt + new tokens) is refused
@@ -119,6 +120,22 @@ class Engine:
                            "range, expect degraded output", longest - limit, limit)
         return out
 
+    def _check_forced(self, forced_tokens, n: int, max_new_tokens: int) -> list[list[int] | None]:
+        if forced_tokens is None:
+            return [None] * n
+        if not isinstance(forced_tokens, (list, tuple)) or len(forced_tokens) != n:
+            raise ValueError(f"forced_tokens must be a list of {n} token-id lists (one per prompt)")
+        out = []
+        for i, f in enumerate(forced_tokens):
+            ids = [int(t) for t in (f.tolist() if isinstance(f, Tensor) else f)][:max_new_tokens]
+            if len(ids) < max_new_tokens:
+                raise ValueError(f"forced_tokens[{i}] holds {len(ids)} tokens, fewer than max_new_tokens "
+                                 f"{max_new_tokens}")
+            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+                raise ValueError(f"forced_tokens[{i}] holds token ids outside [0, {self.cfg.vocab_size})")
+            out.append(ids)
+        return out
+
     @staticmethod
     def _eos_set(eos_token_id) -> frozenset[int] | None:
         """None, or the set of ids that end a request (one id or several, e.g. from generation_config)."""
@@ -149,21 +166,26 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  eos_token_id: int | Iterable[int] | None = None, return_logits: bool = False,
-                 return_prefill_logits: bool = False, progress: ProgressFn | None = None) -> GenerateResult:
+                 return_prefill_logits: bool = False, progress: ProgressFn | None = None,
+                 forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerateResult:
         """Greedy generation for every prompt at once; see the module docstring for the steps.
 
         ``eos_token_id``: one id or several; a request stops after emitting any of them (kept).
-        ``progress(phase, step, steps)`` is called after every step."""
+        ``progress(phase, step, steps)`` is called after every step.
+        ``forced_tokens`` (teacher forcing, for validation): per prompt at least ``max_new_tokens`` ids;
+        new token k of prompt i is ``forced_tokens[i][k]`` instead of the argmax, so every step runs on a
+        context fixed in advance (the returned logits are still the model's own)."""
         eos = self._eos_set(eos_token_id)
         prompts = self._check_prompts(prompts, max_new_tokens)
+        forced = self._check_forced(forced_tokens, len(prompts), max_new_tokens)
         loop = self.loop
         budget = self.max_prefill_tokens or sum(map(len, prompts))
         loop.scheduler.token_budget = budget
         loop.record_logits, loop.record_prefill_logits = return_logits, return_prefill_logits
         loop.logits.clear()
         loop.prefill_logits.clear()
-        requests = [Request(rid=i, prompt=p, max_new_tokens=max_new_tokens, eos_token_id=eos)
-                    for i, p in enumerate(prompts)]
+        requests = [Request(rid=i, prompt=p, max_new_tokens=max_new_tokens, eos_token_id=eos, forced=f)
+                    for i, (p, f) in enumerate(zip(prompts, forced))]
         estimate = -(-sum(map(len, prompts)) // budget) + max_new_tokens - 1
         def on_step(rec) -> None:
             if progress is not None:

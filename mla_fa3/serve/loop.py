@@ -8,7 +8,8 @@ One iteration, with ``prev`` the step launched by the iteration before (its toke
         input ids: prefill tokens from the host; decode rows gather prev's sampled tokens ON the device
         DECODE step with a captured size  -> GraphRunner.prepare (replay update) + replay
         otherwise                          -> backend.init_forward_metadata + model forward (eager)
-        greedy argmax on the device; async copy of the sampled tokens to pinned host memory; event
+        greedy argmax on the device (Request.forced: teacher-forced tokens replace it, for validation);
+        async copy of the sampled tokens to pinned host memory; event
     resolve(prev):                            # the first and only wait: prev's tokens
         event.synchronize(); append each token; EOS / max_new_tokens -> Scheduler.finish (pages freed)
     prev = sched
@@ -208,6 +209,7 @@ class ServingLoop:
         self.prefill_logits: dict[int, list[Tensor]] = {}
         self._clock0 = time.perf_counter()
         self._prev_tokens: Tensor | None = None  # the last launched step's samples (device)
+        self._forcing = False  # a request of the current run has teacher-forced tokens (Request.forced)
         self._pending_events: list = []  # (record, CUDA events, attention events) until _finish_timing
 
     def _graph_step(self, batch: ForwardBatch, inputs: dict) -> Tensor:
@@ -231,6 +233,7 @@ class ServingLoop:
         total = len(arrivals)
         for r in arrivals:  # refuse what can never run, before anything runs
             self.scheduler.check(r)
+        self._forcing = any(r.forced is not None for r in arrivals)
         self._clock0 = time.perf_counter()
         now_fn = clock or self.clock
         prev: _Launched | None = None
@@ -312,6 +315,8 @@ class ServingLoop:
                 rows_dev = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
                 logits = self.model(ids, batch.positions, batch, backend, logit_rows=rows_dev)
         tokens = logits.argmax(dim=-1)
+        if self._forcing:
+            tokens = self._force(tokens, samplers)
         for j, req in enumerate(samplers):  # the next step's decode rows read tokens[j] on the device
             req.pending += 1
             req.pending_index = j
@@ -337,6 +342,16 @@ class ServingLoop:
         return _Launched(sched=sched, samplers=samplers, tokens=tokens, host=host, done=done,
                          logits=logits.float() if self.record_logits else None, prefill_logits=prefill_logits,
                          record=rec)
+
+    def _force(self, tokens: Tensor, samplers: list[Request]) -> Tensor:
+        """Teacher forcing: a request with ``forced`` tokens emits ``forced[k]`` as its new token k (the
+        ``sampled`` so far, before this step's are counted); its logits stay the model's."""
+        rows = [(j, req.forced[req.sampled]) for j, req in enumerate(samplers)
+                if req.forced is not None and req.sampled < len(req.forced)]
+        if not rows:
+            return tokens
+        idx, val = to_device(torch.tensor(rows, dtype=torch.int64), self.device).unbind(1)
+        return tokens.index_put((idx,), val)
 
     def _input_ids(self, sched: StepSchedule) -> Tensor:
         """[T] int64 device: prompt tokens from the host; decode rows' from the previous step's samples."""

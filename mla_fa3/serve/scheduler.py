@@ -73,6 +73,7 @@ class Request:
     finish_reason: str | None = None  # "eos" | "length"
     seq: int = -1  # admission order (set by Scheduler.add): "newest" = largest
     pending_index: int = -1  # row of the last launched step's sampled tokens holding this request's
+    forced: list[int] | None = None  # teacher forcing (validation): new token k is forced[k], not the argmax
 
     @property
     def total_len(self) -> int:
@@ -168,6 +169,9 @@ class Scheduler:
         if not request.prompt:
             raise ValueError(f"request.prompt of request {request.rid} is empty")
         check_int(request.max_new_tokens, "request.max_new_tokens")
+        if request.forced is not None and len(request.forced) < request.max_new_tokens:
+            raise ValueError(f"request.forced of request {request.rid} holds {len(request.forced)} tokens, fewer "
+                             f"than max_new_tokens {request.max_new_tokens}")
         need = len(request.prompt) + request.max_new_tokens
         if need > self.max_context:
             raise ValueError(f"request.prompt of request {request.rid}: {len(request.prompt)} tokens + "
