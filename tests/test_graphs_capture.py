@@ -217,3 +217,14 @@ def test_one_dimensional_tables_are_disjoint_slices_of_one_packed_buffer() -> No
         spans.append((start, start + t.numel()))
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= buf.packed.numel()
+
+
+def test_device_tables_with_rows_given_on_the_device_equal_the_eager_build() -> None:
+    """Rows handed over as a device tensor (no CPU copy): copied device to device into the staged rows."""
+    w, builder, _ = setup(16, "device")
+    batch = make_batch(w, M.DECODE, [1] * len(SMALL), idx=SMALL)
+    batch.req_pool_indices_cpu = None  # as an engine that keeps its rows on the GPU hands them over
+    cap = builder.capture(4, M.DECODE)
+    replay(builder, make_batch(w, M.DECODE, [1] * 4, idx=[0, 1, 2, 3]), cap)  # a bigger batch first
+    replay(builder, batch, cap)
+    check_replay(cap, builder.build(make_batch(w, M.DECODE, [1] * len(SMALL), idx=SMALL)), builder, 2, 1, 1)

@@ -13,8 +13,8 @@ FlashMLA). On CUDA the GPU time of the prologue itself is measured too (``prolog
 the prologue alone, replayed, CUDA events; it runs once per step, not per layer).
 
 Workload: ``bs`` requests at random lengths in ``[context/4, context]`` (seeded), each step one token
-longer (a decode step of a running batch); page 64, 16 heads, ``decode_kernel='auto'`` (a graph per
-kernel per size, the kernel chosen per step from the live lengths). Graphs are not captured: only the
+longer (a decode step of a running batch); page 64, 16 heads, ``decode_kernel='auto'`` by default
+(``--decode-kernel``; a graph per kernel per size, the kernel chosen per step from the live lengths). Graphs are not captured: only the
 host work before a replay is timed (``use_graphs=False`` runs nothing after ``prepare``).
 
 Devices:
@@ -150,7 +150,7 @@ class Workload:
     """Pools, backend and runner for ``max_bs`` requests; :meth:`step` gives step ``i``'s batch inputs."""
 
     def __init__(self, device: torch.device, max_bs: int, context: int, heads: int, steps: int, seed: int = 0,
-                 device_metadata: bool = True):
+                 device_metadata: bool = True, decode_kernel: str = "auto"):
         self.device = device
         self.cap = -(-(context + steps + 1) // PAGE) * PAGE  # tokens per row, a whole number of pages
         rows = max_bs + 1  # row 0 unused: rows 1..max_bs hold the requests
@@ -163,7 +163,7 @@ class Workload:
         self.req_pool.claim(list(range(1, rows)), self.cap)
         pool = MLATokenPool(1, (PAGE + max_bs * self.cap) // PAGE, PAGE, 16, 8, torch.bfloat16, device)
         self.backend = MLABackend(req_to_token_pool=self.req_pool, kv_pool=pool, page_size=PAGE, device=device,
-                                  decode_kernel="auto", num_heads=heads)
+                                  decode_kernel=decode_kernel, num_heads=heads)
         rng = np.random.default_rng(seed)
         self.lens0 = rng.integers(max(context // 4, 1), context + 1, size=max_bs)
         sizes = sorted({min(2 ** i, max_bs) for i in range(max_bs.bit_length() + 1)})
@@ -202,10 +202,10 @@ def prologue_gpu_us(work: Workload, bs: int, reps: int = 200) -> float | None:
 
 
 def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: int, iters: int,
-            warmup: int = 20, device_metadata: bool = True) -> list[dict]:
+            warmup: int = 20, device_metadata: bool = True, decode_kernel: str = "auto") -> list[dict]:
     """Per batch size: median µs per step of each component, ``prepare`` and ``batch``; ops and Python µs."""
     work = Workload(device, max(bs_list), context, heads, steps=3 * iters + warmup + 1,
-                    device_metadata=device_metadata)
+                    device_metadata=device_metadata, decode_kernel=decode_kernel)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
     for bs in bs_list:
@@ -292,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="100 iterations")
     p.add_argument("--metadata", default="device,host", help="comma-separated: device (derived in the graph: "
                    "GraphRunner's default), host (written by the replay update: the SGLang protocol)")
+    p.add_argument("--decode-kernel", default="auto", choices=("auto", "fa3", "flashmla"),
+                   help="the backend's decode kernel (flashmla: its schedule re-planned every step)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     try:
@@ -308,9 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ways or any(w not in ("device", "host") for w in ways):
         p.error(f"--metadata must list device and/or host, got {args.metadata!r}")
     rows = [r for w in ways for r in measure(device, bs_list, args.context, args.heads,
-                                              100 if args.quick else args.iters, device_metadata=w == "device")]
+                                              100 if args.quick else args.iters, device_metadata=w == "device",
+                                              decode_kernel=args.decode_kernel)]
     print(f"replay update host time, µs per step (median; device {device.type}, context {args.context}, "
-          f"page {PAGE}, {args.heads} heads, decode_kernel=auto)")
+          f"page {PAGE}, {args.heads} heads, decode_kernel={args.decode_kernel})")
     print(_table(rows))
     gpu = [(r["bs"], r["prologue_gpu_us"]) for r in rows if r["prologue_gpu_us"] is not None]
     if gpu:

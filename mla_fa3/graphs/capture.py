@@ -29,9 +29,10 @@ non-blocking copy records an event on its block, so the block is not handed out 
 overwritten) while the copy may still be in flight. No device value is ever read on the host.
 
 Device-derived page table (``device_tables=True``; decoder tables only, no encoder / local attention):
-the replay stages the request rows (``req_rows``, -1 for padding rows) with the lengths, and the page
+the replay stages the request rows (``req_rows``) and their page-table lengths (``table_lens``: 0 for
+padding rows, which get page 0) with the other lengths, and the page
 table is NOT written on the host; :func:`derive_tables` computes ``page_table[:bs]`` over its whole
-width from ``req_rows``, ``cache_seqlens`` and ``req_to_token`` in tensor ops on fixed shapes, which a
+width from ``req_rows``, ``table_lens`` and ``req_to_token`` in tensor ops on fixed shapes, which a
 CUDA graph captures: a replay then costs one host->device copy in all (``GraphRunner`` runs it inside
 every graph, before the layers). The whole-width gather costs ``bs * ceil(max_context / p)`` entries of
 GPU work per replay instead of host launches (:data:`DEVICE_TABLES_MAX_ENTRIES` bounds it).
@@ -88,7 +89,8 @@ class CaptureBuffers:
     local_req: Tensor | None = None  # [max_rows] (packed): batch row of each live virtual request
     local_col0: Tensor | None = None  # [max_rows] (packed): its first req_to_token column
     local_page_table: Tensor | None = None  # [max_rows, C/p]
-    req_rows: Tensor | None = None  # [max_bs] (packed), device_tables only: request rows, -1 = padding
+    req_rows: Tensor | None = None  # [max_bs] (packed), device_tables only: request rows (padding: row 0)
+    table_lens: Tensor | None = None  # [max_bs] (packed), device_tables only: tokens with pages (padding: 0)
     device_tables: bool = False  # the page table is derived on the device (derive_tables), not at replay
     staging: Tensor | None = None  # [N] int32, cpu — reused host staging buffer (CPU device only)
     dirty: dict = field(default_factory=dict)  # table name -> (rows, cols) possibly non-zero
@@ -114,7 +116,7 @@ class CaptureBuffers:
                              f"over DEVICE_TABLES_MAX_ENTRIES = {DEVICE_TABLES_MAX_ENTRIES}")
         sizes = [("cache_seqlens", max_bs), ("cu_seqlens_k", max_bs + 1)]
         if device_tables:
-            sizes.append(("req_rows", max_bs))
+            sizes += [("req_rows", max_bs), ("table_lens", max_bs)]
         if with_encoder:
             sizes += [("enc_cache_seqlens", max_bs), ("enc_cu_seqlens_k", max_bs + 1), ("enc_first_col", max_bs)]
         rows = 0
@@ -226,11 +228,15 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
             s[o: o + n] = first_np
     live = _stage_local(buf, s, bs, q, n, seq, first_np) if buf.attention_chunk_size is not None else 0
     rows_cpu = None if batch is None else batch.req_pool_indices_cpu
-    if buf.device_tables:
+    if buf.device_tables:  # padding rows: row 0 with no page (page 0, as the host path writes)
         o, length = reg["req_rows"]
-        s[o + n: o + length] = -1
+        s[o + n: o + length] = 0
         if rows_cpu is not None:
             s[o: o + n] = rows_cpu.numpy()
+        o, length = reg["table_lens"]
+        s[o + n: o + length] = 0
+        if n:
+            s[o: o + n] = seq
     buf.packed.copy_(stage, non_blocking=device.type == "cuda")  # the one host->device copy
     if buf.device_tables:
         if n and rows_cpu is None:  # rows given as a device tensor: one device->device copy
@@ -252,14 +258,12 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
 
 
 def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor) -> None:
-    """``page_table[:bs]`` over its whole width from the staged ``req_rows`` and ``cache_seqlens``
+    """``page_table[:bs]`` over its whole width from the staged ``req_rows`` and ``table_lens``
     (``device_tables`` buffers). Tensor ops on fixed shapes, no host value: graph-legal, and what a
-    captured graph re-runs at each replay. Padding rows (row -1) get page 0 throughout."""
+    captured graph re-runs at each replay: four kernels. Padding rows (length 0) get page 0 throughout."""
     if not buf.device_tables:
         raise ValueError("derive_tables needs buffers allocated with device_tables=True")
-    rows = buf.req_rows[:bs]
-    tokens = buf.cache_seqlens[:bs] * (rows >= 0)  # padding rows: no live page
-    gather_page_table(req_to_token, rows.clamp(min=0), tokens, buf.page_table.shape[1], buf.page_size,
+    gather_page_table(req_to_token, buf.req_rows[:bs], buf.table_lens[:bs], buf.page_table.shape[1], buf.page_size,
                       col_offsets=buf.col_offsets, out=buf.page_table[:bs])
 
 

@@ -103,9 +103,17 @@ _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)  # many copies in one dis
 
 
 def copy_all(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)`` pair; one ``torch._foreach_copy_`` call when available."""
+    """``dst.copy_(src)`` for every ``(dst, src)`` pair: one ``torch._foreach_copy_`` call per dtype when
+    available (its multi-tensor fast path, one launch on CUDA, takes lists of one dtype)."""
     if len(pairs) > 1 and _FOREACH_COPY is not None:
-        return _FOREACH_COPY([d for d, _ in pairs], [s for _, s in pairs])
+        groups: dict = {}
+        for dst, src in pairs:
+            group = groups.setdefault((dst.dtype, src.dtype), ([], []))
+            group[0].append(dst)
+            group[1].append(src)
+        for dsts, srcs in groups.values():
+            _FOREACH_COPY(dsts, srcs)
+        return
     for dst, src in pairs:
         dst.copy_(src)
 
