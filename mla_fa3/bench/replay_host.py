@@ -161,7 +161,8 @@ class Workload:
         table = torch.from_numpy(base[:, None] + np.arange(self.cap, dtype=np.int64)[None, :]).to(torch.int32)
         self.req_pool.req_to_token[1:] = table.to(device)
         self.req_pool.claim(list(range(1, rows)), self.cap)
-        pool = MLATokenPool(1, (PAGE + max_bs * self.cap) // PAGE, PAGE, 16, 8, torch.bfloat16, device)
+        # DeepSeek-V3's latent row (512 + 64): the row FlashMLA reads, so 'auto' may pick it
+        pool = MLATokenPool(1, (PAGE + max_bs * self.cap) // PAGE, PAGE, 512, 64, torch.bfloat16, device)
         self.backend = MLABackend(req_to_token_pool=self.req_pool, kv_pool=pool, page_size=PAGE, device=device,
                                   decode_kernel=decode_kernel, num_heads=heads)
         rng = np.random.default_rng(seed)
