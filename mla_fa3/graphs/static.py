@@ -18,7 +18,7 @@ filled are reset (host-side marks ``StaticBuffers.live_*``); all live-row copies
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -52,6 +52,7 @@ class StaticBuffers:
     pad_req_index: int  # req_pool_indices value of a padding row
     live_rows: bytearray  # [max_bs] host: 1 where a batch row may hold a live (non-padding) value
     live_tokens: bytearray  # [max_bs * q] host: 1 where an input row may hold a non-zero value
+    _views: dict = field(default_factory=dict, repr=False)  # (kind, name, length) -> prefix view
 
     @classmethod
     def allocate(cls, max_bs: int, tokens_per_request: int, input_specs: Mapping[str, InputSpec],
@@ -75,6 +76,15 @@ class StaticBuffers:
     @property
     def max_bs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def head(self, name: str, length: int, *, input: bool = False) -> Tensor:
+        """The view ``[:length]`` of the field ``name`` (or, ``input=True``, of the input ``name``), made once
+        per length: a slice is a dispatcher call (microseconds of host time), and serving repeats sizes."""
+        key = (input, name, length)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = (self.inputs[name] if input else getattr(self, name))[:length]
+        return view
 
 
 def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
@@ -140,13 +150,13 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
     if batch.num_tokens != n * q:
         raise ValueError(f"batch must hold {q} token(s) per request ({n * q}), got {batch.num_tokens}")
     t = n * q
-    pairs = [(buf.req_pool_indices[:n], batch.req_pool_indices), (buf.seq_lens[:n], batch.seq_lens),
-             (buf.out_cache_loc[:t], batch.out_cache_loc)]
+    pairs = [(buf.head("req_pool_indices", n), batch.req_pool_indices), (buf.head("seq_lens", n), batch.seq_lens),
+             (buf.head("out_cache_loc", t), batch.out_cache_loc)]
     if batch.positions is not None:
-        pairs.append((buf.positions[:t], batch.positions))
+        pairs.append((buf.head("positions", t), batch.positions))
     else:
-        buf.positions[:t].fill_(0)
-    buf.seq_lens_cpu[:n].copy_(batch.seq_lens_cpu)
+        buf.head("positions", t).fill_(0)
+    buf.head("seq_lens_cpu", n).copy_(batch.seq_lens_cpu)
     lo, hi = _stale(buf.live_rows, n, padded_bs)
     if hi > lo:
         buf.req_pool_indices[lo:hi].fill_(buf.pad_req_index)
@@ -178,7 +188,7 @@ def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: in
             raise TypeError(f"inputs[{name!r}] must be {dst.dtype}, got {x.dtype}")
         if x.device != dst.device:
             raise ValueError(f"inputs[{name!r}] must be on {dst.device} (a host copy would sync), got {x.device}")
-        pairs.append((dst[:num_tokens], x))
+        pairs.append((buf.head(name, num_tokens, input=True), x))
     lo, hi = _stale(buf.live_tokens, num_tokens, padded_tokens)
     if hi > lo:
         for dst in buf.inputs.values():
