@@ -52,6 +52,7 @@ class StaticBuffers:
     pad_req_index: int  # req_pool_indices value of a padding row
     live_rows: bytearray  # [max_bs] host: 1 where a batch row may hold a live (non-padding) value
     live_tokens: bytearray  # [max_bs * q] host: 1 where an input row may hold a non-zero value
+    padding: dict[str, Tensor]  # name -> a device tensor of that buffer's padding values (resets are copies)
     _views: dict = field(default_factory=dict, repr=False)  # (kind, name, length) -> prefix view
 
     @classmethod
@@ -61,6 +62,12 @@ class StaticBuffers:
         device = torch.device(device)
         fill = max(int(seq_len_fill), tokens_per_request)
         max_tokens = max_bs * tokens_per_request
+        zeros64 = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        padding = {"req_pool_indices": torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
+                   "seq_lens": torch.full((max_bs,), fill, dtype=torch.int32, device=device),
+                   "out_cache_loc": zeros64, "positions": zeros64}
+        padding.update({f"input:{name}": torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
+                        for name, spec in input_specs.items()})
         return cls(
             req_pool_indices=torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
             seq_lens=torch.full((max_bs,), fill, dtype=torch.int32, device=device),
@@ -70,7 +77,7 @@ class StaticBuffers:
             inputs={name: torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
                     for name, spec in input_specs.items()},
             tokens_per_request=tokens_per_request, seq_len_fill=fill, pad_req_index=pad_req_index,
-            live_rows=bytearray(max_bs), live_tokens=bytearray(max_tokens),
+            live_rows=bytearray(max_bs), live_tokens=bytearray(max_tokens), padding=padding,
         )
 
     @property
@@ -141,9 +148,10 @@ def _stale(marks: bytearray, live: int, padded: int) -> tuple[int, int]:
 def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
               copies: list | None = None) -> None:
     """Write ``batch``'s rows into the static buffers and reset rows ``n .. padded_bs-1`` to padding
-    (only those an earlier call filled: ``buf.live_rows``). Device->device copies and fills (plus a
-    CPU->CPU copy of ``seq_lens_cpu``): no sync. ``copies``: append the ``(dst, src)`` pairs there for
-    the caller's :func:`copy_all` instead of copying."""
+    (only those an earlier call filled: ``buf.live_rows``; copied from ``buf.padding``, so a shrinking
+    batch adds no launch to the batched copy). Device->device copies (plus CPU->CPU for ``seq_lens_cpu``):
+    no sync. ``copies``: append the ``(dst, src)`` pairs there for the caller's :func:`copy_all` instead
+    of copying."""
     n, q = batch.batch_size, buf.tokens_per_request
     if not n <= padded_bs <= buf.max_bs:
         raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
@@ -159,18 +167,20 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
     buf.head("seq_lens_cpu", n).copy_(batch.seq_lens_cpu)
     lo, hi = _stale(buf.live_rows, n, padded_bs)
     if hi > lo:
-        buf.req_pool_indices[lo:hi].fill_(buf.pad_req_index)
-        buf.seq_lens[lo:hi].fill_(buf.seq_len_fill)
+        pad = buf.padding
+        pairs += [(buf.req_pool_indices[lo:hi], pad["req_pool_indices"][lo:hi]),
+                  (buf.seq_lens[lo:hi], pad["seq_lens"][lo:hi]),
+                  (buf.out_cache_loc[lo * q:hi * q], pad["out_cache_loc"][lo * q:hi * q]),
+                  (buf.positions[lo * q:hi * q], pad["positions"][lo * q:hi * q])]
         buf.seq_lens_cpu[lo:hi].fill_(buf.seq_len_fill)
-        buf.out_cache_loc[lo * q:hi * q].zero_()
-        buf.positions[lo * q:hi * q].zero_()
     copy_all(pairs) if copies is None else copies.extend(pairs)
 
 
 def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: int, padded_tokens: int, *,
                 copies: list | None = None) -> None:
     """Copy each named input ``[num_tokens, *shape]`` into its static buffer; zero rows up to
-    ``padded_tokens`` (only those an earlier call filled: ``buf.live_tokens``). Validates every input
+    ``padded_tokens`` (only those an earlier call filled: ``buf.live_tokens``; copied from zeros in
+    ``buf.padding``). Validates every input
     before writing any. ``copies``: as in :func:`pad_batch`."""
     if not 0 <= num_tokens <= padded_tokens <= len(buf.live_tokens):
         raise ValueError(f"padded_tokens must be in [{num_tokens}, {len(buf.live_tokens)}], got {padded_tokens}")
@@ -190,7 +200,6 @@ def fill_inputs(inputs: Mapping[str, Tensor], buf: StaticBuffers, num_tokens: in
             raise ValueError(f"inputs[{name!r}] must be on {dst.device} (a host copy would sync), got {x.device}")
         pairs.append((buf.head(name, num_tokens, input=True), x))
     lo, hi = _stale(buf.live_tokens, num_tokens, padded_tokens)
-    if hi > lo:
-        for dst in buf.inputs.values():
-            dst[lo:hi].zero_()
+    if hi > lo:  # zero rows, copied from buf.padding: part of the batched copy
+        pairs += [(dst[lo:hi], buf.padding[f"input:{name}"][lo:hi]) for name, dst in buf.inputs.items()]
     copy_all(pairs) if copies is None else copies.extend(pairs)
