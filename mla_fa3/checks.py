@@ -21,9 +21,10 @@ def check_int(value: object, name: str, minimum: int | None = 1, maximum: int | 
     ``minimum=None`` / ``maximum=None`` leave that side open. Integer numpy scalars are accepted (and
     returned as ``int``); floats are refused even when integral, so ``1.5`` is never truncated to 1.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
+    if type(value) is not int:  # the common case skips the (slow) abstract-class checks
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
     if maximum is not None and value > maximum:

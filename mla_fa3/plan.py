@@ -54,10 +54,12 @@ from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
 
 __all__ = ["PathRecord", "StepPlan", "StepPlanner", "DECODE_KERNEL_AUTO", "mean_seqlen", "kernel_bucket",
-           "bucket_corners", "KERNEL_BUCKETS_PER_OCTAVE"]
+           "bucket_corners", "batch_bucket", "batch_bucket_bounds", "KERNEL_BUCKETS_PER_OCTAVE",
+           "BATCH_BUCKETS_PER_OCTAVE"]
 
 DECODE_KERNEL_AUTO = "auto"  # the backend's decode_kernel setting that chooses per step
 KERNEL_BUCKETS_PER_OCTAVE = 64  # decode-kernel cache buckets per log2 unit of max length and of skew
+BATCH_BUCKETS_PER_OCTAVE = 16  # decode-kernel cache buckets per log2 unit of batch size (exact up to 22)
 KERNEL_CACHE_SIZE = 4096  # cached decode-kernel choices per planner (cleared when full)
 _MISSING = object()
 
@@ -69,6 +71,24 @@ def kernel_bucket(max_seqlen_k: int, mean_seqlen_k: float | None) -> tuple[int, 
     if mean_seqlen_k is None or mean_seqlen_k >= max_seqlen_k:
         return length, 0
     return length, int(-math.log2(mean_seqlen_k / max_seqlen_k) * KERNEL_BUCKETS_PER_OCTAVE)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """``floor(B log2 batch_size)``, ``B = BATCH_BUCKETS_PER_OCTAVE``: a serving batch that gains or loses a
+    request stays in its bucket (one request is under 1/16 octave from 23 requests on)."""
+    return int(math.log2(batch_size) * BATCH_BUCKETS_PER_OCTAVE)
+
+
+def batch_bucket_bounds(bucket: int) -> tuple[int, int]:
+    """The smallest and largest batch size in ``bucket`` (equal where a bucket holds one size)."""
+    r = BATCH_BUCKETS_PER_OCTAVE
+    lo = max(1, math.ceil(2.0 ** (bucket / r)))
+    while batch_bucket(lo) < bucket:
+        lo += 1
+    hi = max(lo, math.ceil(2.0 ** ((bucket + 1) / r)) - 1)
+    while hi > lo and batch_bucket(hi) > bucket:
+        hi -= 1
+    return lo, hi
 
 
 def bucket_corners(length_bucket: int, skew_bucket: int) -> list[tuple[int, float | None]]:
@@ -232,9 +252,10 @@ class StepPlanner:
         """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown).
 
         With ``auto`` on page 64 the measured table's choice (``policy.decode_kernel``, a nearest-neighbour
-        search over the table: ~50 us) is cached per (batch size, bucket of ``max_seqlen_k``, bucket of
-        the skew ``mean / max``), buckets ``1 / KERNEL_BUCKETS_PER_OCTAVE`` of a log2 unit wide
-        (:func:`kernel_bucket`). A bucket is chosen once, at its corners (:func:`bucket_corners`): when
+        search over the table: ~25 us) is cached per (bucket of the batch size, ``1 / BATCH_BUCKETS_PER_OCTAVE``
+        of a log2 unit wide — exact up to 22 requests —, bucket of ``max_seqlen_k``, bucket of the skew
+        ``mean / max``), buckets ``1 / KERNEL_BUCKETS_PER_OCTAVE`` of a log2 unit wide (:func:`kernel_bucket`).
+        A bucket is chosen once, at its corners (:func:`batch_bucket_bounds`, :func:`bucket_corners`): when
         they all pick one kernel the bucket keeps that choice, else (the table's choice changes inside
         it) every step in it is chosen for its exact numbers. Anything but a step's host numbers (a mean
         outside ``(0, max]``, a non-int) goes to the policy unchanged, which answers or raises."""
@@ -260,10 +281,10 @@ class StepPlanner:
             return self._choose_uncached(max(batch_size, 1), max(max_seqlen_k, 1), mean_seqlen_k, allow)
         bs = max(batch_size, 1)
         length_bucket, skew_bucket = kernel_bucket(max(max_seqlen_k, 1), mean_seqlen_k)
-        key = (bs, length_bucket, skew_bucket, allow)
+        key = (batch_bucket(bs), length_bucket, skew_bucket, allow)
         hit = self._kernel_cache.get(key, _MISSING)
         if hit is _MISSING:
-            hit = self._bucket_choice(bs, length_bucket, skew_bucket, allow)
+            hit = self._bucket_choice(key[0], length_bucket, skew_bucket, allow)
             if len(self._kernel_cache) >= KERNEL_CACHE_SIZE:
                 self._kernel_cache.clear()
             self._kernel_cache[key] = hit
@@ -278,11 +299,13 @@ class StepPlanner:
             self._kernel_cache.clear()
             self._graph_kernels = None
 
-    def _bucket_choice(self, batch_size: int, length_bucket: int, skew_bucket: int,
+    def _bucket_choice(self, batch_bucket_: int, length_bucket: int, skew_bucket: int,
                        allow_splitkv: bool) -> tuple[DecodeKernel, str] | None:
-        """The choice at the bucket's first corner when all its corners choose the same kernel, else None."""
-        choices = [self._choose_uncached(batch_size, m, mean, allow_splitkv)
-                   for m, mean in bucket_corners(length_bucket, skew_bucket)]
+        """The choice at the bucket's first corner when all its corners (smallest and largest batch size,
+        each at the length / skew corners) choose the same kernel, else None."""
+        sizes = sorted(set(batch_bucket_bounds(batch_bucket_)))
+        choices = [self._choose_uncached(b, m, mean, allow_splitkv)
+                   for b in sizes for m, mean in bucket_corners(length_bucket, skew_bucket)]
         return choices[0] if len({k for k, _ in choices}) == 1 else None
 
     def _choose_uncached(self, batch_size: int, max_seqlen_k: int, mean_seqlen_k: float | None,

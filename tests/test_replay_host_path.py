@@ -18,7 +18,7 @@ from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import replay_host
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.plan import StepPlanner, bucket_corners, kernel_bucket, mean_seqlen
+from mla_fa3.plan import StepPlanner, batch_bucket, batch_bucket_bounds, bucket_corners, kernel_bucket, mean_seqlen
 from mla_fa3.policy import decode_kernel as kc
 from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import DecodeKernel, PrefillOverride
@@ -69,6 +69,22 @@ def test_cached_kernel_choice_equals_the_policy_for_random_batches_and_decode_ru
             lens += 1
             mx, mean = int(lens.max()), float(lens.sum()) / lens.size
             assert p.choose_decode_kernel(64, mx, mean)[0] == _policy(heads, 64, mx, mean)
+
+
+def test_batch_buckets_cover_every_size_once_and_a_shrinking_batch_follows_the_policy():
+    seen = []
+    for bucket in sorted({batch_bucket(b) for b in range(1, 4097)}):  # (small sizes leave buckets empty)
+        lo, hi = batch_bucket_bounds(bucket)
+        assert lo <= hi and batch_bucket(lo) == batch_bucket(hi) == bucket
+        assert lo == 1 or batch_bucket(lo - 1) < bucket
+        seen.extend(range(lo, hi + 1))
+    assert seen[:4096] == list(range(1, 4097))  # every size in exactly one bucket (the last runs past 4096)
+    p, rng = _planner(16), np.random.default_rng(5)
+    lens = rng.integers(1000, 60000, size=128)
+    for n in range(128, 0, -1):  # requests finish one by one while the others grow (serving)
+        lens[:n] += 1
+        mx, mean = int(lens[:n].max()), float(lens[:n].sum()) / n
+        assert p.choose_decode_kernel(n, mx, mean)[0] == _policy(16, n, mx, mean)
 
 
 def test_bucket_corners_lie_in_their_bucket():
