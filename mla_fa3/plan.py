@@ -48,7 +48,7 @@ from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
 from mla_fa3.policy import decode_kernel as decode_policy
-from mla_fa3.policy.decode_kernel import MEAN_SLACK, explain_decode_kernel, splitkv_possible
+from mla_fa3.policy.decode_kernel import MEAN_SLACK, choose_decode_kernels, explain_decode_kernel, splitkv_possible
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
@@ -303,10 +303,12 @@ class StepPlanner:
                        allow_splitkv: bool) -> tuple[DecodeKernel, str] | None:
         """The choice at the bucket's first corner when all its corners (smallest and largest batch size,
         each at the length / skew corners) choose the same kernel, else None."""
-        sizes = sorted(set(batch_bucket_bounds(batch_bucket_)))
-        choices = [self._choose_uncached(b, m, mean, allow_splitkv)
-                   for b in sizes for m, mean in bucket_corners(length_bucket, skew_bucket)]
-        return choices[0] if len({k for k, _ in choices}) == 1 else None
+        corners = [(b, m, mean) for b in sorted(set(batch_bucket_bounds(batch_bucket_)))
+                   for m, mean in bucket_corners(length_bucket, skew_bucket)]
+        kernels = choose_decode_kernels(self.num_heads, corners, allow_splitkv=allow_splitkv)  # one NumPy pass
+        if len(set(kernels)) != 1:
+            return None
+        return self._choose_uncached(*corners[0], allow_splitkv)  # the reason, at the first corner
 
     def _choose_uncached(self, batch_size: int, max_seqlen_k: int, mean_seqlen_k: float | None,
                          allow_splitkv: bool) -> tuple[DecodeKernel, str]:

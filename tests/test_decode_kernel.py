@@ -19,6 +19,7 @@ import math
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mla_fa3.policy import decode_kernel as kc
@@ -360,3 +361,19 @@ def test_splitkv_column_round_trips_through_the_literal_and_the_evaluation(tmp_p
         w.writerows(_skv_rows())
     ev = kc.evaluate_on_csv(str(path), table=table)
     assert ev.fitted.splitkv_picks == 1 and ev.fitted.worst_slowdown == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_batched_choice_is_the_explained_choice_at_every_point(allow):
+    """``choose_decode_kernels`` (the cache's corner check, one NumPy pass) picks what ``explain_decode_kernel``
+    picks, on every measured shape and on random ones near and far from them (ties and the distance cut)."""
+    rng = np.random.default_rng(3)
+    for heads in (8, 16, 24, 64, 128, 512):
+        points = [(m.batch_size, m.context, None if m.skew == 1.0 else m.skew * m.context) for m in kc.MEASURED]
+        for _ in range(300):
+            bs, mx = int(rng.integers(1, 600)), int(2 ** rng.uniform(0, 18))
+            points.append((bs, mx, None if rng.random() < 0.3 else float(rng.uniform(0.001, 1.0)) * mx))
+        got = kc.choose_decode_kernels(heads, points, allow_splitkv=allow)
+        want = [kc.explain_decode_kernel(heads, b, m, 64, mean_seqlen_k=mean, allow_splitkv=allow).kernel
+                for b, m, mean in points]
+        assert got == want

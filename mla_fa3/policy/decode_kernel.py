@@ -71,7 +71,7 @@ from mla_fa3.policy.decode_csv import (format_table, row_measurement, shape_key,
 from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
-__all__ = ["KernelChoice", "explain_decode_kernel", "splitkv_measured", "splitkv_possible", "fp8_decode_note",
+__all__ = ["KernelChoice", "explain_decode_kernel", "choose_decode_kernels", "splitkv_measured", "splitkv_possible", "fp8_decode_note",
            "evaluate_on_csv", "Evaluation", "RuleStats", "main",
            # re-exported: the table (decode_table) and its CSV reader / literal printer (decode_csv)
            "Measured", "MEASURED", "table_from_rows", "table_from_csv", "table_from_csvs", "format_table"]
@@ -178,37 +178,88 @@ def explain_decode_kernel(
     if not table:
         return KernelChoice(DecodeKernel.FA3, "no measured shapes -> FA3 (default)")
     coords, least_skew = _log_coords(table)
-    skew = max(skew, least_skew)  # more skewed than measured: counts as the most skewed measurement
-    qh, qb, qc, qs = (HEADS_WEIGHT * math.log2(num_heads), math.log2(batch_size), math.log2(max_seqlen_k),
-                      SKEW_WEIGHT * math.log2(skew))
-    h, b, c, s = coords  # one vectorized pass (the same float64 sums, in the same order, as per row)
-    dists = np.abs(h - qh) + np.abs(b - qb) + np.abs(c - qc) + np.abs(s - qs)
-    best = float(dists.min())
-    near = [table[i] for i in np.flatnonzero(dists <= best + TIE_DISTANCE).tolist()]
+    dists = _distances(coords, num_heads, [(batch_size, max_seqlen_k, max(skew, least_skew))])[0]
+    kernel, best, near_idx, gain, skv_gain = _decide(table, dists, min_gain, allow_splitkv)
+    near = [table[i] for i in near_idx]
     if best > MAX_DISTANCE:
         return KernelChoice(DecodeKernel.FA3, f"no measured shape within {MAX_DISTANCE:g} log2 units (nearest: "
                                          f"{near[0].shape()}) -> FA3 (default)")
-    gain = math.exp(sum(math.log(m.flashmla_gain) for m in near) / len(near))
     where = "; ".join(f"{m.shape()}: FA3 {m.fa3_ms:.4g} ms, FlashMLA {m.flashmla_ms:.4g} ms" for m in near[:4])
     where += f"; and {len(near) - 4} more" if len(near) > 4 else ""
     sources = sorted({m.source for m in near})
     where = f"nearest measured shape{'s' if len(near) > 1 else ''} ({', '.join(sources)}) {where}"
     what = "gain" if len(near) == 1 else "geometric-mean gain"
-    skv = [m.splitkv_gain for m in near]
-    unmeasured = sum(g is None for g in skv)
-    if allow_splitkv and 0 < unmeasured < len(skv):  # a tie with an unmeasured shape: no evidence there
-        where += f"; split-KV not measured at {unmeasured} of these {len(skv)} shapes (not picked)"
+    unmeasured = sum(m.splitkv_gain is None for m in near)
+    if allow_splitkv and 0 < unmeasured < len(near):  # a tie with an unmeasured shape: no evidence there
+        where += f"; split-KV not measured at {unmeasured} of these {len(near)} shapes (not picked)"
     if allow_splitkv and not unmeasured:
-        skv_gain = math.exp(sum(math.log(g) for g in skv) / len(skv))
         where += "; split-KV " + ", ".join(f"{m.splitkv_ms:.4g} ms" for m in near[:4])
-        if skv_gain >= min_gain:
-            return KernelChoice(DecodeKernel.SPLITKV, f"{where} -> split-KV {what} {skv_gain:.3f}x over the faster "
-                                                      "of FA3 / FlashMLA")
-    if gain >= min_gain:
-        return KernelChoice(DecodeKernel.FLASHMLA, f"{where} -> FlashMLA {what} {gain:.3f}x")
+    if kernel is DecodeKernel.SPLITKV:
+        return KernelChoice(kernel, f"{where} -> split-KV {what} {skv_gain:.3f}x over the faster of FA3 / FlashMLA")
+    if kernel is DecodeKernel.FLASHMLA:
+        return KernelChoice(kernel, f"{where} -> FlashMLA {what} {gain:.3f}x")
     if gain >= 1.0:
-        return KernelChoice(DecodeKernel.FA3, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
-    return KernelChoice(DecodeKernel.FA3, f"{where} -> FA3 {1 / gain:.3f}x faster")
+        return KernelChoice(kernel, f"{where} -> FlashMLA {what} {gain:.3f}x < {min_gain} -> FA3")
+    return KernelChoice(kernel, f"{where} -> FA3 {1 / gain:.3f}x faster")
+
+
+def choose_decode_kernels(num_heads: int, points: Sequence[tuple[int, int, float | None]], *,
+                          allow_splitkv: bool = True, min_gain: float = MIN_GAIN) -> list[DecodeKernel]:
+    """The kernel :func:`explain_decode_kernel` picks (page 64, bf16 latent, ``MEASURED``) at each
+    ``(batch_size, max_seqlen_k, mean_seqlen_k)`` of ``points``: the same decision, its distances for all
+    points in one NumPy pass and no reason text (the decode-kernel cache checks a bucket's corners with it)."""
+    table = MEASURED
+    if not table:
+        return [DecodeKernel.FA3] * len(points)
+    coords, least_skew = _log_coords(table)
+    queries = []
+    for bs, mx, mean in points:
+        check_int(bs, "batch_size")
+        check_int(mx, "max_seqlen_k")
+        queries.append((bs, mx, max(_query_skew(mx, mean), least_skew)))
+    dists = _distances(coords, num_heads, queries)
+    best = dists.min(axis=1)
+    first = dists.argmin(axis=1).tolist()
+    ties = (dists <= best[:, None] + TIE_DISTANCE).sum(axis=1).tolist()
+    out = []
+    for i, (d, b) in enumerate(zip(dists, best.tolist())):  # the equally-near shapes: mostly one
+        near = [first[i]] if ties[i] == 1 else np.flatnonzero(d <= b + TIE_DISTANCE).tolist()
+        out.append(_rule(table, b, near, min_gain, allow_splitkv)[0])
+    return out
+
+
+def _distances(coords: np.ndarray, num_heads: int, queries: Sequence[tuple[int, int, float]]) -> np.ndarray:
+    """[Q, N] weighted L1 distances in log2 units from each (batch, max length, skew) query to every shape:
+    per element the float64 sums of one row's terms, heads + batch + context + skew, in that order."""
+    q = np.array([(HEADS_WEIGHT * math.log2(num_heads), math.log2(b), math.log2(m), SKEW_WEIGHT * math.log2(sk))
+                  for b, m, sk in queries], dtype=np.float64)
+    h, b, c, s = coords
+    return (np.abs(h - q[:, 0:1]) + np.abs(b - q[:, 1:2])) + np.abs(c - q[:, 2:3]) + np.abs(s - q[:, 3:4])
+
+
+def _decide(table: tuple[Measured, ...], dists: np.ndarray, min_gain: float, allow_splitkv: bool
+            ) -> tuple[DecodeKernel, float, list[int], float, float | None]:
+    """(kernel, nearest distance, indices of the equally-near shapes, their FlashMLA gain, their split-KV
+    gain or None) for one query's distances: the rule of :func:`explain_decode_kernel`."""
+    best = float(dists.min())
+    return _rule(table, best, np.flatnonzero(dists <= best + TIE_DISTANCE).tolist(), min_gain, allow_splitkv)
+
+
+def _rule(table: tuple[Measured, ...], best: float, near: list[int], min_gain: float, allow_splitkv: bool
+          ) -> tuple[DecodeKernel, float, list[int], float, float | None]:
+    """The choice from the equally-near shapes ``near`` (indices into ``table``) at distance ``best``."""
+    gain = math.exp(sum(math.log(table[i].flashmla_gain) for i in near) / len(near))
+    if best > MAX_DISTANCE:
+        return DecodeKernel.FA3, best, near, gain, None
+    skv = [table[i].splitkv_gain for i in near]
+    skv_gain = None
+    if allow_splitkv and all(g is not None for g in skv):
+        skv_gain = math.exp(sum(math.log(g) for g in skv) / len(skv))
+        if skv_gain >= min_gain:
+            return DecodeKernel.SPLITKV, best, near, gain, skv_gain
+    if gain >= min_gain:
+        return DecodeKernel.FLASHMLA, best, near, gain, skv_gain
+    return DecodeKernel.FA3, best, near, gain, skv_gain
 
 
 def splitkv_measured(table: Sequence[Measured] | None = None) -> bool:
