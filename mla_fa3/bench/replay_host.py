@@ -57,6 +57,7 @@ import torch
 from mla_fa3 import metadata as metadata_mod
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.bench.timing import time_graph
 from mla_fa3.graphs import runner as runner_mod
 from mla_fa3.graphs.runner import GraphRunner
 from mla_fa3.kv.pools import MLATokenPool
@@ -179,27 +180,11 @@ class Workload:
         return list(range(1, bs + 1)), seq.tolist(), loc.tolist()
 
 
-def prologue_gpu_us(work: Workload, bs: int, reps: int = 200) -> float | None:
+def prologue_gpu_us(work: Workload, bs: int) -> float | None:
     """GPU µs of ``graph_prologue`` for the last prepared step of size ``bs`` (a CUDA graph of it alone)."""
     if work.device.type != "cuda" or not work.runner.device_metadata:
         return None
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        work.backend.graph_prologue()  # warm up (lazy inits) off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph, stream=stream):
-        work.backend.graph_prologue()
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return time_graph(work.backend.graph_prologue, warmup=10, iters=200) * 1e3
 
 
 def measure(device: torch.device, bs_list: Sequence[int], context: int, heads: int, iters: int,
