@@ -13,7 +13,10 @@ Reported (median of ``--iters`` runs, microseconds):
                            batch of ``--requests`` requests with random prefixes (chunk borders mid-page);
 * ``layer_us``           — one layer's ``forward_mha_prefill`` (new tokens + every chunk + merges);
 * ``per_chunk_us``       — the marginal host time of one more chunk in one layer:
-                           (layer_us(chunks) - layer_us(1 chunk)) / (chunks - 1).
+                           (layer_us(chunks) - layer_us(1 chunk)) / (chunks - 1); printed twice: with the
+                           tiny decompression GEMM computed (a slow strided path on a CPU) and with it
+                           replaced by one dispatch (``null_kernels(null_gemm=True)``: what a GPU launch costs
+                           the host, roughly).
 
 Usage: ``python -m mla_fa3.bench.prefill_host [--heads 16] [--chunks 16] [--iters 200]``. CPU only,
 a few seconds. Host times on the H200's host differ from this machine's; the ratio before/after holds.
@@ -44,8 +47,11 @@ PAGE = 16
 
 
 @contextlib.contextmanager
-def null_kernels():
-    """Replace the reference varlen attention and LSE merge by kernels that only return their outputs."""
+def null_kernels(null_gemm: bool = False):
+    """Replace the reference varlen attention and LSE merge by kernels that only return their outputs;
+    ``null_gemm``: also the decompression GEMM (``torch.bmm``) by one cheap op on its output (its dispatch,
+    like a launch): on a CPU, the strided batched GEMM of the workspace layout is a slow compute path
+    (~47 µs for the tiny shapes here) that the GPU runs as one cuBLAS launch."""
     cache: dict = {}
 
     def varlen(call):
@@ -58,12 +64,15 @@ def null_kernels():
     def merge(o_a, lse_a, o_b, lse_b):
         return o_a, lse_a
 
-    old = reference.flash_attn_varlen_func, reference.merge_state
+    old = reference.flash_attn_varlen_func, reference.merge_state, torch.bmm
     reference.flash_attn_varlen_func, reference.merge_state = varlen, merge
+    if null_gemm:
+        real_bmm = torch.bmm
+        torch.bmm = lambda a, b, *, out=None: out.zero_() if out is not None else real_bmm(a, b)
     try:
         yield
     finally:
-        reference.flash_attn_varlen_func, reference.merge_state = old
+        reference.flash_attn_varlen_func, reference.merge_state, torch.bmm = old
 
 
 def _step(prefix: Sequence[int], new: Sequence[int], H: int, seed: int = 0):
@@ -92,10 +101,11 @@ def _step(prefix: Sequence[int], new: Sequence[int], H: int, seed: int = 0):
     return pool, r2t, batch, md, layer, q
 
 
-def measure(H: int, chunks: int, W: int, new: int, requests: int, iters: int) -> dict[str, float]:
+def measure(H: int, chunks: int, W: int, new: int, requests: int, iters: int, *,
+            null_gemm: bool = False) -> dict[str, float]:
     """The host times of one configuration (see the module docstring)."""
     out = {}
-    with null_kernels():
+    with null_kernels(null_gemm):
         for c in (1, chunks):
             pool, r2t, batch, md, layer, q = _step([c * W], [new], H)
             plan = build_prefill_plan(md, r2t.req_to_token, batch.req_pool_indices, W, PAGE)
@@ -129,12 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--chunks must be >= 2")
     torch.set_num_threads(1)
     r = measure(args.heads, args.chunks, args.workspace, args.new, args.requests, args.iters)
+    g = measure(args.heads, args.chunks, args.workspace, args.new, 1, args.iters, null_gemm=True)
     print(f"heads {args.heads}, W {args.workspace} tokens/chunk, page {PAGE}, tiny dims, null attention/merge kernels")
     print(f"plan (1 request, {args.chunks} chunks): {r[f'plan_us_{args.chunks}']:.1f} us")
     print(f"plan ({args.requests} requests, {r['batch_chunks']:.0f} chunks): {r['plan_us_batch']:.1f} us")
     print(f"forward, one layer, 1 chunk: {r['layer_us_1']:.1f} us; {args.chunks} chunks: "
           f"{r[f'layer_us_{args.chunks}']:.1f} us")
-    print(f"host per layer-chunk: {r['per_chunk_us']:.1f} us")
+    print(f"host per layer-chunk: {r['per_chunk_us']:.1f} us (the tiny decompression GEMM computed on this CPU); "
+          f"{g['per_chunk_us']:.1f} us with the GEMM as one dispatch, as on a GPU")
     return 0
 
 
