@@ -158,7 +158,7 @@ class MLABackend:
 
     def graph_kernels(self) -> tuple[DecodeKernel, ...]:
         """Kernels worth capturing a graph for, per batch size (both on page 64 with 'auto')."""
-        return self.planner.graph_kernels()
+        return self.planner.kernel_choice.graph_kernels()
 
     def explain(self) -> PathRecord | None:
         """What the last planned step runs (mode, path, kernel, reason, impl), or None before any step."""
@@ -310,7 +310,7 @@ class MLABackend:
         k = queries_per_request(mode, num_draft_tokens)
         md = self.builder.capture(bs, mode, num_draft_tokens=k)
         if kernel is None:
-            kernel, reason = self.planner.choose_decode_kernel(bs, md.max_seqlen_k)
+            kernel, reason = self.planner.kernel_choice.choose_decode_kernel(bs, md.max_seqlen_k)
         else:
             reason = f"{kernel.value} graph"
         plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
@@ -347,7 +347,7 @@ class MLABackend:
             raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
         kernel, why = kernels[0], None
         if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync), among the captured ones
-            kernel, why = self.planner.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
+            kernel, why = self.planner.kernel_choice.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
                                                             mean_seqlen(batch))
             if kernel not in kernels:
                 kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"

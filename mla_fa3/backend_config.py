@@ -20,8 +20,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.kv.pools import MHATokenPool, MLATokenPool, same_device
-from mla_fa3.plan import DECODE_KERNEL_AUTO
-from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel, PrefillOverride
+from mla_fa3.policy.paths import DECODE_KERNEL_AUTO, FLASHMLA_PAGE_SIZE, DecodeKernel, PrefillOverride
 
 __all__ = ["BackendConfig", "resolve_config"]
 

@@ -36,7 +36,6 @@ batch (compared by identity, else by its host lengths: a few CPU ints, never a d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -47,63 +46,12 @@ from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
-from mla_fa3.policy import decode_kernel as decode_policy
-from mla_fa3.policy.decode_kernel import MEAN_SLACK, choose_decode_kernels, explain_decode_kernel, splitkv_possible
-from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, AttentionPath, DecodeKernel, PrefillOverride
+from mla_fa3.policy.kernel_choice import DecodeKernelChoice
+from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
 
-__all__ = ["PathRecord", "StepPlan", "StepPlanner", "DECODE_KERNEL_AUTO", "mean_seqlen", "kernel_bucket",
-           "bucket_corners", "batch_bucket", "batch_bucket_bounds", "KERNEL_BUCKETS_PER_OCTAVE",
-           "BATCH_BUCKETS_PER_OCTAVE"]
-
-DECODE_KERNEL_AUTO = "auto"  # the backend's decode_kernel setting that chooses per step
-KERNEL_BUCKETS_PER_OCTAVE = 64  # decode-kernel cache buckets per log2 unit of max length and of skew
-BATCH_BUCKETS_PER_OCTAVE = 16  # decode-kernel cache buckets per log2 unit of batch size (exact up to 22)
-KERNEL_CACHE_SIZE = 4096  # cached decode-kernel choices per planner (cleared when full)
-_MISSING = object()
-
-
-def kernel_bucket(max_seqlen_k: int, mean_seqlen_k: float | None) -> tuple[int, int]:
-    """(length bucket, skew bucket) of a step: ``floor(R log2 max)`` and ``floor(-R log2 (mean / max))``,
-    ``R = KERNEL_BUCKETS_PER_OCTAVE``; an unknown mean, or one >= max, counts as equal lengths (skew bucket 0)."""
-    length = int(math.log2(max_seqlen_k) * KERNEL_BUCKETS_PER_OCTAVE)
-    if mean_seqlen_k is None or mean_seqlen_k >= max_seqlen_k:
-        return length, 0
-    return length, int(-math.log2(mean_seqlen_k / max_seqlen_k) * KERNEL_BUCKETS_PER_OCTAVE)
-
-
-def batch_bucket(batch_size: int) -> int:
-    """``floor(B log2 batch_size)``, ``B = BATCH_BUCKETS_PER_OCTAVE``: a serving batch that gains or loses a
-    request stays in its bucket (one request is under 1/16 octave from 23 requests on)."""
-    return int(math.log2(batch_size) * BATCH_BUCKETS_PER_OCTAVE)
-
-
-def batch_bucket_bounds(bucket: int) -> tuple[int, int]:
-    """The smallest and largest batch size in ``bucket`` (equal where a bucket holds one size)."""
-    r = BATCH_BUCKETS_PER_OCTAVE
-    lo = max(1, math.ceil(2.0 ** (bucket / r)))
-    while batch_bucket(lo) < bucket:
-        lo += 1
-    hi = max(lo, math.ceil(2.0 ** ((bucket + 1) / r)) - 1)
-    while hi > lo and batch_bucket(hi) > bucket:
-        hi -= 1
-    return lo, hi
-
-
-def bucket_corners(length_bucket: int, skew_bucket: int) -> list[tuple[int, float | None]]:
-    """The (max, mean) corners of a bucket: its shortest and longest max length, each at the bucket's
-    least and most skew (mean None: equal lengths, the top of skew bucket 0)."""
-    r = KERNEL_BUCKETS_PER_OCTAVE
-    lo = max(1, math.ceil(2.0 ** (length_bucket / r)))
-    while kernel_bucket(lo, None)[0] < length_bucket:
-        lo += 1
-    hi = max(lo, math.ceil(2.0 ** ((length_bucket + 1) / r)) - 1)
-    while hi > lo and kernel_bucket(hi, None)[0] > length_bucket:
-        hi -= 1
-    top, bottom = 2.0 ** (-skew_bucket / r), 2.0 ** (-(skew_bucket + 1) / r)
-    return [(m, None if s == 1.0 else s * m) for m in sorted({lo, hi}) for s in (top, bottom)]
-
+__all__ = ["PathRecord", "StepPlan", "StepPlanner", "mean_seqlen"]
 
 @dataclass(frozen=True)
 class PathRecord:
@@ -207,7 +155,7 @@ def _same_step(a: ForwardBatch, b: ForwardBatch) -> bool:
 class StepPlanner:
     """Decides each step's plan from host values; owned by one backend.
 
-    decode_kernel: a :class:`DecodeKernel` or ``DECODE_KERNEL_AUTO``. num_heads / mla_dims: of the MLA
+    decode_kernel: a :class:`DecodeKernel` or ``policy.paths.DECODE_KERNEL_AUTO``. num_heads / mla_dims: of the MLA
     layers (per rank) — needed by FlashMLA's schedule (heads) and by the prefill cost model (both); without
     them, ``auto`` extend steps take the absorbed path and say so in the record.
     """
@@ -232,12 +180,11 @@ class StepPlanner:
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
         self._workspace: PrefillWorkspace | None = None  # the MHA prefill's chunk buffers, reused
-        # (bs, length bucket, skew bucket, split-KV usable) -> (kernel, reason): see choose_decode_kernel
-        self._kernel_cache: dict[tuple, tuple[DecodeKernel, str]] = {}
-        self._splitkv_ok: dict = {}  # ops implementation setting -> split-KV runs here (see _splitkv_usable)
+        # the decode kernel of decode-like steps: the setting, or auto's cached per-step choice
+        self.kernel_choice = DecodeKernelChoice(decode_kernel=decode_kernel, page_size=page_size, num_heads=num_heads,
+                                                kv_fp8=self.kv_fp8, whole_row_kernels=whole_row_kernels, impl=impl,
+                                                device=device)
         self._impl_names: dict = {}  # ops implementation setting -> the implementation's name (_impl_name)
-        self._graph_kernels: tuple[bool, tuple[DecodeKernel, ...]] | None = None  # (split-KV usable, kernels)
-        self._table = decode_policy.MEASURED  # the measured table the caches were filled from
         self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
         self._kv_dtype_name = None if kv_dtype is None else str(kv_dtype).replace("torch.", "")
         # W_UK [H, d_nope, r] and W_UV [H, r, d_v]: read by every MLA layer (absorption / projection, or
@@ -245,107 +192,6 @@ class StepPlanner:
         self._weight_bytes = None if num_heads is None or mla_dims is None or weight_dtype is None else (
             num_heads * mla_dims.kv_lora_rank * (mla_dims.qk_nope_head_dim + mla_dims.v_head_dim)
             * weight_dtype.itemsize)
-
-    # ------------------------------------------------------------------------------ decode kernel
-    def choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
-                             mean_seqlen_k: float | None = None) -> tuple[DecodeKernel, str]:
-        """The absorbed kernel of a decode-like / verify step (host numbers only; mean None = unknown).
-
-        With ``auto`` on page 64 the measured table's choice (``policy.decode_kernel``, a nearest-neighbour
-        search over the table: ~25 us) is cached per (bucket of the batch size, ``1 / BATCH_BUCKETS_PER_OCTAVE``
-        of a log2 unit wide — exact up to 22 requests —, bucket of ``max_seqlen_k``, bucket of the skew
-        ``mean / max``), buckets ``1 / KERNEL_BUCKETS_PER_OCTAVE`` of a log2 unit wide (:func:`kernel_bucket`).
-        A bucket is chosen once, at its corners (:func:`batch_bucket_bounds`, :func:`bucket_corners`): when
-        they all pick one kernel the bucket keeps that choice, else (the table's choice changes inside
-        it) every step in it is chosen for its exact numbers. Anything but a step's host numbers (a mean
-        outside ``(0, max]``, a non-int) goes to the policy unchanged, which answers or raises."""
-        if self.kv_fp8:
-            key = ("fp8", self.num_heads, self.page_size)
-            hit = self._kernel_cache.get(key)
-            if hit is None:
-                choice = explain_decode_kernel(self.num_heads, 1, 1, self.page_size, kv_fp8=True)
-                hit = self._kernel_cache[key] = (choice.kernel, choice.reason)
-            return hit
-        if self.decode_kernel != DECODE_KERNEL_AUTO:
-            return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
-        if self.page_size != FLASHMLA_PAGE_SIZE:
-            return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
-        if not self.whole_row_kernels:
-            return DecodeKernel.FA3, "auto: the latent row is not FlashMLA's 512 + 64 -> FA3"
-        allow = self._splitkv_usable()
-        self._check_table()
-        if type(batch_size) is not int or type(max_seqlen_k) is not int or not (
-                mean_seqlen_k is None or (type(mean_seqlen_k) in (float, int)
-                                          and 0 < mean_seqlen_k <= max_seqlen_k * (1 + MEAN_SLACK))):
-            # not a step's host numbers: the policy itself answers (or raises its named error)
-            return self._choose_uncached(max(batch_size, 1), max(max_seqlen_k, 1), mean_seqlen_k, allow)
-        bs = max(batch_size, 1)
-        length_bucket, skew_bucket = kernel_bucket(max(max_seqlen_k, 1), mean_seqlen_k)
-        key = (batch_bucket(bs), length_bucket, skew_bucket, allow)
-        hit = self._kernel_cache.get(key, _MISSING)
-        if hit is _MISSING:
-            hit = self._bucket_choice(key[0], length_bucket, skew_bucket, allow)
-            if len(self._kernel_cache) >= KERNEL_CACHE_SIZE:
-                self._kernel_cache.clear()
-            self._kernel_cache[key] = hit
-        if hit is None:  # the table's choice changes inside this bucket: choose for these exact numbers
-            return self._choose_uncached(bs, max(max_seqlen_k, 1), mean_seqlen_k, allow)
-        return hit
-
-    def _check_table(self) -> None:
-        """Forget the cached choices when the measured table was replaced (a re-fit loaded at run time)."""
-        if decode_policy.MEASURED is not self._table:
-            self._table = decode_policy.MEASURED
-            self._kernel_cache.clear()
-            self._graph_kernels = None
-
-    def _bucket_choice(self, batch_bucket_: int, length_bucket: int, skew_bucket: int,
-                       allow_splitkv: bool) -> tuple[DecodeKernel, str] | None:
-        """The choice at the bucket's first corner when all its corners (smallest and largest batch size,
-        each at the length / skew corners) choose the same kernel, else None."""
-        corners = [(b, m, mean) for b in sorted(set(batch_bucket_bounds(batch_bucket_)))
-                   for m, mean in bucket_corners(length_bucket, skew_bucket)]
-        kernels = choose_decode_kernels(self.num_heads, corners, allow_splitkv=allow_splitkv)  # one NumPy pass
-        if len(set(kernels)) != 1:
-            return None
-        return self._choose_uncached(*corners[0], allow_splitkv)  # the reason, at the first corner
-
-    def _choose_uncached(self, batch_size: int, max_seqlen_k: int, mean_seqlen_k: float | None,
-                         allow_splitkv: bool) -> tuple[DecodeKernel, str]:
-        """``auto`` on page 64: the measured table's choice for these exact numbers (no cache)."""
-        choice = explain_decode_kernel(self.num_heads, batch_size, max_seqlen_k, self.page_size,
-                                       mean_seqlen_k=mean_seqlen_k, allow_splitkv=allow_splitkv)
-        return choice.kernel, f"auto: {choice.reason}"
-
-    def graph_kernels(self) -> tuple[DecodeKernel, ...]:
-        """Kernels worth a graph per batch size: those the per-step choice can pick on page 64, else one.
-
-        Split-KV only where the measured table can pick it (a ``splitkv_ms`` column) and its kernel runs here."""
-        allow = self._splitkv_usable()
-        self._check_table()
-        if self._graph_kernels is None or self._graph_kernels[0] != allow:
-            self._graph_kernels = (allow, self._graph_kernels_uncached())
-        return self._graph_kernels[1]
-
-    def _graph_kernels_uncached(self) -> tuple[DecodeKernel, ...]:
-        if self.kv_fp8:
-            return (DecodeKernel.FLASHMLA,)
-        if self.decode_kernel != DECODE_KERNEL_AUTO:
-            return (self.decode_kernel,)
-        if self.page_size != FLASHMLA_PAGE_SIZE or not self.whole_row_kernels:
-            return (DecodeKernel.FA3,)
-        if self._splitkv_usable() and self.num_heads is not None and splitkv_possible(self.num_heads):
-            return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
-        return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
-
-    def _splitkv_usable(self) -> bool:
-        """Whether the split-KV kernel runs here, cached per ops implementation setting (the backend's, or
-        the global one it follows when None)."""
-        key = ops.get_impl() if self.impl is None else self.impl
-        hit = self._splitkv_ok.get(key)
-        if hit is None:
-            hit = self._splitkv_ok[key] = ops.splitkv_available(self.device, self.impl)
-        return hit
 
     def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
         """FlashMLA's tile schedule for the step (not graph-legal: plan outside, ``copy_`` into a captured one)."""
@@ -366,7 +212,8 @@ class StepPlanner:
                             self._record(mode.name, AttentionPath.IDLE, None, "empty batch: nothing to compute"))
         if mode.is_extend_like():
             return self._plan_extend(batch, metadata)
-        kernel, reason = self.choose_decode_kernel(batch.batch_size, metadata.max_seqlen_k, mean_seqlen(batch))
+        kernel, reason = self.kernel_choice.choose_decode_kernel(batch.batch_size, metadata.max_seqlen_k,
+                                                                 mean_seqlen(batch))
         return self.decode_plan(batch, metadata, kernel, reason, graph=False)
 
     def splitkv_schedule(self, metadata: AttentionMetadata, lens_cpu: torch.Tensor | None, *,

@@ -166,5 +166,5 @@ def test_whole_row_kernels_need_flashmla_dims_where_the_compiled_kernels_run(mon
             MLABackend(**kw, decode_kernel=kernel)
     auto = MLABackend(**kw, decode_kernel="auto")
     assert auto.graph_kernels() == (DecodeKernel.FA3,)
-    kernel, reason = auto.planner.choose_decode_kernel(2, 75, 40.0)
+    kernel, reason = auto.planner.kernel_choice.choose_decode_kernel(2, 75, 40.0)
     assert kernel is DecodeKernel.FA3 and "512 + 64" in reason

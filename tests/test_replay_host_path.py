@@ -18,10 +18,11 @@ from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import replay_host
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.plan import StepPlanner, batch_bucket, batch_bucket_bounds, bucket_corners, kernel_bucket, mean_seqlen
+from mla_fa3.plan import mean_seqlen
+from mla_fa3.policy.kernel_choice import DecodeKernelChoice, batch_bucket, batch_bucket_bounds, bucket_corners, kernel_bucket
 from mla_fa3.policy import decode_kernel as kc
 from mla_fa3.policy.decode_table import MEASURED, Measured
-from mla_fa3.policy.paths import DecodeKernel, PrefillOverride
+from mla_fa3.policy.paths import DecodeKernel
 
 from test_backend import backend_for
 
@@ -29,11 +30,9 @@ DEC = ForwardMode.DECODE
 CPU = torch.device("cpu")
 
 
-def _planner(heads: int, kernel="auto", page: int = 64) -> StepPlanner:
-    return StepPlanner(decode_kernel=kernel, page_size=page, num_heads=heads, mla_dims=None,
-                       prefill_path=PrefillOverride.AUTO, workspace_tokens=page,
-                       req_to_token=torch.zeros(2, page, dtype=torch.int32), impl=None, device=CPU,
-                       kv_dtype=torch.bfloat16, latent_width=576, other_paths=frozenset())
+def _choice(heads: int, kernel="auto", page: int = 64) -> DecodeKernelChoice:
+    return DecodeKernelChoice(decode_kernel=kernel, page_size=page, num_heads=heads, kv_fp8=False,
+                              whole_row_kernels=True, impl=None, device=CPU)
 
 
 def _policy(heads: int, bs: int, max_len: int, mean: float | None) -> DecodeKernel:
@@ -43,9 +42,9 @@ def _policy(heads: int, bs: int, max_len: int, mean: float | None) -> DecodeKern
 
 
 def test_cached_kernel_choice_equals_the_policy_at_every_recorded_shape():
-    planners: dict[int, StepPlanner] = {}
+    planners: dict[int, DecodeKernelChoice] = {}
     for m in MEASURED:
-        p = planners.setdefault(m.num_heads, _planner(m.num_heads))
+        p = planners.setdefault(m.num_heads, _choice(m.num_heads))
         mean = None if m.skew == 1.0 else m.skew * m.context
         for _ in range(2):  # the miss, then the hit
             assert p.choose_decode_kernel(m.batch_size, m.context, mean)[0] == \
@@ -55,7 +54,7 @@ def test_cached_kernel_choice_equals_the_policy_at_every_recorded_shape():
 def test_cached_kernel_choice_equals_the_policy_for_random_batches_and_decode_runs():
     rng = np.random.default_rng(0)
     for heads in (16, 32, 64, 128):
-        p = _planner(heads)
+        p = _choice(heads)
         for _ in range(600):
             bs = int(rng.integers(1, 257))
             ctx = int(2 ** rng.uniform(6, 17.5))
@@ -79,7 +78,7 @@ def test_batch_buckets_cover_every_size_once_and_a_shrinking_batch_follows_the_p
         assert lo == 1 or batch_bucket(lo - 1) < bucket
         seen.extend(range(lo, hi + 1))
     assert seen[:4096] == list(range(1, 4097))  # every size in exactly one bucket (the last runs past 4096)
-    p, rng = _planner(16), np.random.default_rng(5)
+    p, rng = _choice(16), np.random.default_rng(5)
     lens = rng.integers(1000, 60000, size=128)
     for n in range(128, 0, -1):  # requests finish one by one while the others grow (serving)
         lens[:n] += 1
@@ -98,7 +97,7 @@ def test_bucket_corners_lie_in_their_bucket():
 
 
 def test_cache_follows_a_replaced_table_and_bad_numbers_still_raise(monkeypatch):
-    p = _planner(16)
+    p = _choice(16)
     assert p.choose_decode_kernel(2, 64, 40.0)[0] == _policy(16, 2, 64, 40.0)
     rows = [(1, 64, 0.02, 0.03, 0.01), (4, 128, 0.02, 0.03, 0.012), (64, 128, 0.1, 0.09, 0.2)]
     table = tuple(Measured(16, bs, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, source="test")
@@ -115,8 +114,8 @@ def test_cache_follows_a_replaced_table_and_bad_numbers_still_raise(monkeypatch)
 
 
 def test_fixed_and_fp8_settings_answer_without_the_table():
-    assert _planner(16, DecodeKernel.FLASHMLA).choose_decode_kernel(8, 4096, 100.0)[0] is DecodeKernel.FLASHMLA
-    assert _planner(16, "auto", page=16).choose_decode_kernel(8, 4096, 100.0)[0] is DecodeKernel.FA3
+    assert _choice(16, DecodeKernel.FLASHMLA).choose_decode_kernel(8, 4096, 100.0)[0] is DecodeKernel.FLASHMLA
+    assert _choice(16, "auto", page=16).choose_decode_kernel(8, 4096, 100.0)[0] is DecodeKernel.FA3
 
 
 def test_batch_checks_once_and_again_after_a_reassignment(monkeypatch):

@@ -64,6 +64,7 @@ from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.metadata import MetadataBuilder
 from mla_fa3.plan import StepPlanner
+from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PAGE = 64
@@ -76,7 +77,7 @@ def _probes() -> list[tuple[object, str, str]]:
     return [(GraphRunner, "check_fits", "check_fits"),
             (runner_mod, "fill_inputs", "pad_fill"), (runner_mod, "pad_batch", "pad_fill"),
             (runner_mod, "copy_all", "pad_fill"),
-            (StepPlanner, "choose_decode_kernel", "kernel_choice"),
+            (DecodeKernelChoice, "choose_decode_kernel", "kernel_choice"),
             (MetadataBuilder, "validate", "validate"),
             (MetadataBuilder, "_check_out_cache_loc", "cpu_checks"),
             (metadata_mod, "replay_into", "replay_into"),

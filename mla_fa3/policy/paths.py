@@ -10,7 +10,9 @@ import enum
 
 from mla_fa3.ops import FLASHMLA_PAGE_SIZE
 
-__all__ = ["AttentionPath", "DecodeKernel", "PrefillOverride", "FLASHMLA_PAGE_SIZE"]
+__all__ = ["AttentionPath", "DecodeKernel", "PrefillOverride", "FLASHMLA_PAGE_SIZE", "DECODE_KERNEL_AUTO"]
+
+DECODE_KERNEL_AUTO = "auto"  # the decode_kernel setting that chooses a kernel per step (policy.kernel_choice)
 
 
 class AttentionPath(enum.Enum):
