@@ -232,3 +232,18 @@ def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks
                                                    mean_seqlen_k=sum(lens) / len(lens)).kernel
         assert backend.graph_kernel is want
         assert rel_err(out, mla_oracle(step)) <= 1e-5
+
+
+def test_device_metadata_falls_back_to_host_tables_where_the_buffers_do_not_allow_them(monkeypatch):
+    """Past DEVICE_TABLES_MAX_ENTRIES (or with an encoder / local attention) the page table is written by the
+    replay update while the graph prologue still runs: the same outputs as the eager step and the oracle."""
+    import mla_fa3.metadata as metadata_mod
+
+    monkeypatch.setattr(metadata_mod, "DEVICE_TABLES_MAX_ENTRIES", 4)  # any real buffer is larger
+    name = "decode_p16"
+    world = World(GRAPH_SPECS[name], "cpu", torch.float32, seed=zlib.crc32(name.encode()))
+    runner = world.runner(device_metadata=True)
+    assert runner.device_metadata and world.backend.device_metadata
+    assert not world.backend.builder.capture_buffers.device_tables
+    run_round(world, runner, max(GRAPH_SPECS[name].sizes), poison=False, check=_check_cpu, longest=True)
+    run_round(world, runner, GRAPH_SPECS[name].live, poison=True, check=_check_cpu)
