@@ -165,7 +165,6 @@ class StepPlanner:
                  req_to_token: torch.Tensor, impl: ops.Impl | None, device: torch.device,
                  kv_dtype: torch.dtype | None, latent_width: int | None, other_paths: frozenset[AttentionPath],
                  weight_dtype: torch.dtype | None = None, whole_row_kernels: bool = True):
-        self.decode_kernel = decode_kernel
         self.page_size = page_size
         self.num_heads = num_heads
         self.mla_dims = mla_dims
@@ -175,7 +174,6 @@ class StepPlanner:
         self.impl = impl  # the backend's ops implementation (None: the ops global setting at call time)
         self.device = device
         self.kv_dtype = kv_dtype  # storage dtype of the latent pool
-        self.whole_row_kernels = whole_row_kernels  # FlashMLA / split-KV can read this latent row (512 + 64)
         self.kv_fp8 = kv_dtype == FP8_DTYPE  # e4m3 latent: FlashMLA FP8 decode, MHA prefill (dequantized)
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
