@@ -218,6 +218,10 @@ class MLABackend:
             raise ValueError(f"batch is {batch.forward_mode.name} but the planned step is {plan.record.mode}: "
                              "call init_forward_metadata for this batch first")
         plan.check_batch(batch)
+        if plan.prologue_pending:  # its page table / FlashMLA schedule would be stale: refuse, loudly
+            raise RuntimeError("this CUDA-graph step's metadata is derived on the device: graph_prologue() must run "
+                               "(be captured) before its layers — GraphRunner does it; init_cuda_graph_state("
+                               "device_metadata=False) for engines that capture their graphs themselves")
         if q.dim() < 1 or q.shape[0] != batch.num_tokens:
             raise ValueError(f"q must have batch.num_tokens = {batch.num_tokens} rows, got shape {tuple(q.shape)}")
         return plan
@@ -287,6 +291,7 @@ class MLABackend:
         self.builder.derive_tables(plan.metadata)
         if plan.flashmla_schedule is not None:
             self.planner.replan_flashmla(plan.metadata, plan.flashmla_schedule)
+        plan.prologue_pending = False
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
                                                  num_draft_tokens: int = 1, kernel: DecodeKernel | None = None):
@@ -314,6 +319,7 @@ class MLABackend:
         else:
             reason = f"{kernel.value} graph"
         plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
+        plan.prologue_pending = self.device_metadata
         self._graph[(mode, bs, k, kernel)] = _GraphEntry(plan, reason)
         self._graph_sizes.clear()
         self.graph_kernel = kernel
@@ -361,8 +367,10 @@ class MLABackend:
         if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
             schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
         self.graph_kernel = kernel
-        self.step_plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
-                                                  graph=True, schedule=schedule, static_batch=entry.plan.batch)
+        plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
+                                        graph=True, schedule=schedule, static_batch=entry.plan.batch)
+        plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
+        self.step_plan = plan
         return md
 
 

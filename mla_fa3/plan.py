@@ -99,6 +99,7 @@ class StepPlan:
     prefill: PrefillPlan | None = None  # when path is an MHA prefill
     graph_bs: int | None = None  # a CUDA-graph step: its captured size
     static_batch: ForwardBatch | None = None  # a replayed graph step: the static batch it was captured with
+    prologue_pending: bool = False  # device metadata: the graph prologue has not run for this plan yet
     _seen: list[ForwardBatch] = field(default_factory=list, repr=False)  # batches already matched
 
     def route(self, layer: AttentionLayer) -> tuple[AttentionPath, DecodeKernel]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_cases import make_batch, make_layout, make_mla_case
+from mla_cases import follow_up, make_batch, make_layout, make_mla_case, mla_oracle, padded, rel_err
 from specs import BatchSpec
 
 from mla_fa3 import ops
@@ -168,3 +168,22 @@ def test_whole_row_kernels_need_flashmla_dims_where_the_compiled_kernels_run(mon
     assert auto.graph_kernels() == (DecodeKernel.FA3,)
     kernel, reason = auto.planner.kernel_choice.choose_decode_kernel(2, 75, 40.0)
     assert kernel is DecodeKernel.FA3 and "512 + 64" in reason
+
+
+def test_device_metadata_step_refuses_layers_before_its_prologue():
+    """With device metadata the page table and FlashMLA schedule are derived by the graph's prologue: a layer
+    run on a captured or replayed plan before it would read stale tables, so it raises, changing nothing."""
+    spec = BatchSpec(ForwardMode.DECODE, (40, 3, 77), (1,) * 3, page_size=16)
+    case = make_mla_case(spec, "tiny", seed=9)
+    backend = backend_for(case)
+    backend.init_cuda_graph_state(4, case.layout.req_to_token_pool.max_context, device_metadata=True)
+    backend.init_forward_metadata_capture_cuda_graph(4, ForwardMode.DECODE)
+    step = follow_up(case, ForwardMode.DECODE, (40, 3, 77), (1,) * 3, requests=[0, 1, 2], seed=3, pad_to=4)
+    backend.init_forward_metadata_replay_cuda_graph(step.batch)
+    pool = case.pool.kv_buffer[0].clone()
+    with pytest.raises(RuntimeError, match="graph_prologue"):
+        backend.forward(padded(step.q, 4), padded(step.new_latent, 4), None, step.layer, step.batch)
+    torch.testing.assert_close(case.pool.kv_buffer[0], pool, rtol=0, atol=0, equal_nan=True)  # nothing stored
+    backend.graph_prologue()
+    out = backend.forward(padded(step.q, 4), padded(step.new_latent, 4), None, step.layer, step.batch)
+    assert rel_err(out[:3], mla_oracle(step)) <= 1e-5
