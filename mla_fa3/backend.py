@@ -300,8 +300,8 @@ class MLABackend:
         ``kernel``: the absorbed kernel to record (one of :meth:`graph_kernels`); None chooses one for
         ``bs`` at ``max_context``. Capture once per kernel to let each replay pick the faster one.
         ``bs`` may also be the graph's static ``ForwardBatch`` (mode, size and draft tokens are read from
-        it; how ``graphs.runner.GraphRunner`` calls it). Call OUTSIDE ``torch.cuda.graph(...)``: it may
-        plan a FlashMLA schedule, which is not graph-legal.
+        it; how ``graphs.runner.GraphRunner`` calls it). Call OUTSIDE ``torch.cuda.graph(...)``: it plans
+        on the host (the kernel choice, the split-KV schedule) and allocates the captured FlashMLA schedule.
         """
         batch = None
         if isinstance(bs, ForwardBatch):

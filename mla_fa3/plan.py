@@ -193,7 +193,7 @@ class StepPlanner:
             * weight_dtype.itemsize)
 
     def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
-        """FlashMLA's tile schedule for the step (not graph-legal: plan outside, ``copy_`` into a captured one)."""
+        """FlashMLA's tile schedule for the step (a device kernel: eager, or inside a graph's prologue)."""
         sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
         return ops.get_mla_decode_metadata(metadata.cache_seqlens, self.num_heads * sq, is_fp8=self.kv_fp8,
                                            impl=self.impl)

@@ -252,8 +252,10 @@ def get_mla_decode_metadata(
     """Plan FlashMLA's tile schedule for one decode step (once per step, reused by every layer).
 
     cache_seqlens ``[bs] int32``; num_q_heads_per_kv = H · sq / H_kv (H · sq for MLA's single latent
-    head). Not legal inside a CUDA graph: plan outside, then ``FlashMLASchedule.copy_`` into the
-    schedule captured with the graph. The reference returns an empty marker schedule.
+    head). One kernel on the current stream reading ``cache_seqlens`` on the device (no host read), its
+    outputs new tensors: legal inside a CUDA graph (it then allocates from the graph's pool), which is how
+    ``MLABackend.graph_prologue`` re-plans each replay; or plan outside and ``FlashMLASchedule.copy_`` into
+    the schedule captured with the graph. The reference returns an empty marker schedule.
     """
     chosen = resolve(impl, validate.device_of(cache_seqlens, "cache_seqlens"))
     validate.check_mla_metadata(cache_seqlens, num_q_heads_per_kv, is_fp8=is_fp8)

@@ -251,7 +251,7 @@ def _fp8_flashmla_guard():
 
 
 def get_mla_decode_metadata(cache_seqlens: Tensor, num_q_heads_per_kv: int, *, is_fp8: bool) -> FlashMLASchedule:
-    """FlashMLA tile-scheduler metadata for one latent KV head (not legal inside graph capture)."""
+    """FlashMLA tile-scheduler metadata for one latent KV head (a device kernel: capturable in a CUDA graph)."""
     fm = _module("sgl_kernel.flash_mla")
     if is_fp8:
         with _fp8_flashmla_guard():
