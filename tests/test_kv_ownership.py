@@ -186,3 +186,21 @@ def test_an_allocator_serves_one_pool():
     unchanged(pool, alloc, lambda: alloc.alloc_for_request(other, 0, 0, 1), ValueError, "not the ReqToTokenPool")
     with pytest.raises(TypeError, match="req_to_token_pool"):
         alloc.alloc_for_request(pool.req_to_token, 0, 0, 1)
+
+
+@pytest.mark.parametrize("row", [-1, -4, 4, 99])
+def test_a_batch_row_out_of_range_is_named_even_when_it_would_wrap_to_a_held_row(row):
+    """NumPy indexing wraps -1 to the last row: a held, long-enough last row must not vouch for it."""
+    from mla_fa3.batch import ForwardBatch, ForwardMode
+    from mla_fa3.metadata import MetadataBuilder
+
+    pool = ReqToTokenPool(4, 64, "cpu")
+    pool.claim([0, 1, 2, 3], 32)  # every row held with 32 tokens: a wrapped index would pass the ownership test
+    rows = torch.tensor([row], dtype=torch.int64)
+    assert not pool.rows_cover(rows.numpy(), np.array([20]))
+    seq = torch.tensor([20], dtype=torch.int32)
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, req_pool_indices=rows, seq_lens=seq,
+                         seq_lens_cpu=seq.clone(), out_cache_loc=torch.zeros(1, dtype=torch.int64),
+                         req_pool_indices_cpu=rows.clone())
+    with pytest.raises(ValueError, match=rf"req_pool_indices must be in \[0, 4\), got {row}"):
+        MetadataBuilder(pool, 16, "cpu").validate(batch)

@@ -69,13 +69,11 @@ class ReqToTokenPool:
         return 0 <= row < self.size and bool(self._held[row])
 
     def rows_cover(self, rows: np.ndarray, span: np.ndarray) -> bool:
-        """Every row of ``rows`` (int64 array) is in range, held and has ``span`` tokens allocated (one NumPy
-        pass; False when any is not — the caller names the offender)."""
-        try:  # as unsigned, a negative row is out of range instead of counting from the end
-            idx = rows.view(np.uint64)
-            return bool(self._held[idx].all()) and not bool((span > self.allocated_len[idx]).any())
-        except IndexError:
+        """Every row of ``rows`` (int array) is in range, held and has ``span`` tokens allocated (a few NumPy
+        reductions; False when any is not — the caller names the offender)."""
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.size):  # NumPy would wrap -1
             return False
+        return bool(self._held[rows].all()) and not bool((span > self.allocated_len[rows]).any())
 
     def check_held(self, row: object, name: str = "req_idx") -> int:
         """``row`` as an int if it is a held row; else TypeError / ValueError / OwnershipError (named)."""
