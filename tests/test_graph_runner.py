@@ -247,3 +247,32 @@ def test_device_metadata_falls_back_to_host_tables_where_the_buffers_do_not_allo
     assert not world.backend.builder.capture_buffers.device_tables
     run_round(world, runner, max(GRAPH_SPECS[name].sizes), poison=False, check=_check_cpu, longest=True)
     run_round(world, runner, GRAPH_SPECS[name].live, poison=True, check=_check_cpu)
+
+
+def test_a_prepare_that_fails_after_queueing_its_copies_leaves_the_padding_marks_as_they_were(monkeypatch):
+    """Copies are queued, then run at once: if a check fails in between, the rows they would have reset must
+    still count as stale, so the next run resets them (no stale input row survives into a padding row)."""
+    from mla_fa3.graphs import runner as runner_mod
+
+    spec = GRAPH_SPECS["decode_p16"]
+    world = World(spec, "cpu", torch.float32)
+    runner = world.runner()
+    rows = world.start([9, 3, 30, 2])
+    runner.run(*world.make_step(rows)[:2])  # fills rows 0-3 of every static buffer
+    marks = bytes(runner.buffers.live_rows), bytes(runner.buffers.live_tokens)
+    small = world.start([5])
+    batch, inputs, _ = world.make_step(small)
+
+    def failing_pad(*a, **k):
+        raise ValueError("a check after fill_inputs queued its copies")
+
+    monkeypatch.setattr(runner_mod, "pad_batch", failing_pad)
+    with pytest.raises(ValueError, match="queued its copies"):
+        runner.prepare(batch, inputs)
+    assert (bytes(runner.buffers.live_rows), bytes(runner.buffers.live_tokens)) == marks
+    monkeypatch.undo()
+    runner.run(batch, inputs)  # 1 request, padded to 2: row 1 (filled by the first run) must be padding again
+    buf = runner.buffers
+    assert padded_size(1, spec.sizes) == 2
+    assert not buf.inputs["q"][1].any() and buf.seq_lens[1].item() == buf.seq_len_fill
+    assert buf.req_pool_indices[1].item() == buf.pad_req_index and buf.out_cache_loc[1].item() == 0

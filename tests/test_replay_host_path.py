@@ -175,3 +175,12 @@ def test_replay_host_bench_runs_and_reports_every_component(tmp_path, capsys):
     for bs in (1, 4):  # the page-table gather (four ops) left the update for the graph's prologue
         assert by[(bs, "host")]["replay_into_ops"] - by[(bs, "device")]["replay_into_ops"] >= 4
     assert "prepare" in capsys.readouterr().out
+
+
+def test_every_size_of_a_batch_bucket_follows_the_policy():
+    """A bucket is judged at each of its sizes: between two sizes the set of equally-near table shapes can change
+    (32 heads, bs 89, 8263 tokens: FA3 while 87, 88 and 90 pick FlashMLA)."""
+    for heads, bs, mx in ((32, 89, 8263), (16, 89, 33024)):
+        p = _choice(heads)
+        for b in range(bs - 3, bs + 4):  # the neighbours first: they fill the bucket's cache entry
+            assert p.choose_decode_kernel(b, mx, None)[0] == _policy(heads, b, mx, None), (heads, b, mx)

@@ -235,9 +235,15 @@ class GraphRunner:
         bs = self.check_fits(batch)
         q = self.tokens_per_request
         copies: list = []
-        fill_inputs(inputs, self.buffers, batch.batch_size * q, bs * q, copies=copies)  # validates before writing
-        pad_batch(batch, self.buffers, bs, copies=copies)
-        copy_all(copies)  # every live row of the static buffers, one call
+        buf = self.buffers
+        marks = bytes(buf.live_rows), bytes(buf.live_tokens)  # they count queued copies as done
+        try:
+            fill_inputs(inputs, buf, batch.batch_size * q, bs * q, copies=copies)  # validates before writing
+            pad_batch(batch, buf, bs, copies=copies)
+        except Exception:  # nothing was copied: the marks must not say otherwise
+            buf.live_rows[:], buf.live_tokens[:] = marks
+            raise
+        copy_all(copies)  # every live row of the static buffers, one call per dtype
         step = batch.draft_step if self.mode is ForwardMode.DRAFT_DECODE else 0
         backend = self._step_backend(step)
         # the live rows: the builder writes [:n] and resets its own metadata tail [n:bs]; a backend with

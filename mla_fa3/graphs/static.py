@@ -151,7 +151,8 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
     (only those an earlier call filled: ``buf.live_rows``; copied from ``buf.padding``, so a shrinking
     batch adds no launch to the batched copy). Device->device copies (plus CPU->CPU for ``seq_lens_cpu``):
     no sync. ``copies``: append the ``(dst, src)`` pairs there for the caller's :func:`copy_all` instead
-    of copying."""
+    of copying — ``buf.live_rows`` already counts them as done, so the caller must run them (or restore the
+    marks, as ``GraphRunner.prepare`` does when a later check fails)."""
     n, q = batch.batch_size, buf.tokens_per_request
     if not n <= padded_bs <= buf.max_bs:
         raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
