@@ -127,15 +127,16 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     page_table). ``schedule``: the step's kernel schedule — FlashMLA's tile schedule for ``kernel=FLASHMLA`` (page
     size 64), the ``SplitKVSchedule`` for ``kernel=SPLITKV`` (any page size); both need equal q lengths
     per request (T = batch_size · max_seqlen_q) — the step plan decides when they apply. An e4m3
-    ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule planned with ``is_fp8=True``) and ``kv_scale``,
-    the layer's [1] float32 scale (``MLATokenPool.layer_scale``).
+    ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule planned with ``is_fp8=True``; q quantized to e4m3) or
+    ``kernel=SPLITKV`` (q kept in its dtype, the cache dequantized in registers), and ``kv_scale``, the
+    layer's [1] float32 scale (``MLATokenPool.layer_scale``).
     """
     if validate:
         check_query(q, layer)
     fp8 = kv_paged.dtype == FP8_DTYPE
-    if fp8 and kernel is not DecodeKernel.FLASHMLA:
-        raise ValueError(f"kernel must be FLASHMLA for an FP8 latent cache (layer {layer.layer_id}): FA3 cannot "
-                         f"read an e4m3 latent (HeaddimV > 256 requires fp16/bf16), got {kernel}")
+    if fp8 and kernel not in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
+        raise ValueError(f"kernel must be FLASHMLA or SPLITKV for an FP8 latent cache (layer {layer.layer_id}): FA3 "
+                         f"cannot read an e4m3 latent (HeaddimV > 256 requires fp16/bf16), got {kernel}")
     if fp8 and kv_scale is None:
         raise ValueError(f"kv_scale is None: the FP8 latent cache of layer {layer.layer_id} needs its "
                          "per-tensor scale (MLATokenPool.layer_scale)")
@@ -162,9 +163,10 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     """o_lat [T, H, r] through FlashMLA or split-KV: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
 
     q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy.
-    ``kv_scale`` given (FP8 cache): q_lat is absorbed into its own buffer and ``ops.quantize_query_e4m3``
-    writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the device); the kernel gets both
-    descales; its output (bf16) is cast back to q's dtype."""
+    ``kv_scale`` given (FP8 cache): FlashMLA — q_lat is absorbed into its own buffer and
+    ``ops.quantize_query_e4m3`` writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the
+    device); the kernel gets both descales; its output (bf16) is cast back to q's dtype. Split-KV — q_cat as
+    for a bf16 cache, the kernel gets ``descale_k`` only (q is never rounded to e4m3)."""
     name = kernel.value.upper()
     if schedule is None:
         raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
@@ -177,10 +179,10 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     if T != bs * sq:
         raise ValueError(f"q has {T} tokens but {name} needs batch_size * max_seqlen_q = {bs} * {sq} "
                          "(equal query length per request)")
-    descales = {}
-    if kv_scale is not None:
+    descales = {} if kv_scale is None else dict(descale_k=kv_scale)
+    if kv_scale is not None and kernel is DecodeKernel.FLASHMLA:
         q_cat, q_scale = ops.quantize_query_e4m3(absorb_query(q_nope, layer.mla_weights), q_rope, impl=impl)
-        descales = dict(descale_q=q_scale, descale_k=kv_scale)
+        descales["descale_q"] = q_scale
     else:
         q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
         absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])

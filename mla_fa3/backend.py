@@ -193,12 +193,12 @@ class MLABackend:
         kv_paged = self.mla_pool.paged(layer.layer_id)
         kv_scale = self.mla_pool.layer_scale(layer.layer_id)  # None for a floating pool
         path, kernel = plan.route(layer)
+        schedule = plan.splitkv_schedule if kernel is DecodeKernel.SPLITKV else plan.flashmla_schedule
         if path.is_mha_prefill:
             latent_new = k if (save_kv_cache and k is not None and v is None) else None
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
                                                       kv_scale=kv_scale, absorbed_kernel=kernel,
-                                                      schedule=plan.flashmla_schedule, impl=self.impl)
-        schedule = plan.splitkv_schedule if kernel is DecodeKernel.SPLITKV else plan.flashmla_schedule
+                                                      schedule=schedule, impl=self.impl)
         return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel, schedule=schedule,
                                        kv_scale=kv_scale, impl=self.impl, validate=False)
 
@@ -381,10 +381,11 @@ def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int],
 
 
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:
-    """The layers FlashMLA FP8 cannot serve raise (before anything is stored)."""
+    """The layers the FP8 readers (FlashMLA FP8, split-KV, the MHA prefill) cannot serve raise (before anything
+    is stored)."""
     if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
-        raise ValueError(f"layer {layer.layer_id}: an FP8 latent pool is read by FlashMLA FP8 and the MHA prefill "
-                         "only, which have no softcap / sliding window / local attention")
+        raise ValueError(f"layer {layer.layer_id}: an FP8 latent pool is read by FlashMLA FP8, split-KV and the MHA "
+                         "prefill only, which have no softcap / sliding window / local attention")
     if plan.num_heads is not None and layer.num_heads != plan.num_heads:
         raise ValueError(f"layer {layer.layer_id} has {layer.num_heads} heads but the FP8 step was planned for "
-                         f"num_heads={plan.num_heads} (FlashMLA's schedule depends on it)")
+                         f"num_heads={plan.num_heads} (the decode kernel's schedule depends on it)")

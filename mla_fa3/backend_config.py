@@ -48,8 +48,8 @@ def resolve_config(kv_pool, page_size: int, device: torch.device, decode_kernel,
     kernel = _coerce_decode_kernel(decode_kernel)
     kv_fp8 = mla_pool is not None and mla_pool.is_fp8
     if kv_fp8:
-        _check_fp8_setup(kernel, page_size, num_heads, mla_dims, prefill_path)
-        kernel = DecodeKernel.FLASHMLA
+        _check_fp8_setup(kernel, page_size, num_heads, mla_dims, prefill_path, impl, device)
+        kernel = DECODE_KERNEL_AUTO if kernel is None else kernel
     elif kernel is None:
         kernel = DecodeKernel.FA3
     if kernel is DecodeKernel.FLASHMLA and page_size != FLASHMLA_PAGE_SIZE:
@@ -60,7 +60,11 @@ def resolve_config(kv_pool, page_size: int, device: torch.device, decode_kernel,
         raise ValueError(f"decode_kernel={kernel.value} reads a latent row of "
                          f"{ops.FLASHMLA_HEAD_DIM_V} + {ops.FLASHMLA_HEAD_DIM - ops.FLASHMLA_HEAD_DIM_V} only; the "
                          f"latent pool has {mla_pool.kv_lora_rank} + {mla_pool.qk_rope_head_dim}"
-                         + (" (an FP8 pool needs FlashMLA)" if kv_fp8 else ""))
+                         + (" (an FP8 pool is read by FlashMLA or split-KV only)" if kv_fp8 else ""))
+    if kv_fp8 and not fit:
+        raise ValueError(f"an FP8 latent pool is read by FlashMLA's FP8 decode or the split-KV kernel, which take a "
+                         f"latent row of {ops.FLASHMLA_HEAD_DIM_V} + {ops.FLASHMLA_HEAD_DIM - ops.FLASHMLA_HEAD_DIM_V} "
+                         f"only; the pool has {mla_pool.kv_lora_rank} + {mla_pool.qk_rope_head_dim}")
     return BackendConfig(mla_pool, mha_pool, kernel, kv_fp8, fit)
 
 
@@ -87,15 +91,22 @@ def _whole_row_kernels_fit(pool: MLATokenPool | None, impl, device: torch.device
 
 
 
-def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path) -> None:
-    """An FP8 latent pool is read by FlashMLA's FP8 decode and the (dequantizing) MHA prefill only."""
+def _check_fp8_setup(decode_kernel, page_size: int, num_heads, mla_dims, prefill_path, impl, device) -> None:
+    """An FP8 latent pool is read by FlashMLA's FP8 decode (page 64), the split-KV kernel (any page size) and the
+    (dequantizing) MHA prefill only."""
     if decode_kernel is DecodeKernel.FA3:
         raise ValueError("decode_kernel='fa3' cannot read an FP8 latent pool (FA3: HeaddimV > 256 requires "
-                         "fp16/bf16); use decode_kernel='flashmla', 'auto' or None")
+                         "fp16/bf16); use decode_kernel='flashmla', 'splitkv', 'auto' or None")
     if page_size != FLASHMLA_PAGE_SIZE:
-        raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent pool, got {page_size}: "
-                         f"FlashMLA's FP8 decode, the only kernel that reads an e4m3 latent, takes pages of "
-                         f"{FLASHMLA_PAGE_SIZE}")
+        if decode_kernel is DecodeKernel.FLASHMLA:
+            raise ValueError(f"decode_kernel='flashmla' cannot read an FP8 latent pool of page_size {page_size}: "
+                             f"FlashMLA's FP8 decode takes pages of {FLASHMLA_PAGE_SIZE}; use 'splitkv' or 'auto'")
+        if not ops.splitkv_available(device, impl):
+            raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent pool here, got {page_size}: "
+                             f"the split-KV kernel, which reads e4m3 at any page size, cannot run on {device} "
+                             f"(no Triton), and FlashMLA's FP8 decode takes pages of {FLASHMLA_PAGE_SIZE}")
+    if decode_kernel is DecodeKernel.SPLITKV and not ops.splitkv_available(device, impl):
+        raise ValueError(f"decode_kernel='splitkv' cannot run on {device} (no Triton); use 'flashmla' or 'auto'")
     if num_heads is None or mla_dims is None:
         raise ValueError("num_heads and mla_dims are required with an FP8 latent pool (FlashMLA's schedule "
                          "and the MHA prefill that extend rows take)")

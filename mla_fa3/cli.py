@@ -96,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cuda-graph", action="store_true", help="decode through CUDA graphs (needs --device cuda)")
         p.add_argument("--quiet", action="store_true", help="no progress bars or info messages on stderr")
         p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
-                       help="latent KV cache dtype: auto (= --dtype) or fp8 (e4m3, page size 64, FlashMLA)")
+                       help="latent KV cache dtype: auto (= --dtype) or fp8 (e4m3; read by FlashMLA FP8 at page 64 "
+                            "or by the split-KV kernel at any page size)")
+        p.add_argument("--decode-kernel", choices=("auto", "fa3", "flashmla", "splitkv"), default="auto",
+                       help="absorbed decode kernel (auto: the measured choice per step)")
         p.add_argument("--kv-scale", type=float, default=None,
                        help="fp8: one scale for every layer (default: the checkpoint's, else 1.0)")
 
@@ -266,7 +269,7 @@ def _validate(args) -> int:
         report = run_validate(args.checkpoint, page_size=args.page_size, dtype=dtype, steps=args.steps,
                               device=args.device, seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
                               use_cuda_graph=args.cuda_graph, config=args.config, progress=bars,
-                              kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
+                              kv_dtype=args.kv_dtype, kv_scales=args.kv_scale, decode_kernel=args.decode_kernel)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report.passed else 1
 
@@ -309,7 +312,7 @@ def _run_generate(args, dtype, prompt: list[int], eos: list[int], tokenizer) -> 
         engine = Engine(model, page_size=args.page_size, max_batch_size=1,
                         max_context=len(prompt) + args.max_new_tokens, max_prefill_tokens=args.max_prefill_tokens,
                         use_cuda_graph=args.cuda_graph, allow_past_max_position=args.allow_past_max_position,
-                        kv_dtype=args.kv_dtype, kv_scales=args.kv_scale)
+                        kv_dtype=args.kv_dtype, kv_scales=args.kv_scale, decode_kernel=args.decode_kernel)
         tokens = engine.generate([prompt], args.max_new_tokens, eos_token_id=eos or None,
                                  progress=bars).token_ids[0]
     if tokenizer is None:

@@ -182,7 +182,7 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
                  max_prefill_tokens: int | None = None, use_cuda_graph: bool = False, config: str | None = None,
                  progress: Callable[[str, int, int], None] | None = None, kv_dtype: str = "auto",
                  kv_scales=None, prompts: list[list[int]] | None = None,
-                 forced_tokens: list[list[int]] | None = None) -> ValidateReport:
+                 forced_tokens: list[list[int]] | None = None, decode_kernel: str = "auto") -> ValidateReport:
     """Run the comparison (module docstring). ``checkpoint=None`` builds the embedded ``config``
     (``models.tiny.TINY_CONFIGS``; default ``tiny_v3`` on CPU, ``v3_mla_dims`` on CUDA, whose MLA
     head dims are the ones FA3 implements). What it does is logged (``logging``, INFO);
@@ -190,7 +190,8 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
 
     ``prompts``: token-id lists (default: random ones of ``prompt_lengths``, from ``seed + 1``).
     ``forced_tokens``: per prompt ``steps + 1`` new tokens to teacher-force (default: our greedy ones).
-    ``kv_scales``: the FP8 cache's per-layer scales (default: the checkpoint's, else 1.0)."""
+    ``kv_scales``: the FP8 cache's per-layer scales (default: the checkpoint's, else 1.0). ``decode_kernel``:
+    the backend's setting ("auto", "fa3", "flashmla", "splitkv")."""
     from mla_fa3.serve.engine import Engine
 
     say = logger.info
@@ -221,7 +222,8 @@ def run_validate(checkpoint: str | None = None, *, page_size: int = 16, dtype: t
         prompts = [[int(t) for t in p] for p in prompts]
         engine = Engine(ours, page_size=page_size, max_batch_size=len(prompts),
                         max_context=max(map(len, prompts)) + steps + 1, max_prefill_tokens=max_prefill_tokens,
-                        use_cuda_graph=use_cuda_graph, kv_dtype=kv_dtype, kv_scales=kv_scales)
+                        use_cuda_graph=use_cuda_graph, kv_dtype=kv_dtype, kv_scales=kv_scales,
+                        decode_kernel=decode_kernel)
         res = engine.generate(prompts, steps + 1, return_logits=True, return_prefill_logits=True,
                               progress=progress, forced_tokens=forced_tokens)
         scales = [float(x) for x in engine.kv_pool.scale] if engine.kv_pool.is_fp8 else None

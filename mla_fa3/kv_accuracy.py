@@ -8,8 +8,8 @@ model) and held-out random calibration prompts of the same lengths::
         hf = random_hf_model(config, seed); ours = load_model(save_hf_checkpoint(hf))
         prompts, continuation, calibration = random token ids (from seed + 1)
         ref = hf(prompts + continuation) in float32                  # the oracle, once per seed
-        for setting in (model-dtype cache, FP8 scale 1.0, FP8 calibrated):
-            engine = Engine(ours, kv_dtype, kv_scales, max_prefill_tokens)
+        for setting in (model-dtype cache, then per FP8 decode kernel: FP8 scale 1.0, FP8 calibrated):
+            engine = Engine(ours, kv_dtype, kv_scales, max_prefill_tokens, decode_kernel)
             calibrated: engine.calibrate_kv_scales(calibration)       # per layer: prefill absmax / 448
             res = engine.generate(prompts, steps + 1, forced_tokens=continuation)  # teacher-forced decode
             scores = position_scores(prompts, steps, res, ref)        # per row: argmax, cosine
@@ -22,6 +22,10 @@ does not read it, while with ``max_prefill_tokens`` a chunk reads the earlier ch
 prompt, a cached prefix). Prompt rows of a one-step prefill still differ between the caches where an FP8
 pool makes the step take another prefill path (MHA: FA3's absorbed kernel cannot read e4m3): rounding
 of the model dtype, not of e4m3. The report therefore gives prefill and decode rows apart as well.
+
+The FP8 decode kernels (``fp8_kernels``) differ in what they round: FlashMLA FP8 multiplies an e4m3
+query (quantized per step) with the e4m3 cache and meets it again with e4m3 probabilities; split-KV keeps
+q and the probabilities in the model dtype and converts only the cache tile (``policy.fp8_decode``).
 
 The statistic. Over the ``n`` pooled rows, against the model-dtype cache: ``b`` rows where only its
 argmax equals transformers', ``c`` where only the FP8 cache's does; the top-1 gap is ``(b - c) / n``
@@ -163,19 +167,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def compare_kv_caches(*, config: str = "v3_mla_dims", seeds=(0, 1, 2),
                       prompt_lengths=(128, 112, 96, 88, 80, 72, 64, 56), steps: int = 48,
                       dtype: torch.dtype = torch.bfloat16, device: str = "cuda", page_size: int = 64,
-                      max_prefill_tokens: int | None = None, use_cuda_graph: bool = False) -> CacheComparison:
-    """The comparison of the module docstring: the model-dtype cache, FP8 with scale 1.0 and FP8 with
-    calibrated per-layer scales, over ``len(seeds) * (sum(prompt_lengths) + len(prompt_lengths) * steps)`` rows."""
+                      max_prefill_tokens: int | None = None, use_cuda_graph: bool = False,
+                      fp8_kernels=("flashmla",)) -> CacheComparison:
+    """The comparison of the module docstring: the model-dtype cache, then for each FP8 decode kernel of
+    ``fp8_kernels`` ("flashmla", "splitkv") FP8 with scale 1.0 and FP8 with calibrated per-layer scales, over
+    ``len(seeds) * (sum(prompt_lengths) + len(prompt_lengths) * steps)`` rows. Run names: "fp8, scale 1.0" /
+    "fp8, calibrated" with one kernel, "fp8 <kernel>, ..." with several."""
     from mla_fa3.models.loader import load_model
     from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
     from mla_fa3.serve.engine import Engine
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1 (decode rows to score), got {steps!r}")
-    settings = [(f"{_dtype_name(dtype)} cache", "auto", None), ("fp8, scale 1.0", "fp8", 1.0),
-                ("fp8, calibrated", "fp8", "calibrate")]
-    scores: dict[str, list[PositionScores]] = {name: [] for name, _, _ in settings}
-    used: dict[str, list[list[float]]] = {name: [] for name, _, _ in settings}
+    kernels = tuple(fp8_kernels)
+    if not kernels or any(k not in ("flashmla", "splitkv") for k in kernels) or len(set(kernels)) != len(kernels):
+        raise ValueError(f"fp8_kernels must be distinct names among 'flashmla', 'splitkv', got {fp8_kernels!r}")
+    settings = [(f"{_dtype_name(dtype)} cache", "auto", None, "auto")]
+    for kernel in kernels:
+        tag = "fp8" if len(kernels) == 1 else f"fp8 {kernel}"
+        settings += [(f"{tag}, scale 1.0", "fp8", 1.0, kernel), (f"{tag}, calibrated", "fp8", "calibrate", kernel)]
+    scores: dict[str, list[PositionScores]] = {name: [] for name, *_ in settings}
+    used: dict[str, list[list[float]]] = {name: [] for name, *_ in settings}
     for seed in seeds:
         hf = random_hf_model(config, seed=seed)
         with tempfile.TemporaryDirectory(prefix="mla_fa3_kv_accuracy_") as tmp:
@@ -191,10 +203,10 @@ def compare_kv_caches(*, config: str = "v3_mla_dims", seeds=(0, 1, 2),
         bases = None if dtype == torch.float32 else teacher_forced_logits(copy.deepcopy(hf).to(dtype), prompts,
                                                                           forced, device)
         del hf
-        for name, kv_dtype, scale in settings:
+        for name, kv_dtype, scale, kernel in settings:
             engine = Engine(ours, page_size=page_size, max_batch_size=k, max_context=max(prompt_lengths) + steps + 1,
                             max_prefill_tokens=max_prefill_tokens, use_cuda_graph=use_cuda_graph, kv_dtype=kv_dtype,
-                            kv_scales=None if scale == "calibrate" else scale)
+                            kv_scales=None if scale == "calibrate" else scale, decode_kernel=kernel)
             if scale == "calibrate":
                 engine.calibrate_kv_scales(calibration)
             res = engine.generate(prompts, steps + 1, forced_tokens=forced, return_logits=True,
@@ -202,7 +214,7 @@ def compare_kv_caches(*, config: str = "v3_mla_dims", seeds=(0, 1, 2),
             scores[name].append(position_scores(prompts, steps, res, refs, bases))
             if engine.kv_pool.is_fp8:
                 used[name].append([float(s) for s in engine.kv_pool.scale])
-    runs = [CacheRun(name, kv, _cat(scores[name]), used[name] or None) for name, kv, _ in settings]
+    runs = [CacheRun(name, kv, _cat(scores[name]), used[name] or None) for name, kv, *_ in settings]
     return CacheComparison(runs, config, dtype, page_size, tuple(seeds), tuple(prompt_lengths), steps,
                            max_prefill_tokens)
 
@@ -226,25 +238,25 @@ def format_comparison(cmp: CacheComparison, target_points: float = 1.0) -> str:
              f"seeds {list(cmp.seeds)} x {len(cmp.prompt_lengths)} prompts (lengths {list(cmp.prompt_lengths)}) + "
              f"{cmp.steps} teacher-forced decode steps: {cmp.positions} positions (prefill {cmp.positions - n_dec}, "
              f"decode {n_dec}), every cache on the same random text, against transformers fp32",
-             f"{'':<18} {'top-1 agreement':^26}  {'logit cosine':^29}",
-             f"{'cache':<18} {'all':>8} {'prefill':>8} {'decode':>8}  {'mean':>9} {'mean dec.':>9} {'min':>9}"
+             f"{'':<26} {'top-1 agreement':^26}  {'logit cosine':^29}",
+             f"{'cache':<26} {'all':>8} {'prefill':>8} {'decode':>8}  {'mean':>9} {'mean dec.':>9} {'min':>9}"
              f"  same top-1 as the {ref.name}"]
     for run in cmp.runs:
         s, hits = run.scores, run.scores.hits.float()
         same = "-" if run is ref else _pct((s.ours_top1 == ref.scores.ours_top1).float().mean())
-        lines.append(f"{run.name:<18} {_pct(hits.mean()):>8} {_pct(hits[~decode].mean()):>8} "
+        lines.append(f"{run.name:<26} {_pct(hits.mean()):>8} {_pct(hits[~decode].mean()):>8} "
                      f"{_pct(hits[decode].mean()):>8}  {float(s.cosine.mean()):9.6f} "
                      f"{float(s.cosine[decode].mean()):9.6f} {float(s.cosine.min()):9.6f}  {same}")
     base = ref.scores.base_top1
     if base is not None:
         b = (base == ref.scores.ref_top1).float()
-        lines.append(f"{'transformers ' + _dtype_name(cmp.dtype):<18} {_pct(b.mean()):>8} {_pct(b[~decode].mean()):>8} "
+        lines.append(f"{'transformers ' + _dtype_name(cmp.dtype):<26} {_pct(b.mean()):>8} {_pct(b[~decode].mean()):>8} "
                      f"{_pct(b[decode].mean()):>8}  (no cache: what the model dtype alone costs)")
     lines.append(f"top-1 gap to the {ref.name} in points, paired: (b - c) / n, b = rows only the {ref.name} "
                  "gets right, c = rows only the FP8 cache does; 95% interval (Newcombe, method 10)")
     for i, run in enumerate(cmp.runs[1:], start=1):
         parts = "   ".join(f"{part} {_gap_text(cmp.gap(i, part))}" for part in ("all", "prefill", "decode"))
-        lines.append(f"  {run.name:<16} {parts}")
+        lines.append(f"  {run.name:<24} {parts}")
     lines.append(f"target: FP8 top-1 within {target_points:g} point of the {ref.name}'s over all positions (decode "
                  "rows alone shown too); verdict from the point estimate, the interval says if it is resolved")
     for i, run in enumerate(cmp.runs[1:], start=1):
@@ -258,7 +270,7 @@ def format_comparison(cmp: CacheComparison, target_points: float = 1.0) -> str:
             else:
                 resolved = f"the interval straddles {target_points:g}: not resolved at 95%"
             rows = "all positions" if part == "all" else "decode rows alone"
-            lines.append(f"  {run.name:<16} {rows:<18} {verdict:<6} gap {100 * g.gap:+.2f} points, 95% interval "
+            lines.append(f"  {run.name:<24} {rows:<26} {verdict:<6} gap {100 * g.gap:+.2f} points, 95% interval "
                          f"[{100 * g.low:+.2f}, {100 * g.high:+.2f}]; {resolved}")
     for run in cmp.runs:
         if run.kv_scales:

@@ -284,31 +284,44 @@ class StepPlanner:
                            prefill_path=override, workspace=self._workspace)
 
     def _plan_extend_fp8(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:
-        """Extend-like step over an FP8 pool: MHA rows dequantize chunk by chunk; decode rows FlashMLA FP8."""
+        """Extend-like step over an FP8 pool: MHA rows dequantize chunk by chunk; decode rows (one new token over a
+        prefix) on the decode kernel the backend's choice gives for them (FlashMLA FP8 or split-KV)."""
         fp8 = "FP8 latent pool: extend rows read it dequantized chunk by chunk (MHA prefill; FA3's absorbed " \
               "kernel cannot read e4m3)"
         if batch.batch_size == 0 or int(md.extend_lens_cpu.sum()) == 0:
             return self._extend(batch, md, AttentionPath.ABSORBED, None, f"{md.mode.name} with no new tokens: "
                                 "nothing to compute")
         decision, prefill = self._prefill_plan(batch, md, PrefillOverride.MHA)
-        flashmla = "decode rows: FlashMLA FP8 (the only kernel that reads e4m3)"
         if prefill is None:  # every row is a decode row (one new token over a prefix)
-            schedule = ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads, is_fp8=True, impl=self.impl)
-            return self._extend(batch, md, AttentionPath.ABSORBED, DecodeKernel.FLASHMLA.value,
-                                f"{decision.explain()}; {flashmla}", decision, kernel_enum=DecodeKernel.FLASHMLA,
-                                schedule=schedule)
-        schedule = None
+            kernel, schedule, why = self._fp8_decode_rows(md)
+            return self._extend(batch, md, AttentionPath.ABSORBED, kernel.value, f"{decision.explain()}; {why}",
+                                decision, kernel_enum=kernel, schedule=schedule)
+        kernel, schedule, why = DecodeKernel.FLASHMLA, None, None
         if prefill.split is not None:
-            schedule = ops.get_mla_decode_metadata(prefill.split.absorbed_metadata.cache_seqlens, self.num_heads,
-                                                   is_fp8=True, impl=self.impl)
-        reason = f"{fp8}; {decision.explain()}" + (f"; {flashmla}" if schedule is not None else "")
-        return self._extend(batch, md, decision.path, None, reason, decision, prefill,
-                            kernel_enum=DecodeKernel.FLASHMLA, schedule=schedule)
+            kernel, schedule, why = self._fp8_decode_rows(prefill.split.absorbed_metadata)
+        reason = f"{fp8}; {decision.explain()}" + (f"; {why}" if why else "")
+        return self._extend(batch, md, decision.path, None, reason, decision, prefill, kernel_enum=kernel,
+                            schedule=schedule)
+
+    def _fp8_decode_rows(self, md: AttentionMetadata) -> tuple[DecodeKernel, FlashMLASchedule | SplitKVSchedule, str]:
+        """(kernel, its schedule, why) for the decode rows of an extend-like step on an FP8 pool (host lengths)."""
+        lens = md.cache_seqlens_cpu
+        mean = float(lens.sum()) / md.batch_size if lens is not None and md.batch_size else None
+        kernel, why = self.kernel_choice.choose_decode_kernel(md.batch_size, md.max_seqlen_k, mean)
+        if kernel is DecodeKernel.SPLITKV:
+            schedule = self.splitkv_schedule(md, lens)
+        else:
+            schedule = ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads, is_fp8=True, impl=self.impl)
+        return kernel, schedule, f"decode rows: {why}"
 
     def _extend(self, batch, md, path, kernel, reason, decision=None, prefill=None, *,
-                kernel_enum: DecodeKernel = DecodeKernel.FA3, schedule: FlashMLASchedule | None = None) -> StepPlan:
+                kernel_enum: DecodeKernel = DecodeKernel.FA3,
+                schedule: FlashMLASchedule | SplitKVSchedule | None = None) -> StepPlan:
         record = self._record(md.mode.name, path, kernel, reason, decision=decision, kv_bytes=self._kv_bytes(batch))
-        return StepPlan(batch, md, path, kernel_enum, self.num_heads, record, schedule, prefill=prefill)
+        splitkv = schedule if isinstance(schedule, SplitKVSchedule) else None
+        flashmla = None if splitkv is not None else schedule
+        return StepPlan(batch, md, path, kernel_enum, self.num_heads, record, flashmla, splitkv_schedule=splitkv,
+                        prefill=prefill)
 
     def _record(self, mode: str, path: AttentionPath, kernel: str | None, reason: str, **extra) -> PathRecord:
         return PathRecord(mode, path, kernel, reason, impl=self._impl_name(),

@@ -68,9 +68,10 @@ def decode_tokens(spec: BatchSpec) -> list[int]:
     return [s for (s, e), p in zip(rows, spec.prefix_lens) if e - s == 1 and p > 0]
 
 
-def fp8_oracle(case) -> torch.Tensor:
+def fp8_oracle(case, *, query_e4m3: bool = True) -> torch.Tensor:
     """case.latent holds the raw rows; the keys each row reads: cached ones dequantized, an MHA row's own
-    new rows raw; FlashMLA rows (decode-like) read everything from the cache."""
+    new rows raw; decode rows (decode-like) read everything from the cache. ``query_e4m3``: FlashMLA FP8 runs
+    them, with the query quantized per step; False: split-KV, whose q is exact (the non-absorbed oracle)."""
     lid, spec = case.layer.layer_id, case.spec
     flash = decode_tokens(spec)
     truth = []
@@ -81,7 +82,7 @@ def fp8_oracle(case) -> torch.Tensor:
                                 raw[p:] if new_raw else stored(raw[p:], SCALES[lid]).float()]))
     seen = dataclasses.replace(case, latent=truth)
     ref = mla_oracle(seen)  # non-absorbed fp64, exact q
-    if flash:
+    if flash and query_e4m3:
         ref[flash] = absorbed_rows(seen, flash)
     return ref
 

@@ -182,30 +182,40 @@ FLASHMLA = {
     "decode_deepseek": dict(lens=(70, 1, 130), sq=1, heads=16, r=512, d_rope=64, page=64),
     "mtp_sq2_small": dict(lens=(9, 40), sq=2, heads=4, r=32, d_rope=16, page=8),
     "fp8_small": dict(lens=(33, 5), sq=1, heads=4, r=32, d_rope=16, page=16, fp8=True),
+    "fp8kv_small": dict(lens=(33, 5, 64), sq=2, heads=4, r=32, d_rope=16, page=16, fp8="kv"),
 }
 
 
 def build_flashmla(c: dict, *, device="cpu", dtype=torch.float32, seed=0):
-    """q [bs, sq, H, r + d_rope], kv_cache [pages, page, 1, r + d_rope] (NaN outside used slots), dense oracle inputs."""
+    """q [bs, sq, H, r + d_rope], kv_cache [pages, page, 1, r + d_rope] (NaN outside used slots), dense oracle inputs.
+
+    ``c["fp8"]``: True — e4m3 q and cache with descales (FlashMLA's FP8 contract); "kv" — an e4m3 cache with its
+    descale_k and q in ``dtype`` (the split-KV kernel's read); the oracle sees the dequantized values."""
     g = torch.Generator().manual_seed(seed)
     fp8 = c.get("fp8", False)
-    dtype = torch.float8_e4m3fn if fp8 else dtype
+    kv_dtype = torch.float8_e4m3fn if fp8 else dtype
+    q_dtype = torch.float8_e4m3fn if fp8 is True else dtype
     ps, D, bs = c["page"], c["r"] + c["d_rope"], len(c["lens"])
     need = [math.ceil(L / ps) for L in c["lens"]]
     ids = (torch.randperm(sum(need) + 2, generator=g) + 1).tolist()
-    kv = torch.full((sum(need) + 3, ps, 1, D), float("nan"), dtype=dtype)
+    kv = torch.full((sum(need) + 3, ps, 1, D), float("nan"), dtype=kv_dtype)
     table = torch.full((bs, max(need) + 1), BAD_PAGE, dtype=torch.int32)
     dq, dk = (torch.rand(2, generator=g) + 0.5) if fp8 else (torch.ones(1), torch.ones(1))
-    q = _quant(torch.randn(bs, c["sq"], c["heads"], D, generator=g), dtype)
+    dq = dq if fp8 is True else torch.ones(1)
+    q = _quant(torch.randn(bs, c["sq"], c["heads"], D, generator=g), q_dtype)
     dense = []
     for b, L in enumerate(c["lens"]):
-        kv_b = _quant(torch.randn(L, 1, D, generator=g), dtype)
+        kv_b = _quant(torch.randn(L, 1, D, generator=g), kv_dtype)
         for i in range(need[b]):
             page = ids.pop()
             table[b, i] = page
             kv[page, : min(L, (i + 1) * ps) - i * ps] = kv_b[i * ps : (i + 1) * ps]
-        dense.append((q[b].float() * dq, kv_b.float() * dk))
-    extra = dict(descale_q=dq.view(1).float().to(device), descale_k=dk.view(1).float().to(device)) if fp8 else {}
+        dense.append((q[b].double() * dq.double(), kv_b.double() * dk.double()))
+    extra = {}
+    if fp8:
+        extra = dict(descale_k=dk.view(1).float().to(device))
+        if fp8 is True:
+            extra["descale_q"] = dq.view(1).float().to(device)
     return q.to(device), kv.to(device), table.to(device), torch.tensor(c["lens"], dtype=torch.int32, device=device), \
         dense, extra
 

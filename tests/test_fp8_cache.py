@@ -225,18 +225,10 @@ def test_backend_construction_refuses_what_cannot_read_fp8():
         fp8_backend(case, mla_dims=None)
     with pytest.raises(ValueError, match="prefill_path='absorbed'"):
         fp8_backend(case, prefill_path="absorbed")
-    for kernel in (None, "auto", "flashmla"):
-        assert fp8_backend(case, decode_kernel=kernel).graph_kernels() == (DecodeKernel.FLASHMLA,)
-
-
-def test_page_size_other_than_64_is_refused_at_construction():
-    case = make_mla_case(BatchSpec(DEC, (5, 9), (1, 1), page_size=16), "tiny")
-    d = case.cfg.dims
-    pool = MLATokenPool(2, case.layout.num_pages, 16, d.kv_lora_rank, d.qk_rope_head_dim, torch.float32, "cpu",
-                        kv_dtype=FP8)
-    with pytest.raises(ValueError, match="page_size must be 64 for an FP8 latent pool.*FlashMLA"):
-        MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=pool, page_size=16, device="cpu",
-                   num_heads=case.cfg.num_heads, mla_dims=d, impl="reference")
+    assert fp8_backend(case, decode_kernel="flashmla").graph_kernels() == (DecodeKernel.FLASHMLA,)
+    assert fp8_backend(case, decode_kernel="splitkv").graph_kernels() == (DecodeKernel.SPLITKV,)
+    for kernel in (None, "auto"):  # split-KV too where the FP8 table can pick it at these heads
+        assert fp8_backend(case, decode_kernel=kernel).graph_kernels()[0] is DecodeKernel.FLASHMLA
 
 
 @pytest.mark.parametrize("what", ["softcap", "heads"])
@@ -342,8 +334,8 @@ def test_engine_fp8_generates_and_calibrates(tiny_ckpt):
     from mla_fa3.models.loader import load_model
 
     model = load_model(tiny_ckpt)
-    with pytest.raises(ValueError, match="page_size must be 64"):
-        Engine(model, page_size=16, max_batch_size=2, max_context=64, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="decode_kernel='flashmla' cannot read an FP8 latent pool of page_size 16"):
+        Engine(model, page_size=16, max_batch_size=2, max_context=64, kv_dtype="fp8", decode_kernel="flashmla")
     with pytest.raises(ValueError, match="kv_scales are only used"):
         Engine(model, page_size=64, max_batch_size=2, max_context=64, kv_scales=0.5)
     engine = Engine(model, page_size=64, max_batch_size=2, max_context=64, kv_dtype="fp8")
@@ -354,6 +346,14 @@ def test_engine_fp8_generates_and_calibrates(tiny_ckpt):
     res = engine.generate(prompts, 5)
     assert [len(t) for t in res.token_ids] == [5, 5]
     assert engine.backend.explain().kv_dtype == "float8_e4m3fn" and engine.backend.explain().kernel == "flashmla"
+    # page 16: split-KV reads the pool; the same tokens as split-KV on page 64 (the same cache values, exact q)
+    tokens = {}
+    for page in (16, 64):
+        e = Engine(model, page_size=page, max_batch_size=2, max_context=64, kv_dtype="fp8", kv_scales=scales,
+                   decode_kernel="auto" if page == 16 else "splitkv")
+        tokens[page] = e.generate(prompts, 5).token_ids
+        assert e.backend.explain().kernel == "splitkv"
+    assert tokens[16] == tokens[64]
 
 
 def test_cli_generate_with_fp8_cache(tiny_ckpt, capsys):
@@ -362,9 +362,12 @@ def test_cli_generate_with_fp8_cache(tiny_ckpt, capsys):
     assert main(["generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1", "2", "3", "--max-new-tokens", "3",
                  "--kv-dtype", "fp8", "--kv-scale", "0.01", "--json", "--quiet"]) == 0
     assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 3
+    assert main(["generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1", "2", "--max-new-tokens", "2",
+                 "--kv-dtype", "fp8", "--page-size", "16", "--json", "--quiet"]) == 0  # split-KV reads it
+    assert len(__import__("json").loads(capsys.readouterr().out)["token_ids"]) == 2
     assert main(["generate", "--checkpoint", tiny_ckpt, "--prompt-ids", "1", "--kv-dtype", "fp8",
-                 "--page-size", "16", "--quiet"]) == 2
-    assert "page_size must be 64" in capsys.readouterr().err
+                 "--page-size", "16", "--decode-kernel", "flashmla", "--quiet"]) == 2
+    assert "FlashMLA's FP8 decode takes pages of 64" in capsys.readouterr().err
 
 
 def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
@@ -373,4 +376,8 @@ def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
     assert fp8.main(["--device", "cpu", "--impl", "reference", "--heads", "4", "--batch", "2", "--context", "128",
                      "--max-iters", "1", "--budget-ms", "1", "--quiet", "--out", str(tmp_path)]) == 0
     assert "| 4 | 2 | 128 |" in capsys.readouterr().out and (tmp_path / "fp8.csv").exists()
+    from mla_fa3.policy.fp8_decode import table_from_fp8_csv
+
+    (row,) = table_from_fp8_csv(str(tmp_path / "fp8.csv"))  # both FP8 paths timed: the policy table's input
+    assert (row.num_heads, row.batch_size, row.context) == (4, 2, 128) and row.flashmla_ms > 0 and row.splitkv_ms > 0
     assert fp8.tokens_per_gb(FP8) == pytest.approx(2 * fp8.tokens_per_gb(torch.bfloat16))

@@ -98,12 +98,12 @@ def test_model_accuracy_bf16_cache_vs_fp8_cache():
     from mla_fa3.kv_accuracy import compare_kv_caches, format_comparison
 
     cmp = compare_kv_caches(config="v3_mla_dims", seeds=(0, 1, 2), prompt_lengths=(128, 112, 96, 88, 80, 72, 64, 56),
-                            steps=48, dtype=BF16, device=DEV, page_size=64)
+                            steps=48, dtype=BF16, device=DEV, page_size=64, fp8_kernels=("flashmla", "splitkv"))
     print("\n" + format_comparison(cmp))
     decode = int(cmp.runs[0].scores.decode.sum())
     assert cmp.positions >= 2048 and decode >= 1024 and cmp.positions - decode >= 1024
-    _, unit, calibrated = cmp.runs
-    assert unit.kv_scales == [[1.0, 1.0]] * 3
+    _, unit, calibrated, skv_unit, skv_calibrated = cmp.runs
+    assert unit.kv_scales == skv_unit.kv_scales == [[1.0, 1.0]] * 3
     assert all(math.isfinite(s) and 0 < s != 1.0 for seed in calibrated.kv_scales for s in seed)
     for i, run in enumerate(cmp.runs[1:], start=1):  # the hard floor; the 1-point target is printed above
         assert float(run.scores.cosine.mean()) >= 0.995, run.name

@@ -78,8 +78,17 @@ def test_paired_gap_counts_a_hand_table():
 
 def test_compare_kv_caches_on_cpu():
     cmp = compare_kv_caches(config="tiny_v3", seeds=(0, 1), prompt_lengths=(12, 7), steps=5, dtype=torch.float32,
-                            device="cpu", max_prefill_tokens=8)
-    model_cache, unit, calibrated = cmp.runs
+                            device="cpu", max_prefill_tokens=8, fp8_kernels=("flashmla", "splitkv"))
+    model_cache, unit, calibrated, skv_unit, skv_calibrated = cmp.runs
+    assert [r.name for r in cmp.runs[1:]] == ["fp8 flashmla, scale 1.0", "fp8 flashmla, calibrated",
+                                              "fp8 splitkv, scale 1.0", "fp8 splitkv, calibrated"]
+    assert skv_unit.kv_scales == unit.kv_scales and skv_calibrated.kv_scales == calibrated.kv_scales
+    # the decode kernel reads the cache on decode rows only: prefill rows are the same computation, decode rows
+    # differ (split-KV keeps q exact, FlashMLA FP8 rounds it to e4m3)
+    for fm, skv in ((unit, skv_unit), (calibrated, skv_calibrated)):
+        prefill = ~fm.scores.decode
+        assert torch.equal(fm.scores.cosine[prefill], skv.scores.cosine[prefill])
+        assert not torch.equal(fm.scores.cosine[fm.scores.decode], skv.scores.cosine[fm.scores.decode])
     decode = model_cache.scores.decode
     assert cmp.positions == 2 * (12 + 7 + 2 * 5) and int(decode.sum()) == 2 * 2 * 5
     for run in cmp.runs:  # every cache scored on the same rows against the same transformers argmax
@@ -97,4 +106,6 @@ def test_compare_kv_caches_on_cpu():
     text = format_comparison(cmp)
     assert "58 positions (prefill 38, decode 20)" in text and "fp32 cache" in text
     verdicts = [line for line in text.splitlines() if "MET" in line or "MISSED" in line]
-    assert len(verdicts) == 4 and all("95% interval" in line for line in verdicts)
+    assert len(verdicts) == 8 and all("95% interval" in line for line in verdicts)
+    with pytest.raises(ValueError, match="^fp8_kernels must be distinct names"):
+        compare_kv_caches(config="tiny_v3", seeds=(0,), device="cpu", fp8_kernels=("fa3",))

@@ -18,7 +18,7 @@ from oracle import dense_attention
 from ops_cases import FLASHMLA, OP_SPECS, Case, Spec, build_case, build_flashmla, flashmla_oracle, oracle, tolerances
 
 from mla_fa3 import ops
-from mla_fa3.ops import reference
+from mla_fa3.ops import reference, validate
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ def test_chunked_prefix_pattern_through_ops(tiny_blocks):
 def test_flash_mla_reference_matches_oracle(name, tiny_blocks):
     c = FLASHMLA[name]
     q, kv, table, lens, dense, extra = build_flashmla(c)
-    fp8 = bool(extra)
+    fp8 = c.get("fp8") is True  # "kv": an e4m3 cache with q in fp32, exact against the dequantizing oracle
     sched = ops.get_mla_decode_metadata(lens, c["heads"] * c["sq"], is_fp8=fp8)
     assert isinstance(sched, ops.FlashMLASchedule) and sched.impl is ops.Impl.REFERENCE
     scale = (128 + c["d_rope"]) ** -0.5
@@ -172,6 +172,16 @@ def test_flash_mla_reference_matches_oracle(name, tiny_blocks):
     atol, rtol, lse_atol = tolerances(torch.float32, fp8)
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), ref_lse, atol=lse_atol, rtol=1e-5)
+
+
+def test_flash_mla_e4m3_cache_with_a_float_q_is_the_reference_and_split_kv_only():
+    """FlashMLA reads an e4m3 cache only with an e4m3 q: the mixed call is refused for FA3 before any kernel."""
+    c = FLASHMLA["fp8kv_small"]
+    q, kv, table, lens, _, extra = build_flashmla(c, dtype=torch.bfloat16)
+    fake = ops.FlashMLASchedule(ops.Impl.FA3, torch.zeros(4, 8, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^kv_cache is torch.float8_e4m3fn but q is torch.bfloat16: FlashMLA"):
+        validate.check_flash_mla(q, kv, table, lens, head_dim_v=c["r"], schedule=fake, softmax_scale=0.1, causal=True,
+                                 impl=ops.Impl.FA3, descale_q=None, **extra)
 
 
 def test_flash_mla_reference_equals_split_qv_form():

@@ -213,6 +213,12 @@ OP_BAD = {
     "scale_none": (lambda a, k: k.update(softmax_scale=None), TypeError, "softmax_scale"),
     "descale_on_bf16": (lambda a, k: k.update(descale_k=torch.ones(1)), ValueError, "descale_k"),
     "causal_int": (lambda a, k: k.update(causal=1), TypeError, "causal"),
+    # an e4m3 cache with a float q: descale_k required, descale_q refused, only e4m3 (not e5m2)
+    "fp8kv_no_descale_k": (lambda a, k: a.__setitem__(1, a[1].to(torch.float8_e4m3fn)), ValueError, "descale_k is required"),
+    "fp8kv_descale_q": (lambda a, k: (a.__setitem__(1, a[1].to(torch.float8_e4m3fn)),
+                                      k.update(descale_k=torch.ones(1), descale_q=torch.ones(1))), ValueError, "descale_q"),
+    "fp8kv_e5m2": (lambda a, k: (a.__setitem__(1, a[1].to(torch.float8_e5m2)), k.update(descale_k=torch.ones(1))),
+                   ValueError, "kv_cache dtype"),
 }
 
 
@@ -260,18 +266,21 @@ def test_import_does_not_need_triton():
 
 # ------------------------------------------------------------------------------------------ op vs oracle
 
-# (lens, sq, heads, page, fp8): lengths 0, 1, page ± 1, L < sq (a query row that sees no key)
+# (lens, sq, heads, page, fp8): lengths 0, 1, page ± 1, L < sq (a query row that sees no key); fp8 True: e4m3 q
+# and cache (FlashMLA's contract), "kv": an e4m3 cache read with q in its own dtype (dequantized in registers)
 OP_CASES = {
     "decode_page8": ((9, 40, 0, 1), 1, 4, 8, False),
     "verify_sq2_page1": ((1, 17, 33), 2, 4, 1, False),
     "verify_sq4_heads20": ((15, 16, 17, 3), 4, 20, 16, False),
     "fp8_page16": ((33, 5), 1, 4, 16, True),
+    "fp8kv_page1_verify_sq2": ((1, 17, 33), 2, 4, 1, "kv"),
+    "fp8kv_page64_pm1": ((63, 65, 0), 1, 4, 64, "kv"),
 }
 
 
 def _check_vs_oracle(c, dense, out, lse, scale=0.2, dtype=torch.float32):
     ref_out, ref_lse = flashmla_oracle(c, dense, scale)
-    atol, rtol, lse_atol = tolerances(dtype, c.get("fp8", False))
+    atol, rtol, lse_atol = tolerances(dtype, c.get("fp8", False) is True)  # an e4m3 cache alone: exact in fp32
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows without keys: lse -inf"
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
@@ -300,11 +309,16 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp16_page32_verify_sq3_half_reload": ((31, 32, 97), 3, 4, 32, "float16", False, True),
     "fp8_page64_block16_reload": ((70, 129), 1, 4, 64, "float32", True, False),
     "fp32_page16_block64_gather": ((100, 30), 2, 4, 16, "float32", False, False),
+    # an e4m3 cache read with q in its own dtype: fp32 (vs the fp64 oracle at fp32 tolerance), fp16, page 1 / 64
+    "fp8kv_fp32_page16_verify_sq2": ((33, 5, 1), 2, 4, 16, "float32", "kv", False),
+    "fp8kv_fp16_page64_padded_reload": ((70, 129), 1, 4, 64, "float16", "kv", True),
+    "fp8kv_fp32_page1_many_splits": ((700, 3), 1, 20, 1, "float32", "kv", False, 64),
 }
 INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choice)
     "fp32_page64_block64_spans_end": dict(block_n=64),
     "fp16_page32_verify_sq3_half_reload": dict(block_n=32, half_partials=True, reload_kv=True),
     "fp8_page64_block16_reload": dict(block_n=16, reload_kv=True),
+    "fp8kv_fp16_page64_padded_reload": dict(block_n=16, reload_kv=True, half_partials=True),
     "fp32_page16_block64_gather": dict(block_n=64, num_stages=3),
 }
 
@@ -324,10 +338,10 @@ def _interpreter_run() -> dict:
         try:
             out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
             assert ops.last_impl() is Impl.TRITON
-            assert out.dtype == (torch.bfloat16 if fp8 else dt)
+            assert out.dtype == (torch.bfloat16 if fp8 is True else dt)
             _check_vs_oracle(c, dense, out, lse, dtype=dt)
             ref, _ = ops.splitkv_mla_with_kvcache(*args, **kw, impl="reference")
-            atol, rtol, _ = tolerances(torch.float16 if dt is torch.float16 else dt, fp8)  # fp16: ~2**-11 rounding
+            atol, rtol, _ = tolerances(torch.float16 if dt is torch.float16 else dt, fp8 is True)  # fp16: ~2**-11
             torch.testing.assert_close(out.float(), ref.float(), atol=atol / 4 if dt is torch.float16 else atol, rtol=rtol)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"

@@ -35,7 +35,9 @@ POISON = 3.0e3
 
 
 def build(lens, sq, heads, page, *, fp8=False, seed=0):
-    """q [bs, sq, H, 576], kv [pages, page, 1, 576] (poisoned outside the live slots), table, lens, dense, extra."""
+    """q [bs, sq, H, 576], kv [pages, page, 1, 576] (poisoned outside the live slots), table, lens, dense, extra.
+
+    fp8 True: e4m3 q and cache with both descales; "kv": an e4m3 cache (descale_k) read with a bf16 q."""
     g = torch.Generator().manual_seed(seed)
     dtype = F8 if fp8 else BF16
     need = [math.ceil(L / page) for L in lens]
@@ -45,7 +47,8 @@ def build(lens, sq, heads, page, *, fp8=False, seed=0):
     kv = torch.full((num_pages, page, 1, D), poison, dtype=dtype)
     table = torch.full((len(lens), max(need + [0]) + 2), BAD_PAGE, dtype=torch.int32)
     dq, dk = (torch.rand(2, generator=g) + 0.5) if fp8 else (torch.ones(1), torch.ones(1))
-    q = torch.randn(len(lens), sq, heads, D, generator=g).to(dtype)
+    dq = dq if fp8 is True else torch.ones(1)
+    q = torch.randn(len(lens), sq, heads, D, generator=g).to(F8 if fp8 is True else BF16)
     dense = []
     for b, L in enumerate(lens):
         kv_b = torch.randn(L, 1, D, generator=g).to(dtype)
@@ -56,7 +59,9 @@ def build(lens, sq, heads, page, *, fp8=False, seed=0):
         if need[b]:
             kv[pages] = rows.view(need[b], page, 1, D)
         dense.append((q[b].float() * dq, kv_b.float() * dk))
-    extra = dict(descale_q=dq.view(1).float().to(DEV), descale_k=dk.view(1).float().to(DEV)) if fp8 else {}
+    extra = dict(descale_k=dk.view(1).float().to(DEV)) if fp8 else {}
+    if fp8 is True:
+        extra["descale_q"] = dq.view(1).float().to(DEV)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     return q.to(DEV), kv.to(DEV), table.to(DEV), lens_t, dense, extra
 
@@ -171,6 +176,26 @@ def test_splitkv_fp8_latent_with_descales(heads):
     fm = ops.flash_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
                                     causal=True, impl="fa3", **extra)
     assert cosine(out, fm) >= 0.999  # FlashMLA runs P·V in e4m3
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_splitkv_fp8_cache_bf16_query(heads, page):
+    """An e4m3 cache read with a bf16 q (dequantized in registers, q never rounded to e4m3): the fp64 oracle on the
+    dequantized cache, with poisoned slots past each end and in unused pages; lengths 1, page ± 1, 3000."""
+    lens = (1, page + 1, max(page - 1, 1), 3000)
+    q, kv, table, seqlens, dense, extra = build(lens, 1, heads, page, fp8="kv", seed=4)
+    assert q.dtype == BF16 and kv.dtype == F8 and set(extra) == {"descale_k"}
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, **extra)
+    assert out.dtype == BF16
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+    if page == 64:  # FlashMLA refuses a bf16 q on an e4m3 cache, before any kernel
+        sched = ops.get_mla_decode_metadata(seqlens, heads, impl="fa3")
+        with pytest.raises(ValueError, match="^kv_cache is torch.float8_e4m3fn but q is torch.bfloat16"):
+            ops.flash_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                       causal=True, impl="fa3", **extra)
 
 
 def test_graph_replay_follows_new_lengths_and_schedules():

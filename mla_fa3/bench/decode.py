@@ -134,11 +134,11 @@ def _iters(cfg: Config, est_ms: float) -> tuple[int, int]:
 class BackendBench:
     """(a): one MLABackend + GraphRunner per (cell, H), captured once, timed for each length pattern."""
 
-    def __init__(self, cfg: Config, cell: Cell, heads: int, gen: torch.Generator):
+    def __init__(self, cfg: Config, cell: Cell, heads: int, gen: torch.Generator, decode_kernel: str = "auto"):
         self.cfg, self.cell, self.heads = cfg, cell, heads
         dev = cell.device
         self.backend = MLABackend(req_to_token_pool=cell.req_pool, kv_pool=cell.pool, page_size=cell.page, device=dev,
-                                  decode_kernel="auto", num_heads=heads, mla_dims=DIMS, impl=cfg.impl)
+                                  decode_kernel=decode_kernel, num_heads=heads, mla_dims=DIMS, impl=cfg.impl)
         scale = DIMS.qk_head_dim ** -0.5
         rows = heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
         self.layers = []

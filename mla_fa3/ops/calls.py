@@ -97,7 +97,8 @@ class FlashMLACall:
     schedule: FlashMLASchedule
     softmax_scale: float
     causal: bool
-    descale_q: Optional[Tensor]  # (1,) float32 (fp8)
-    descale_k: Optional[Tensor]  # (1,) float32 (fp8)
-    is_fp8: bool
+    descale_q: Optional[Tensor]  # (1,) float32 (e4m3 q)
+    descale_k: Optional[Tensor]  # (1,) float32 (e4m3 cache)
+    is_fp8: bool  # q (and so the cache) is e4m3: FlashMLA's FP8 decode
     out_dtype: torch.dtype
+    kv_fp8: bool = False  # the cache is e4m3 (with is_fp8 False: q in its own dtype, split-KV / reference only)

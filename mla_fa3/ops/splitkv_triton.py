@@ -6,8 +6,12 @@ q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope), the latent pool read in p
 ``cache_seqlens [bs] int32`` = L_b. Query i of request b sits at position p = L_b - sq + i and,
 causal, sees keys j <= p (bottom-right). With t = page_table[b, j // page_size], o = j % page_size:
 
-    s_ij  = scale · q_i · kv[t, o]              (all D dims; fp8: · descale_q · descale_k)
-    out_i = Σ_j softmax_j(s_i) · kv[t, o, :r]   (fp8: · descale_k)
+    s_ij  = scale · q_i · kv[t, o]              (all D dims; e4m3 cache: · descale_k; e4m3 q: · descale_q)
+    out_i = Σ_j softmax_j(s_i) · kv[t, o, :r]   (e4m3 cache: · descale_k)
+
+An e4m3 cache is read with an e4m3 q (FlashMLA's FP8 contract) or with q in its own dtype (bf16 / fp16 /
+fp32: the tile is converted in registers — exact, e4m3 fits in each — and the cache's scale folded into
+the scores and the output; q is never rounded to e4m3). The pool is never dequantized in memory.
     lse_i = ln Σ_j exp(s_ij)                     natural log, -inf and out 0 when no key is visible
 
 Inside, scores are kept in base 2 (``s2 = s · log2 e``, ``exp2``); the partial LSEs in the workspace
@@ -104,7 +108,7 @@ def _splitkv_partial_kernel(
     scale_log2,
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -133,10 +137,12 @@ def _splitkv_partial_kernel(
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
         q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         q_pe = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        if FP8:
+        if Q8:  # e4m3 q and cache (FlashMLA's FP8 contract): both exact in fp16
             q_lat = q_lat.to(tl.float16)
             q_pe = q_pe.to(tl.float16)
-            scale_log2 = scale_log2 * tl.load(DescaleQ) * tl.load(DescaleK)
+            scale_log2 = scale_log2 * tl.load(DescaleQ)
+        if KV8:  # the cache's per-tensor scale folds into the scores (and into the output, in the combine)
+            scale_log2 = scale_log2 * tl.load(DescaleK)
         last_key = seqlen - SQ + qi  # causal: row sees keys <= last_key
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -147,9 +153,9 @@ def _splitkv_partial_kernel(
                               0, PAGE, BLOCK_N, CONTIG, EXACT_V)
             k_pe = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
                               DV, PAGE, BLOCK_N, CONTIG, EXACT_R)
-            if FP8:
-                c_kv = c_kv.to(tl.float16)
-                k_pe = k_pe.to(tl.float16)
+            if KV8:  # dequantize in registers: e4m3 is exact in fp16 / bf16 / fp32 (the scale is applied above)
+                c_kv = c_kv.to(q_lat.dtype)
+                k_pe = k_pe.to(q_lat.dtype)
             if IEEE:
                 s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
                 s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision="ieee")
@@ -170,8 +176,8 @@ def _splitkv_partial_kernel(
             if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
                 v_blk = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
                                    0, PAGE, BLOCK_N, CONTIG, EXACT_V)
-                if FP8:
-                    v_blk = v_blk.to(tl.float16)
+                if KV8:
+                    v_blk = v_blk.to(q_lat.dtype)
             else:
                 v_blk = c_kv
             if IEEE:
@@ -196,7 +202,7 @@ def _splitkv_combine_kernel(
     stride_outb, stride_outs, stride_outh,
     stride_lseb, stride_lses,
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, KV8: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, i, h) of the output
     vb = tl.program_id(1)
@@ -229,7 +235,7 @@ def _splitkv_combine_kernel(
     denom = tl.sum(total, 0)
     live = denom > 0.0
     out = tl.sum(acc, 0) / tl.where(live, denom, 1.0)
-    if FP8:
+    if KV8:
         out = out * tl.load(DescaleK)
     out_ptr = Out + b.to(tl.int64) * stride_outb + i * stride_outs + h * stride_outh + cols
     tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=c_ok)
@@ -261,14 +267,14 @@ def splitkv_mla_with_kvcache(
     sq_pad = _next_pow2(sq)
     rows = block_h * sq_pad
     warps = config.num_warps or (4 if rows <= 32 else 8)
-    fp8 = call.is_fp8
-    one = call.descale_k if fp8 else lse  # any float32 pointer: unread unless FP8
+    q8, kv8 = call.is_fp8, call.kv_fp8 or call.is_fp8
+    one = lse  # any float32 pointer: read only under Q8 / KV8
     # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
     # with page >= block_n every key block lies in one page
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
-        call.descale_q if fp8 else one, one,
+        call.descale_q if q8 else one, call.descale_k if kv8 else one,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         call.page_table.stride(0),
@@ -277,18 +283,18 @@ def splitkv_mla_with_kvcache(
         call.softmax_scale * LOG2E,
         H=H, SQ=sq, DV=dv, DR=D - dv, PAGE=page,
         BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(D - dv)),
-        BLOCK_N=config.block_n, CAUSAL=call.causal, FP8=fp8, IEEE=q.dtype == torch.float32,
+        BLOCK_N=config.block_n, CAUSAL=call.causal, Q8=q8, KV8=kv8, IEEE=q.dtype == torch.float32,
         CONTIG=contig, RELOAD=config.reload_kv,
         num_warps=warps, num_stages=config.num_stages,
     )
     cdv = min(COMBINE_DV, _next_pow2(dv))
     _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
-        part_o, part_lse2, schedule.split_offsets, out, lse, one,
+        part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else one,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        H=H, SQ=sq, DV=dv, BLOCK_S=COMBINE_SPLITS, BLOCK_DV=cdv, FP8=fp8,
+        H=H, SQ=sq, DV=dv, BLOCK_S=COMBINE_SPLITS, BLOCK_DV=cdv, KV8=kv8,
         num_warps=4,
     )
     return out, lse

@@ -226,7 +226,12 @@ def check_flash_mla(
     chk.rank(q, "q", 4, "[bs, sq, H, D]")
     chk.rank(kv_cache, "kv_cache", 4, "[num_pages, page_size, 1, D]")
     chk.same_device(kv_cache, "kv_cache", device, "q")
-    chk.same_dtype(kv_cache, "kv_cache", q.dtype, "q")
+    # an e4m3 cache is read either with an e4m3 q (FlashMLA's FP8 decode: descale_q and descale_k) or with q in
+    # its own float dtype (the split-KV kernel dequantizes the cache in registers: descale_k only)
+    kv_fp8 = kv_cache.dtype in FP8_DTYPES
+    q_fp8 = q.dtype in FP8_DTYPES
+    if not (kv_fp8 and not q_fp8):
+        chk.same_dtype(kv_cache, "kv_cache", q.dtype, "q")
     D = q.shape[3]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache must have one (latent) KV head, got {kv_cache.shape[2]}")
@@ -244,15 +249,29 @@ def check_flash_mla(
         )
     scale = chk.scalar(softmax_scale, "softmax_scale")
     causal = chk.flag(causal, "causal")
-    fp8 = q.dtype in FP8_DTYPES
+    fp8 = q_fp8
     descale_q = chk.descale(descale_q, "descale_q", (1,), device)
     descale_k = chk.descale(descale_k, "descale_k", (1,), device)
-    chk.descales_fit(q.dtype, required=((descale_q, "descale_q"), (descale_k, "descale_k")), optional=())
+    if kv_fp8 and not q_fp8:
+        if kv_cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} with a {q.dtype} q: only a float8_e4m3fn cache is read "
+                             "with q in its own dtype")
+        if descale_k is None:
+            raise ValueError(f"descale_k is required with a {kv_cache.dtype} kv_cache (pass ones for unit scale)")
+        if descale_q is not None:
+            raise ValueError(f"descale_q is only valid with a float8 q, got {q.dtype} (the e4m3 cache's scale is "
+                             "descale_k)")
+    else:
+        chk.descales_fit(q.dtype, required=((descale_q, "descale_q"), (descale_k, "descale_k")), optional=())
     if schedule.is_fp8 != fp8:
         raise ValueError(f"schedule was planned with is_fp8={schedule.is_fp8} but q is {q.dtype}")
     if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}")
     if impl is Impl.FA3:
+        if kv_fp8 and not q_fp8:
+            raise ValueError(f"kv_cache is {kv_cache.dtype} but q is {q.dtype}: FlashMLA's FP8 decode reads an e4m3 "
+                             "cache with an e4m3 q only (ops.quantize_query_e4m3); the split-KV kernel "
+                             f"(ops.splitkv_mla_with_kvcache) reads it with q in its own dtype{FA3_HINT}")
         if schedule.impl is not Impl.FA3 or schedule.tile_scheduler_metadata is None:
             raise ValueError("schedule was planned by the reference; plan it with impl='fa3' for FlashMLA")
         if q.dtype not in FA3_HALF_DTYPES + (torch.float8_e4m3fn,):
@@ -271,7 +290,7 @@ def check_flash_mla(
     return FlashMLACall(
         q=q, kv_cache=kv_cache, page_table=page_table, cache_seqlens=cache_seqlens, head_dim_v=head_dim_v,
         schedule=schedule, softmax_scale=scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
-        is_fp8=fp8, out_dtype=chk.out_dtype(q.dtype) if out_dtype is None else out_dtype,
+        is_fp8=fp8, kv_fp8=kv_fp8, out_dtype=chk.out_dtype(q.dtype) if out_dtype is None else out_dtype,
     )
 
 

@@ -71,7 +71,7 @@ from mla_fa3.policy.decode_csv import (format_table, row_measurement, shape_key,
 from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
-__all__ = ["KernelChoice", "explain_decode_kernel", "choose_decode_kernels", "splitkv_measured", "splitkv_possible", "fp8_decode_note",
+__all__ = ["KernelChoice", "explain_decode_kernel", "choose_decode_kernels", "splitkv_measured", "splitkv_possible",
            "evaluate_on_csv", "Evaluation", "RuleStats", "main",
            # re-exported: the table (decode_table) and its CSV reader / literal printer (decode_csv)
            "Measured", "MEASURED", "table_from_rows", "table_from_csv", "table_from_csvs", "format_table"]
@@ -82,20 +82,6 @@ SKEW_WEIGHT = 2.0  # per log2 unit of mean/max length: equal vs skewed outweighs
 MAX_DISTANCE = 3.0  # farther than this (log2 units) from every measured shape: no evidence -> FA3
 TIE_DISTANCE = 0.05  # shapes this close to the nearest distance are equally near (gains averaged)
 MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 mean of equal lengths)
-
-
-# FlashMLA FP8 decode vs bf16 FlashMLA, kernel alone (shared/device/README.md, H200, sgl-kernel 0.4.5,
-# page 64): heads -> (batch, context, speedup). Whole-step ratios: ``mla-fa3 bench fp8`` (docs/PERFORMANCE.md).
-FP8_DECODE_SPEEDUP = {16: ((64, 8192, 1.44), (64, 32768, 1.59), (1, 65536, 1.83)),
-                      128: ((64, 8192, 1.0), (32, 131072, 1.05))}
-
-
-def fp8_decode_note(num_heads: int) -> str:
-    """What the FP8 decode is expected to gain at ``num_heads`` (the nearest measured head count)."""
-    near = min(FP8_DECODE_SPEEDUP, key=lambda h: abs(math.log2(h) - math.log2(max(num_heads, 1))))
-    ratios = [r for _, _, r in FP8_DECODE_SPEEDUP[near]]
-    return (f"the only kernel that reads e4m3; measured {min(ratios):.2f}-{max(ratios):.2f}x bf16 FlashMLA "
-            f"at {near} heads")
 
 
 @dataclass(frozen=True)
@@ -143,13 +129,10 @@ def explain_decode_kernel(
     mean_seqlen_k: float | None = None,
     table: Sequence[Measured] | None = None,
     min_gain: float = MIN_GAIN,
-    kv_fp8: bool = False,
     allow_splitkv: bool = True,
 ) -> KernelChoice:
-    """Choose FA3, FlashMLA or split-KV for one decode step's shape and say why.
-
-    ``kv_fp8``: the latent cache is e4m3 — FlashMLA's FP8 decode is then the only kernel that reads it
-    (FA3 refuses an e4m3 latent: ``HeaddimV > 256 requires fp16 and bf16``); page 64 is required.
+    """Choose FA3, FlashMLA or split-KV for one decode step's shape on a bf16 latent pool and say why
+    (an e4m3 pool: ``policy.fp8_decode``).
 
     ``max_seqlen_k`` / ``mean_seqlen_k``: the longest and the mean KV length of the batch (host
     numbers, from ``seq_lens_cpu``); ``mean_seqlen_k=None`` treats the lengths as equal. ``table``
@@ -166,11 +149,6 @@ def explain_decode_kernel(
     skew = _query_skew(max_seqlen_k, mean_seqlen_k)
     if not (is_real(min_gain) and min_gain > 0):
         raise ValueError(f"min_gain must be a positive number, got {min_gain!r}")
-    if kv_fp8:
-        if page_size != FLASHMLA_PAGE_SIZE:
-            raise ValueError(f"page_size must be {FLASHMLA_PAGE_SIZE} for an FP8 latent cache (FlashMLA's FP8 "
-                             f"decode is the only kernel that reads it), got {page_size}")
-        return KernelChoice(DecodeKernel.FLASHMLA, f"FP8 latent cache: FlashMLA FP8 ({fp8_decode_note(num_heads)})")
     if page_size != FLASHMLA_PAGE_SIZE:
         return KernelChoice(DecodeKernel.FA3,
                             f"page_size {page_size} != {FLASHMLA_PAGE_SIZE} (FlashMLA's block size) -> FA3")

@@ -1,8 +1,9 @@
 """A backend's decode-kernel choice for each decode-like step, cached: :class:`DecodeKernelChoice`.
 
-The kernel is the backend's setting (``fa3`` / ``flashmla`` / ``splitkv``; FlashMLA for an FP8 latent pool)
-or, with ``auto`` on page 64, the measured table's choice (``policy.decode_kernel``) for the step's host
-numbers: batch size, longest and mean KV length. That choice is cached per bucket of the three numbers
+The kernel is the backend's setting (``fa3`` / ``flashmla`` / ``splitkv``) or, with ``auto``, the measured
+table's choice for the step's host numbers: batch size, longest and mean KV length — on a bf16 pool at page 64
+``policy.decode_kernel`` (FA3 / FlashMLA / split-KV), on an FP8 pool ``policy.fp8_decode`` (FlashMLA FP8 /
+split-KV; split-KV alone off page 64). That choice is cached per bucket of the three numbers
 (``batch_bucket``, ``kernel_bucket``): a bucket is decided once at its corners (``batch_bucket_bounds``,
 ``bucket_corners``; all corners in one NumPy pass, ``choose_decode_kernels``) and keeps that kernel when they
 agree; where the table's choice changes inside a bucket, every step in it is decided for its exact numbers.
@@ -18,7 +19,9 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.policy import decode_kernel as decode_policy
+from mla_fa3.policy import fp8_decode
 from mla_fa3.policy.decode_kernel import MEAN_SLACK, choose_decode_kernels, explain_decode_kernel, splitkv_possible
+from mla_fa3.policy.fp8_decode import choose_fp8_decode_kernels, explain_fp8_decode_kernel, fp8_splitkv_possible
 from mla_fa3.policy.paths import DECODE_KERNEL_AUTO, FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["DecodeKernelChoice", "kernel_bucket", "batch_bucket", "batch_bucket_bounds", "bucket_corners",
@@ -76,7 +79,7 @@ class DecodeKernelChoice:
     """The decode kernel of each decode-like step of one backend (host numbers only, never a device value).
 
     decode_kernel: a :class:`DecodeKernel` or ``DECODE_KERNEL_AUTO``; num_heads: of the MLA layers (the
-    table's heads coordinate); kv_fp8: an e4m3 latent pool (FlashMLA FP8 only); whole_row_kernels: FlashMLA
+    table's heads coordinate); kv_fp8: an e4m3 latent pool (FlashMLA FP8 or split-KV); whole_row_kernels: FlashMLA
     and split-KV can read the pool's latent row; impl / device: where split-KV would run.
     """
 
@@ -93,7 +96,7 @@ class DecodeKernelChoice:
         self._kernel_cache: dict[tuple, tuple[DecodeKernel, str] | None] = {}
         self._splitkv_ok: dict = {}  # ops implementation setting -> split-KV runs here (see _splitkv_usable)
         self._graph_kernels: tuple[bool, tuple[DecodeKernel, ...]] | None = None  # (split-KV usable, kernels)
-        self._table = decode_policy.MEASURED  # the measured table the caches were filled from
+        self._table = self._measured()  # the measured table the caches were filled from
 
     def choose_decode_kernel(self, batch_size: int, max_seqlen_k: int,
                              mean_seqlen_k: float | None = None) -> tuple[DecodeKernel, str]:
@@ -108,16 +111,13 @@ class DecodeKernelChoice:
         they all pick one kernel the bucket keeps that choice, else (the table's choice changes inside
         it) every step in it is chosen for its exact numbers. Anything but a step's host numbers (a mean
         outside ``(0, max]``, a non-int) goes to the policy unchanged, which answers or raises."""
-        if self.kv_fp8:
-            key = ("fp8", self.num_heads, self.page_size)
-            hit = self._kernel_cache.get(key)
-            if hit is None:
-                choice = explain_decode_kernel(self.num_heads, 1, 1, self.page_size, kv_fp8=True)
-                hit = self._kernel_cache[key] = (choice.kernel, choice.reason)
-            return hit
         if self.decode_kernel != DECODE_KERNEL_AUTO:
-            return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting)"
+            fp8 = " on the FP8 latent pool" if self.kv_fp8 else ""
+            return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting){fp8}"
         if self.page_size != FLASHMLA_PAGE_SIZE:
+            if self.kv_fp8:  # split-KV is the one kernel that reads it (checked at construction)
+                choice = explain_fp8_decode_kernel(self.num_heads, 1, 1, self.page_size)
+                return choice.kernel, f"auto: {choice.reason}"
             return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
         if not self.whole_row_kernels:
             return DecodeKernel.FA3, "auto: the latent row is not FlashMLA's 512 + 64 -> FA3"
@@ -145,8 +145,8 @@ class DecodeKernelChoice:
 
     def _check_table(self) -> None:
         """Forget the cached choices when the measured table was replaced (a re-fit loaded at run time)."""
-        if decode_policy.MEASURED is not self._table:
-            self._table = decode_policy.MEASURED
+        if self._measured() is not self._table:
+            self._table = self._measured()
             self._kernel_cache.clear()
             self._graph_kernels = None
 
@@ -158,7 +158,8 @@ class DecodeKernelChoice:
         length / skew corners — all in one NumPy pass."""
         lo, hi = batch_bucket_bounds(batch_bucket_) if batch_bucket_ >= 0 else (-batch_bucket_, -batch_bucket_)
         corners = [(b, m, mean) for b in range(lo, hi + 1) for m, mean in bucket_corners(length_bucket, skew_bucket)]
-        kernels = choose_decode_kernels(self.num_heads, corners, allow_splitkv=allow_splitkv)  # one NumPy pass
+        choose = choose_fp8_decode_kernels if self.kv_fp8 else choose_decode_kernels
+        kernels = choose(self.num_heads, corners, allow_splitkv=allow_splitkv)  # one NumPy pass
         if len(set(kernels)) != 1:
             return None
         return self._choose_uncached(*corners[0], allow_splitkv)  # the reason, at the first corner
@@ -166,8 +167,9 @@ class DecodeKernelChoice:
     def _choose_uncached(self, batch_size: int, max_seqlen_k: int, mean_seqlen_k: float | None,
                          allow_splitkv: bool) -> tuple[DecodeKernel, str]:
         """``auto`` on page 64: the measured table's choice for these exact numbers (no cache)."""
-        choice = explain_decode_kernel(self.num_heads, batch_size, max_seqlen_k, self.page_size,
-                                       mean_seqlen_k=mean_seqlen_k, allow_splitkv=allow_splitkv)
+        explain = explain_fp8_decode_kernel if self.kv_fp8 else explain_decode_kernel
+        choice = explain(self.num_heads, batch_size, max_seqlen_k, self.page_size, mean_seqlen_k=mean_seqlen_k,
+                         allow_splitkv=allow_splitkv)
         return choice.kernel, f"auto: {choice.reason}"
 
     def graph_kernels(self) -> tuple[DecodeKernel, ...]:
@@ -181,15 +183,23 @@ class DecodeKernelChoice:
         return self._graph_kernels[1]
 
     def _graph_kernels_uncached(self) -> tuple[DecodeKernel, ...]:
-        if self.kv_fp8:
-            return (DecodeKernel.FLASHMLA,)
         if self.decode_kernel != DECODE_KERNEL_AUTO:
             return (self.decode_kernel,)
+        if self.kv_fp8:
+            if self.page_size != FLASHMLA_PAGE_SIZE:
+                return (DecodeKernel.SPLITKV,)
+            if self._splitkv_usable() and self.num_heads is not None and fp8_splitkv_possible(self.num_heads):
+                return (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
+            return (DecodeKernel.FLASHMLA,)
         if self.page_size != FLASHMLA_PAGE_SIZE or not self.whole_row_kernels:
             return (DecodeKernel.FA3,)
         if self._splitkv_usable() and self.num_heads is not None and splitkv_possible(self.num_heads):
             return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
         return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+
+    def _measured(self) -> tuple:
+        """The measured table this backend's choice reads (replaced at run time by a re-fit)."""
+        return fp8_decode.MEASURED_FP8 if self.kv_fp8 else decode_policy.MEASURED
 
     def _splitkv_usable(self) -> bool:
         """Whether the split-KV kernel runs here, cached per ops implementation setting (the backend's, or
