@@ -11,6 +11,10 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
     flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
 
+``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
+registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
+step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roofline's bytes are halved.
+
 Each kernel runs R times per replay over R disjoint copies of the cache (R·bytes > 3x the 50 MiB L2,
 ``timing.rotating_inputs``); times are per copy, median of replays (``timing.time_graph``). Pages are
 scattered (a random permutation). Before timing, the split-KV kernel is checked against the torch
@@ -35,6 +39,7 @@ from mla_fa3 import ops
 from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import Progress, h200_ceilings, rotating_inputs, time_graph
 from mla_fa3.ops import validate
+from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
 from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig
 
 R, D_ROPE, PAGE = 512, 64, 64
@@ -98,15 +103,18 @@ class Row:
 
 
 class Shape:
-    """bs requests of L tokens on page-64 latent pools: ``copies`` disjoint (pool, page table) pairs."""
+    """bs requests of L tokens on page-64 latent pools: ``copies`` disjoint (pool, page table) pairs (``fp8``:
+    e4m3 pools with ``descale_k``)."""
 
-    def __init__(self, bs: int, ctx: int, device: torch.device):
-        self.bs, self.ctx, self.device = bs, ctx, device
+    def __init__(self, bs: int, ctx: int, device: torch.device, fp8: bool = False):
+        self.bs, self.ctx, self.device, self.fp8 = bs, ctx, device, fp8
         pages = -(-ctx // PAGE)
-        self.nbytes = bs * ctx * D * 2
+        self.nbytes = bs * ctx * D * (1 if fp8 else 2)
+        self.descale_k = torch.full((1,), 1.0 / 32, device=device) if fp8 else None
 
         def make(_):
-            kv = torch.randn(bs * pages + 1, PAGE, 1, D, device=device).to(torch.bfloat16)
+            kv = torch.randn(bs * pages + 1, PAGE, 1, D, device=device)
+            kv = (kv * 32).to(torch.float8_e4m3fn) if fp8 else kv.to(torch.bfloat16)
             table = (torch.randperm(bs * pages, device=device) + 1).view(bs, pages).to(torch.int32)
             return kv, table
 
@@ -124,7 +132,7 @@ def splitkv_fn(shape: Shape, q: torch.Tensor, config: Optional[KernelConfig]):
     sched = ops.get_splitkv_schedule([shape.ctx] * shape.bs, num_heads=q.shape[2], page_size=PAGE,
                                      device=shape.device, config=config)
     calls = [validate.check_splitkv(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
-                                    causal=True, descale_q=None, descale_k=None, impl=ops.Impl.TRITON)
+                                    causal=True, descale_q=None, descale_k=shape.descale_k, impl=ops.Impl.TRITON)
              for kv, table in shape.copies]
     return (lambda: [kt.splitkv_mla_with_kvcache(c, sched) for c in calls]), sched
 
@@ -137,9 +145,13 @@ def fa3_fn(shape: Shape, q: torch.Tensor):
 
 
 def flashmla_fn(shape: Shape, q: torch.Tensor):
-    sched = ops.get_mla_decode_metadata(shape.seqlens, q.shape[2], impl="fa3")
+    extra = {}
+    if shape.fp8:  # FlashMLA's FP8 decode: an e4m3 q (quantized here once, outside the timed replays)
+        q, descale_q = quantize_e4m3_dynamic(q)
+        extra = dict(descale_q=descale_q, descale_k=shape.descale_k)
+    sched = ops.get_mla_decode_metadata(shape.seqlens, q.shape[2], is_fp8=shape.fp8, impl="fa3")
     return lambda: [ops.flash_mla_with_kvcache(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched,
-                                               softmax_scale=SCALE, causal=True, return_lse=True, impl="fa3")
+                                               softmax_scale=SCALE, causal=True, return_lse=True, impl="fa3", **extra)
                     for kv, table in shape.copies]
 
 
@@ -152,19 +164,19 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
-def check_correctness(device: torch.device, configs: Sequence[tuple] = ()) -> float:
-    """Split-KV vs the torch reference at bs 2 (L 8191 and 70), page 64: the worst cosine.
+def check_correctness(device: torch.device, configs: Sequence[tuple] = (), fp8: bool = False) -> float:
+    """Split-KV vs the torch reference at bs 2 (L 8191 and 70), page 64 (``fp8``: an e4m3 cache): the worst cosine.
 
     ``configs``: (heads, KernelConfig or None) pairs; 16 and 128 heads with the table's configs always."""
     lens = [8191, 70]
-    shape = Shape(2, 8191, device)
+    shape = Shape(2, 8191, device, fp8)
     shape.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
     kv, table = shape.copies[0]
     worst = 1.0
     for heads, cfg in [(16, None), (128, None), *configs]:
         q = shape.queries(heads)
         sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=PAGE, device=device, config=cfg)
-        kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True)
+        kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, descale_k=shape.descale_k)
         out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="triton")
         ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="reference")
         lse_err = (lse - ref_lse).abs().max().item()
@@ -178,7 +190,8 @@ def check_correctness(device: torch.device, configs: Sequence[tuple] = ()) -> fl
 def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int, peers: bool) -> Row:
     ceil = h200_ceilings()
     tokens = shape.bs * shape.ctx
-    roof_us = 1e3 * ceil.time_ms(roofline.decode_bytes(tokens), roofline.decode_flops(heads, tokens))
+    roof_us = 1e3 * ceil.time_ms(roofline.decode_bytes(tokens) // (2 if shape.fp8 else 1),
+                                 roofline.decode_flops(heads, tokens))
     q = shape.queries(heads)
     n = len(shape.copies)
     row = Row(heads, shape.bs, shape.ctx, PAGE, config.label() if config else "", 0, roof_us, None, None, None,
@@ -193,7 +206,7 @@ def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int
         return row
     if not peers:
         return row
-    for name, make in (("fa3", fa3_fn), ("flashmla", flashmla_fn)):
+    for name, make in ((("flashmla", flashmla_fn),) if shape.fp8 else (("fa3", fa3_fn), ("flashmla", flashmla_fn))):
         try:
             setattr(row, f"{name}_us", _time_us(make(shape, q), n, iters))
         except Exception as exc:
@@ -233,7 +246,7 @@ def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
 
 
 def run(shapes: Sequence[tuple], configs: Callable[[int], Sequence[Optional[KernelConfig]]], *, device,
-        iters: int, peers: bool, quiet: bool = False) -> list:
+        iters: int, peers: bool, quiet: bool = False, fp8: bool = False) -> list:
     """Time every (H, bs, L) of ``shapes`` with every config of ``configs(H)``; pools built once per (bs, L)."""
     rows = []
     by_cell = {}
@@ -241,7 +254,7 @@ def run(shapes: Sequence[tuple], configs: Callable[[int], Sequence[Optional[Kern
         by_cell.setdefault((bs, ctx), []).append(h)
     with Progress(sum(len(configs(h)) for h, _, _ in shapes), quiet=quiet) as prog:
         for (bs, ctx), heads in by_cell.items():
-            shape = Shape(bs, ctx, device)
+            shape = Shape(bs, ctx, device, fp8)
             for h in heads:
                 for cfg in configs(h):
                     rows.append(measure(shape, h, cfg, iters, peers))
@@ -310,6 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--reload-kv", action="store_true")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -319,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(0)
     checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv] + [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] \
         if a.sweep else []
-    if not a.no_check and check_correctness(device, checks) < 0.9999:
+    if not a.no_check and check_correctness(device, checks, a.fp8) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
         return 1
     if a.sweep:
@@ -330,10 +344,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None)
     flags = {k: v for k, v in flags.items() if v is not None}
     fixed = [KernelConfig(**flags)] if flags else [None]  # None: the table's choice per shape
-    rows = run(shapes, lambda h: fixed, device=device, iters=a.iters, peers=True, quiet=a.quiet)
+    rows = run(shapes, lambda h: fixed, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
     print(markdown(rows))
     if a.out:
-        write(rows, a.out, "splitkv")
+        write(rows, a.out, "splitkv_fp8" if a.fp8 else "splitkv")
     return 0
 
 

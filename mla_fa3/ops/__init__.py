@@ -291,7 +291,8 @@ def flash_mla_with_kvcache(
     is False, ours was True: code ported either way must say which; bottom-right aligned when True,
     and it only matters for sq > 1). Other differences from sgl-kernel: docs/SGL_KERNEL_DIFFERENCES.md.
     FP8: e4m3 q and cache with descale_q / descale_k of shape (1,) float32 (schedule planned with
-    is_fp8=True); output bf16. ``out_dtype`` (a float dtype) overrides the output dtype (FlashMLA's
+    is_fp8=True); output bf16. An e4m3 cache with a bf16 / fp16 / fp32 q (descale_k only) is the split-KV
+    kernel's read (``splitkv_mla_with_kvcache``): the reference runs it, FlashMLA refuses it before any kernel. ``out_dtype`` (a float dtype) overrides the output dtype (FlashMLA's
     output is cast; the reference rounds its fp32 result once). Returns out ``[bs, sq, H, head_dim_v]``,
     or (out, lse ``[bs, sq, H]``).
     """

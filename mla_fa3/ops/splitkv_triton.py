@@ -9,9 +9,11 @@ causal, sees keys j <= p (bottom-right). With t = page_table[b, j // page_size],
     s_ij  = scale · q_i · kv[t, o]              (all D dims; e4m3 cache: · descale_k; e4m3 q: · descale_q)
     out_i = Σ_j softmax_j(s_i) · kv[t, o, :r]   (e4m3 cache: · descale_k)
 
-An e4m3 cache is read with an e4m3 q (FlashMLA's FP8 contract) or with q in its own dtype (bf16 / fp16 /
-fp32: the tile is converted in registers — exact, e4m3 fits in each — and the cache's scale folded into
-the scores and the output; q is never rounded to e4m3). The pool is never dequantized in memory.
+An e4m3 cache is read with an e4m3 q (FlashMLA's FP8 contract) or with q in its own dtype (the tile is
+converted in registers — exact, e4m3 fits in fp16 and fp32 — and the cache's scale folded into the scores
+and the output; q is never rounded to e4m3). A bf16 q is converted to fp16 for the dots (Hopper converts
+e4m3 to fp16 natively, to bf16 only through fp32): exact for |q| in [2^-14, 65504] — an absorbed query far
+outside that range would lose precision or overflow. The pool is never dequantized in memory.
     lse_i = ln Σ_j exp(s_ij)                     natural log, -inf and out 0 when no key is visible
 
 Inside, scores are kept in base 2 (``s2 = s · log2 e``, ``exp2``); the partial LSEs in the workspace
@@ -141,6 +143,9 @@ def _splitkv_partial_kernel(
             q_lat = q_lat.to(tl.float16)
             q_pe = q_pe.to(tl.float16)
             scale_log2 = scale_log2 * tl.load(DescaleQ)
+        elif KV8 and not IEEE:  # a bf16 / fp16 q over an e4m3 cache: the dots run in fp16 (e4m3 -> fp16 is one
+            q_lat = q_lat.to(tl.float16)  # native conversion on sm90, e4m3 -> bf16 is not; bf16 -> fp16 is exact
+            q_pe = q_pe.to(tl.float16)  # for |q| in [2^-14, 65504], and P in [0, 1] keeps 11 bits instead of 8)
         if KV8:  # the cache's per-tensor scale folds into the scores (and into the output, in the combine)
             scale_log2 = scale_log2 * tl.load(DescaleK)
         last_key = seqlen - SQ + qi  # causal: row sees keys <= last_key

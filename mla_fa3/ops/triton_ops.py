@@ -117,7 +117,9 @@ def splitkv_mla_with_kvcache(
     page_table ``[bs, max_pages] int32``, cache_seqlens ``[bs] int32``, schedule from
     ``get_splitkv_schedule`` planned from the same lengths (the kernel never reads past
     cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
-    with descale_q / descale_k (1,) float32, output bf16. Always returns (out ``[bs, sq, H,
+    with descale_q / descale_k (1,) float32, output bf16; or an e4m3 cache with descale_k read by a
+    bf16 / fp16 / fp32 q (no descale_q): the tile is converted in registers, q is never rounded, the
+    output has q's dtype. Always returns (out ``[bs, sq, H,
     head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
