@@ -162,11 +162,12 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
 def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
     """o_lat [T, H, r] through FlashMLA or split-KV: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
 
-    q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy.
-    ``kv_scale`` given (FP8 cache): FlashMLA — q_lat is absorbed into its own buffer and
-    ``ops.quantize_query_e4m3`` writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the
-    device); the kernel gets both descales; its output (bf16) is cast back to q's dtype. Split-KV — q_cat as
-    for a bf16 cache, the kernel gets ``descale_k`` only (q is never rounded to e4m3)."""
+    Split-KV: q_lat absorbed into its own buffer (one bmm), q_rope read in place from the model's q (no
+    concatenation); an FP8 cache adds ``descale_k`` only (q is never rounded to e4m3). FlashMLA reads q
+    whole: q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy;
+    ``kv_scale`` given (FP8 cache): q_lat is absorbed into its own buffer and ``ops.quantize_query_e4m3``
+    writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the device); the kernel gets both
+    descales; its output (bf16) is cast back to q's dtype."""
     name = kernel.value.upper()
     if schedule is None:
         raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
@@ -180,18 +181,20 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
         raise ValueError(f"q has {T} tokens but {name} needs batch_size * max_seqlen_q = {bs} * {sq} "
                          "(equal query length per request)")
     descales = {} if kv_scale is None else dict(descale_k=kv_scale)
-    if kv_scale is not None and kernel is DecodeKernel.FLASHMLA:
+    kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl)
+    if kernel is DecodeKernel.SPLITKV:  # q_lat and q_rope read where they lie: no concatenation
+        q_lat = absorb_query(q_nope, layer.mla_weights)
+        o, _ = ops.splitkv_mla_with_kvcache(q_lat.view(bs, sq, H, r), kv_paged, metadata.page_table,
+                                            metadata.cache_seqlens, q_rope=q_rope.view(bs, sq, H, width - r), **kw,
+                                            **descales)
+        return o.view(T, H, r)
+    if kv_scale is not None:
         q_cat, q_scale = ops.quantize_query_e4m3(absorb_query(q_nope, layer.mla_weights), q_rope, impl=impl)
         descales["descale_q"] = q_scale
     else:
         q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
         absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
         q_cat[..., r:].copy_(q_rope)
-    kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl, **descales)
-    if kernel is DecodeKernel.SPLITKV:
-        o, _ = ops.splitkv_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
-                                            metadata.cache_seqlens, **kw)
-    else:
-        o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
-                                       metadata.cache_seqlens, out_dtype=q_nope.dtype, **kw)
+    o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
+                                   metadata.cache_seqlens, out_dtype=q_nope.dtype, **kw, **descales)
     return o.view(T, H, r)

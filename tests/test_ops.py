@@ -182,6 +182,15 @@ def test_flash_mla_e4m3_cache_with_a_float_q_is_the_reference_and_split_kv_only(
     with pytest.raises(ValueError, match="^kv_cache is torch.float8_e4m3fn but q is torch.bfloat16: FlashMLA"):
         validate.check_flash_mla(q, kv, table, lens, head_dim_v=c["r"], schedule=fake, softmax_scale=0.1, causal=True,
                                  impl=ops.Impl.FA3, descale_q=None, **extra)
+    r = c["r"]  # the rope part apart is the split-KV op's form only; an e4m3 q is always given whole
+    with pytest.raises(ValueError, match="^q_rope must be None for FlashMLA"):
+        validate.check_flash_mla(q[..., :r], kv, table, lens, head_dim_v=r, schedule=fake, softmax_scale=0.1,
+                                 causal=True, impl=ops.Impl.FA3, descale_q=None, q_rope=q[..., r:], **extra)
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="^q_rope must be None with a torch.float8_e4m3fn q"):
+        validate.check_flash_mla(q8[..., :r], kv, table, lens, head_dim_v=r, schedule=replace(fake, is_fp8=True),
+                                 softmax_scale=0.1, causal=True, impl=ops.Impl.REFERENCE, descale_q=torch.ones(1),
+                                 q_rope=q8[..., r:], **extra)
 
 
 def test_flash_mla_reference_equals_split_qv_form():

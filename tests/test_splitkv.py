@@ -219,6 +219,14 @@ OP_BAD = {
                                       k.update(descale_k=torch.ones(1), descale_q=torch.ones(1))), ValueError, "descale_q"),
     "fp8kv_e5m2": (lambda a, k: (a.__setitem__(1, a[1].to(torch.float8_e5m2)), k.update(descale_k=torch.ones(1))),
                    ValueError, "kv_cache dtype"),
+    # the rope part apart: shapes, dtype, and q then holding exactly head_dim_v columns
+    "q_rope_with_whole_q": (lambda a, k: k.update(q_rope=a[0][..., 32:]), ValueError, "q must hold head_dim_v"),
+    "q_rope_rows": (lambda a, k: (k.update(q_rope=a[0][:1, ..., 32:]), a.__setitem__(0, a[0][..., :32])),
+                    ValueError, "q_rope must be"),
+    "q_rope_dtype": (lambda a, k: (k.update(q_rope=a[0][..., 32:].double()), a.__setitem__(0, a[0][..., :32])),
+                     ValueError, "q_rope dtype"),
+    "q_rope_width": (lambda a, k: (k.update(q_rope=a[0][..., 40:]), a.__setitem__(0, a[0][..., :32])),
+                     ValueError, "kv_cache head dim"),
 }
 
 
@@ -323,6 +331,22 @@ INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choi
 }
 
 
+def _apart(q: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_lat contiguous, q_rope as a strided slice of a wider tensor, like the model's q) from a whole q."""
+    d_rope = q.shape[-1] - r
+    wide = torch.full((*q.shape[:3], d_rope + 7), float("nan"), dtype=q.dtype)
+    wide[..., 3: 3 + d_rope] = q[..., r:]
+    return q[..., :r].contiguous(), wide[..., 3: 3 + d_rope]
+
+
+def test_op_with_the_rope_part_apart_matches_the_oracle():
+    c, args, kw, dense = _op_args(heads=4, sq=2, lens=(1, 17, 33), page=1)
+    q_lat, q_rope = _apart(args[0], c["r"])
+    assert q_rope.stride(-1) == 1 and not q_rope.is_contiguous()
+    out, lse = ops.splitkv_mla_with_kvcache(q_lat, *args[1:], **kw, q_rope=q_rope, impl="reference")
+    _check_vs_oracle(c, dense, out, lse)
+
+
 def _interpreter_run() -> dict:
     """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
     failures = {}
@@ -343,6 +367,10 @@ def _interpreter_run() -> dict:
             ref, _ = ops.splitkv_mla_with_kvcache(*args, **kw, impl="reference")
             atol, rtol, _ = tolerances(torch.float16 if dt is torch.float16 else dt, fp8 is True)  # fp16: ~2**-11
             torch.testing.assert_close(out.float(), ref.float(), atol=atol / 4 if dt is torch.float16 else atol, rtol=rtol)
+            if fp8 is not True:  # the rope part given apart (a strided slice of a wider tensor): the same result
+                q_lat, q_rope = _apart(args[0], c["r"])
+                out2, lse2 = ops.splitkv_mla_with_kvcache(q_lat, *args[1:], **kw, q_rope=q_rope, impl="triton")
+                assert torch.equal(out2, out) and torch.equal(lse2, lse)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
     return failures

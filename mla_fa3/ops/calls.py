@@ -102,3 +102,4 @@ class FlashMLACall:
     is_fp8: bool  # q (and so the cache) is e4m3: FlashMLA's FP8 decode
     out_dtype: torch.dtype
     kv_fp8: bool = False  # the cache is e4m3 (with is_fp8 False: q in its own dtype, split-KV / reference only)
+    q_rope: Optional[Tensor] = None  # [bs, sq, H, D - head_dim_v]: the rope part apart (q = its first head_dim_v)

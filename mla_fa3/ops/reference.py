@@ -230,8 +230,9 @@ def flash_mla_with_kvcache(call: FlashMLACall) -> Tuple[Tensor, Tensor]:
     bs = call.q.shape[0]
     expand = None if call.descale_k is None else call.descale_k.view(1, 1).expand(bs, 1)
     q_scale = None if call.descale_q is None else call.descale_q.view(1, 1).expand(bs, 1)
+    q = call.q if call.q_rope is None else torch.cat([call.q, call.q_rope], dim=-1)
     inner = KVCacheCall(
-        q=call.q, k_cache=call.kv_cache, v_cache=call.kv_cache[..., : call.head_dim_v], qv=None,
+        q=q, k_cache=call.kv_cache, v_cache=call.kv_cache[..., : call.head_dim_v], qv=None,
         page_table=call.page_table, cache_seqlens=call.cache_seqlens, cu_seqlens_q=None, max_seqlen_q=None,
         softmax_scale=call.softmax_scale, causal=call.causal, window_size=(-1, -1), softcap=0.0,
         k_descale=expand, v_descale=expand, q_descale=q_scale, num_splits=0, batch_size=bs, varlen=False,

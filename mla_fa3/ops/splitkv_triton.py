@@ -1,7 +1,8 @@
 """Split-KV absorbed-MLA decode in Triton (``triton`` is imported only here and in ``fp8_triton.py``).
 
 Contract of ``ops.flash_mla_with_kvcache`` (its torch reference is ``reference.flash_mla_with_kvcache``):
-q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope), the latent pool read in place
+q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope; or q_lat ``[bs, sq, H, r]`` with q_rope apart — the
+absorbed step then never concatenates them), the latent pool read in place
 ``kv [num_pages, page_size, 1, D]`` (c_kv | k_rope), ``page_table [bs, max_pages] int32``,
 ``cache_seqlens [bs] int32`` = L_b. Query i of request b sits at position p = L_b - sq + i and,
 causal, sees keys j <= p (bottom-right). With t = page_table[b, j // page_size], o = j % page_size:
@@ -101,8 +102,9 @@ def _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_c, c_ok,
 
 @triton.jit
 def _splitkv_partial_kernel(
-    Q, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
+    Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
     stride_qb, stride_qs, stride_qh,
+    stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
     stride_ptb,
     stride_ow, stride_os, stride_oh,
@@ -137,8 +139,9 @@ def _splitkv_partial_kernel(
         pt_row = b.to(tl.int64) * stride_ptb
 
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
+        qr_row = QR + b.to(tl.int64) * stride_qrb + qi * stride_qrs + hh * stride_qrh  # the rope part (may be apart)
         q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
-        q_pe = tl.load(q_row[:, None] + DV + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        q_pe = tl.load(qr_row[:, None] + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         if Q8:  # e4m3 q and cache (FlashMLA's FP8 contract): both exact in fp16
             q_lat = q_lat.to(tl.float16)
             q_pe = q_pe.to(tl.float16)
@@ -257,8 +260,10 @@ def splitkv_mla_with_kvcache(
     ``config``: the launch parameters; default the schedule's (the one its split count was planned with)."""
     config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
-    bs, sq, H, D = q.shape
     dv = call.head_dim_v
+    q_rope = q[..., dv:] if call.q_rope is None else call.q_rope  # q whole, or its rope part given apart
+    bs, sq, H = q.shape[:3]
+    D = dv + q_rope.shape[3]
     page = kv.shape[1]
     out = torch.empty(bs, sq, H, dv, dtype=call.out_dtype, device=q.device)
     lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
@@ -278,9 +283,10 @@ def splitkv_mla_with_kvcache(
     # with page >= block_n every key block lies in one page
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
-        q, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
+        q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
         q.stride(0), q.stride(1), q.stride(2),
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
         call.page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),

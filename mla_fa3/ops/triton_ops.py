@@ -109,7 +109,7 @@ def get_splitkv_schedule(
 def splitkv_mla_with_kvcache(
     q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
     schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
-    descale_k: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
+    descale_k: Optional[Tensor] = None, q_rope: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
 
@@ -119,13 +119,16 @@ def splitkv_mla_with_kvcache(
     cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
     with descale_q / descale_k (1,) float32, output bf16; or an e4m3 cache with descale_k read by a
     bf16 / fp16 / fp32 q (no descale_q): the tile is converted in registers, q is never rounded, the
-    output has q's dtype. Always returns (out ``[bs, sq, H,
+    output has q's dtype. ``q_rope`` ``[bs, sq, H, D - head_dim_v]``: the query's rope part given apart (any
+    strides with a contiguous last dim, e.g. a slice of the model's q); q then holds only the first
+    ``head_dim_v`` columns — the kernel reads both where they lie, nothing is concatenated. Always returns (out ``[bs, sq, H,
     head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
     call = validate.check_splitkv(
         q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
+        q_rope=q_rope,
     )
     if chosen is Impl.TRITON:
         out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule)

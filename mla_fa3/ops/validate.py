@@ -216,14 +216,17 @@ def check_mla_metadata(cache_seqlens, num_q_heads_per_kv, *, is_fp8) -> None:
 
 def check_flash_mla(
     q, kv_cache, page_table, cache_seqlens, *, head_dim_v, schedule, softmax_scale, causal, descale_q, descale_k,
-    impl: Impl, out_dtype=None,
+    impl: Impl, out_dtype=None, q_rope=None,
 ) -> FlashMLACall:
-    """Validate ``flash_mla_with_kvcache`` arguments for implementation ``impl``."""
+    """Validate ``flash_mla_with_kvcache`` arguments for implementation ``impl``.
+
+    ``q_rope`` (the split-KV op only): the query's rope part given apart, ``[bs, sq, H, D - head_dim_v]``; q then
+    holds the first ``head_dim_v`` columns. Not with an e4m3 q, nor for FlashMLA (it reads q whole)."""
     for x, name in ((q, "q"), (kv_cache, "kv_cache")):
         chk.tensor(x, name)
         chk.floating(x, name)
     device = q.device
-    chk.rank(q, "q", 4, "[bs, sq, H, D]")
+    chk.rank(q, "q", 4, "[bs, sq, H, D]" if q_rope is None else "[bs, sq, H, head_dim_v]")
     chk.rank(kv_cache, "kv_cache", 4, "[num_pages, page_size, 1, D]")
     chk.same_device(kv_cache, "kv_cache", device, "q")
     # an e4m3 cache is read either with an e4m3 q (FlashMLA's FP8 decode: descale_q and descale_k) or with q in
@@ -233,6 +236,19 @@ def check_flash_mla(
     if not (kv_fp8 and not q_fp8):
         chk.same_dtype(kv_cache, "kv_cache", q.dtype, "q")
     D = q.shape[3]
+    if q_rope is not None:
+        chk.tensor(q_rope, "q_rope")
+        chk.rank(q_rope, "q_rope", 4, "[bs, sq, H, D - head_dim_v]")
+        chk.same_device(q_rope, "q_rope", device, "q")
+        chk.same_dtype(q_rope, "q_rope", q.dtype, "q")
+        if q.dtype in FP8_DTYPES:
+            raise ValueError(f"q_rope must be None with a {q.dtype} q (an e4m3 query is given whole)")
+        if tuple(q_rope.shape[:3]) != tuple(q.shape[:3]):
+            raise ValueError(f"q_rope must be [bs, sq, H, *] = {tuple(q.shape[:3])} like q, got {tuple(q_rope.shape)}")
+        if q.shape[3] != head_dim_v:
+            raise ValueError(f"q must hold head_dim_v = {head_dim_v} columns when q_rope is given apart, got "
+                             f"{q.shape[3]}")
+        D = q.shape[3] + q_rope.shape[3]
     if kv_cache.shape[2] != 1:
         raise ValueError(f"kv_cache must have one (latent) KV head, got {kv_cache.shape[2]}")
     if kv_cache.shape[3] != D:
@@ -268,6 +284,8 @@ def check_flash_mla(
     if out_dtype is not None and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be None, torch.bfloat16, torch.float16 or torch.float32, got {out_dtype!r}")
     if impl is Impl.FA3:
+        if q_rope is not None:
+            raise ValueError("q_rope must be None for FlashMLA, which reads q whole ([bs, sq, H, D])")
         if kv_fp8 and not q_fp8:
             raise ValueError(f"kv_cache is {kv_cache.dtype} but q is {q.dtype}: FlashMLA's FP8 decode reads an e4m3 "
                              "cache with an e4m3 q only (ops.quantize_query_e4m3); the split-KV kernel "
@@ -291,6 +309,7 @@ def check_flash_mla(
         q=q, kv_cache=kv_cache, page_table=page_table, cache_seqlens=cache_seqlens, head_dim_v=head_dim_v,
         schedule=schedule, softmax_scale=scale, causal=causal, descale_q=descale_q, descale_k=descale_k,
         is_fp8=fp8, kv_fp8=kv_fp8, out_dtype=chk.out_dtype(q.dtype) if out_dtype is None else out_dtype,
+        q_rope=q_rope,
     )
 
 
@@ -299,7 +318,7 @@ SPLITKV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m
 
 def check_splitkv(
     q, kv_cache, page_table, cache_seqlens, *, head_dim_v, schedule, softmax_scale, causal, descale_q, descale_k,
-    impl: Impl,
+    impl: Impl, q_rope=None,
 ) -> FlashMLACall:
     """Validate ``splitkv_mla_with_kvcache``: the FlashMLA contract (any page size) plus the schedule's fit."""
     from .splitkv_plan import SplitKVSchedule
@@ -312,14 +331,16 @@ def check_splitkv(
     call = check_flash_mla(
         q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=marker,
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=Impl.REFERENCE,
+        q_rope=q_rope,
     )
     if impl is Impl.TRITON:
         if q.dtype not in SPLITKV_DTYPES:
             raise ValueError(f"q dtype {q.dtype} is not supported by the split-KV kernel (bf16, fp16, fp32, e4m3)")
-        if head_dim_v == q.shape[3]:
-            raise ValueError(f"head_dim_v must be < q's head dim {q.shape[3]} for the split-KV kernel (rope part)")
-        for x, name in ((q, "q"), (kv_cache, "kv_cache"), (page_table, "page_table")):
-            chk.last_dim_contiguous(x, name)
+        if head_dim_v == kv_cache.shape[3]:
+            raise ValueError(f"head_dim_v must be < q's head dim {kv_cache.shape[3]} for the split-KV kernel (rope part)")
+        for x, name in ((q, "q"), (q_rope, "q_rope"), (kv_cache, "kv_cache"), (page_table, "page_table")):
+            if x is not None:
+                chk.last_dim_contiguous(x, name)
         if schedule.device != q.device:
             raise ValueError(f"schedule must be on q's device {q.device}, got {schedule.device}")
         if q.shape[0] > schedule.max_batch:
