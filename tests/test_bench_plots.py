@@ -103,3 +103,24 @@ def test_smoke_label_only_off_the_h200_path():
     assert "cuda with impl=reference" in roofline.smoke_label("cuda", "reference")
     table = roofline.markdown_table([], roofline.Ceilings(4.3e12, 790e12, "H200"), roofline.smoke_label("cpu"))
     assert table.startswith("**CPU smoke run**")
+
+
+def test_plain_step_bench_computes_the_whole_attention(_threads):
+    """The plain unfused step the backend is compared with attends over every cached token (fp64 oracle)."""
+    from mla_fa3.bench.decode import DIMS, Cell
+    from mla_fa3.bench.plain_step import plain_step_fn
+
+    gen = torch.Generator().manual_seed(0)
+    cell = Cell(64, 2, 70, torch.device("cpu"), gen)
+    fn = plain_step_fn(cell, 2, gen, impl="reference")
+    out = fn()[-1].double()
+    q, latent, weights, scale = fn.inputs
+    w, r, dn = weights[-1], DIMS.kv_lora_rank, DIMS.qk_nope_head_dim
+    buf = cell.pool.kv_buffer[len(weights) - 1].double()
+    for b in range(2):
+        keys = buf[cell.req_pool.req_to_token[b, :70].long()]
+        keys[-1] = latent[b].double()  # the step stores its own token's row first
+        q_lat = torch.einsum("hn,hnr->hr", q[b, :, :dn].double(), w.w_uk.double())
+        s = scale * (q_lat @ keys[:, :r].T + q[b, :, dn:].double() @ keys[:, r:].T)
+        o = torch.einsum("hl,lr,hrv->hv", torch.softmax(s, -1), keys[:, :r], w.w_uv.double())
+        torch.testing.assert_close(out[b], o, atol=2e-2, rtol=2e-2)  # bf16 inputs, fp32 reference kernel

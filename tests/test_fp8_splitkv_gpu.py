@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from fp8_cases import fp8_backend, fp8_case, fp8_oracle
+from fp8_cases import fp8_backend, fp8_case, fp8_oracle, run
 from mla_cases import cosine, rel_err
 from specs import FP8_SPECS, BatchSpec, MLAConfig
 
@@ -32,13 +32,6 @@ V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head
 MIN_COSINE = 0.9999
 
 
-def _run(case, **kw):
-    backend = fp8_backend(case, **kw)
-    backend.init_forward_metadata(case.batch)
-    out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
-    return out, backend
-
-
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("name", list(FP8_SPECS))
@@ -46,11 +39,11 @@ def test_split_kv_fp8_every_mode_against_the_exact_query_oracle(name, heads, pag
     cfg = MLAConfig(heads, V3)
     spec = dataclasses.replace(FP8_SPECS[name], page_size=page)
     case = fp8_case(spec, cfg, seed=len(name), dtype=BF16, device=DEV)
-    out, backend = _run(case, impl="fa3", decode_kernel="splitkv", prefill_workspace_tokens=64)
+    out, backend = run(case, impl="fa3", decode_kernel="splitkv", prefill_workspace_tokens=64)
     ref = fp8_oracle(case, query_e4m3=False)
     torch.cuda.synchronize()
     twin = fp8_case(spec, cfg, seed=len(name), dtype=BF16, device=DEV)
-    out_ref, _ = _run(twin, impl="reference", decode_kernel="splitkv", prefill_workspace_tokens=64)
+    out_ref, _ = run(twin, impl="reference", decode_kernel="splitkv", prefill_workspace_tokens=64)
     cos, err, err_ref = cosine(out, ref), rel_err(out, ref), rel_err(out_ref, ref)
     print(f"\n{name} H={heads} page {page}: {backend.explain().summary()}\n  triton rel err {err:.3e} cos {cos:.7f}; "
           f"torch reference on the same pool rel err {err_ref:.3e} cos {cosine(out_ref, ref):.7f}")
