@@ -287,6 +287,7 @@ OP_CASES = {
 
 
 def _check_vs_oracle(c, dense, out, lse, scale=0.2, dtype=torch.float32):
+    scale = c.get("scale", scale)
     ref_out, ref_lse = flashmla_oracle(c, dense, scale)
     atol, rtol, lse_atol = tolerances(dtype, c.get("fp8", False) is True)  # an e4m3 cache alone: exact in fp32
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
@@ -321,7 +322,12 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp8kv_fp32_page16_verify_sq2": ((33, 5, 1), 2, 4, 16, "float32", "kv", False),
     "fp8kv_fp16_page64_padded_reload": ((70, 129), 1, 4, 64, "float16", "kv", True),
     "fp8kv_fp32_page1_many_splits": ((700, 3), 1, 20, 1, "float32", "kv", False, 64),
+    # the production read: a bf16 q over an e4m3 cache (fp16 dots after a power-of-two rescale of q), q of any size
+    "fp8kv_bf16_page16": ((33, 5, 64), 1, 4, 16, "bfloat16", "kv", False),
+    "fp8kv_bf16_q_times_1e5": ((33, 5, 64), 1, 4, 16, "bfloat16", "kv", False),
+    "fp8kv_bf16_q_times_1e-6": ((33, 5, 64), 2, 4, 16, "bfloat16", "kv", False),
 }
+Q_SCALE = {"fp8kv_bf16_q_times_1e5": 1e5, "fp8kv_bf16_q_times_1e-6": 1e-6}  # q multiplied by this (oracle too)
 INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choice)
     "fp32_page64_block64_spans_end": dict(block_n=64),
     "fp16_page32_verify_sq3_half_reload": dict(block_n=32, half_partials=True, reload_kv=True),
@@ -355,6 +361,10 @@ def _interpreter_run() -> dict:
         cfg = KernelConfig(**INTERPRETER_CONFIGS[name]) if name in INTERPRETER_CONFIGS else None
         c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8,
                                       num_sms=(sms or [4])[0], config=cfg)
+        if name in Q_SCALE:  # a q far outside fp16's range (or deep in its subnormals): the rescale keeps it exact
+            args[0] = (args[0].double() * Q_SCALE[name]).to(dt)
+            dense = [(args[0][b].double(), kv_b) for b, (_, kv_b) in enumerate(dense)]
+            kw["softmax_scale"] = 0.2 / Q_SCALE[name]
         if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request
             big = ops.get_splitkv_schedule([1], num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=4,
                                            max_batch=len(lens) + 1, config=kw["schedule"].config)
@@ -363,7 +373,7 @@ def _interpreter_run() -> dict:
             out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
             assert ops.last_impl() is Impl.TRITON
             assert out.dtype == (torch.bfloat16 if fp8 is True else dt)
-            _check_vs_oracle(c, dense, out, lse, dtype=dt)
+            _check_vs_oracle(dict(c, scale=kw["softmax_scale"]), dense, out, lse, dtype=dt)
             ref, _ = ops.splitkv_mla_with_kvcache(*args, **kw, impl="reference")
             atol, rtol, _ = tolerances(torch.float16 if dt is torch.float16 else dt, fp8 is True)  # fp16: ~2**-11
             torch.testing.assert_close(out.float(), ref.float(), atol=atol / 4 if dt is torch.float16 else atol, rtol=rtol)

@@ -12,9 +12,10 @@ causal, sees keys j <= p (bottom-right). With t = page_table[b, j // page_size],
 
 An e4m3 cache is read with an e4m3 q (FlashMLA's FP8 contract) or with q in its own dtype (the tile is
 converted in registers — exact, e4m3 fits in fp16 and fp32 — and the cache's scale folded into the scores
-and the output; q is never rounded to e4m3). A bf16 q is converted to fp16 for the dots (Hopper converts
-e4m3 to fp16 natively, to bf16 only through fp32): exact for |q| in [2^-14, 65504] — an absorbed query far
-outside that range would lose precision or overflow. The pool is never dequantized in memory.
+and the output; q is never rounded to e4m3). A bf16 q enters the dots in fp16 (Hopper converts e4m3 to
+fp16 natively, to bf16 only through fp32) after an exact power-of-two rescaling per program that puts its
+largest |q| in [2^13, 2^15): no overflow whatever q's magnitude, and bf16 -> fp16 exact for every component
+within 2^27 of the largest (smaller ones become fp16 subnormals). The pool is never dequantized in memory.
     lse_i = ln Σ_j exp(s_ij)                     natural log, -inf and out 0 when no key is visible
 
 Inside, scores are kept in base 2 (``s2 = s · log2 e``, ``exp2``); the partial LSEs in the workspace
@@ -147,8 +148,19 @@ def _splitkv_partial_kernel(
             q_pe = q_pe.to(tl.float16)
             scale_log2 = scale_log2 * tl.load(DescaleQ)
         elif KV8 and not IEEE:  # a bf16 / fp16 q over an e4m3 cache: the dots run in fp16 (e4m3 -> fp16 is one
-            q_lat = q_lat.to(tl.float16)  # native conversion on sm90, e4m3 -> bf16 is not; bf16 -> fp16 is exact
-            q_pe = q_pe.to(tl.float16)  # for |q| in [2^-14, 65504], and P in [0, 1] keeps 11 bits instead of 8)
+            # native conversion on sm90, e4m3 -> bf16 is not). q is first rescaled by a power of two 2^k (exact) so
+            # that the program's largest |q| lies in [2^13, 2^15) (a log2 rounded either way): no overflow, and
+            # bf16's 8 significant bits fit fp16's 11 for every component within 2^27 of the largest; 2^k folds
+            # into the score scale.
+            ql = q_lat.to(tl.float32)
+            qp = q_pe.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.max(tl.abs(ql), 1), 0), tl.max(tl.max(tl.abs(qp), 1), 0))
+            big = amax > 0.0
+            shift = tl.where(big, tl.floor(tl.log2(tl.where(big, amax, 1.0))) - 13.0, 0.0)
+            pow2 = tl.exp2(shift)
+            q_lat = (ql / pow2).to(tl.float16)
+            q_pe = (qp / pow2).to(tl.float16)
+            scale_log2 = scale_log2 * pow2
         if KV8:  # the cache's per-tensor scale folds into the scores (and into the output, in the combine)
             scale_log2 = scale_log2 * tl.load(DescaleK)
         last_key = seqlen - SQ + qi  # causal: row sees keys <= last_key
