@@ -34,10 +34,11 @@ MLA layer (``LayerKind.MLA``), symbols of :mod:`mla_fa3.absorb`:
     out    [T, H, d_v]
 
 FP8 latent pool (``MLATokenPool(kv_dtype=torch.float8_e4m3fn)``): rows are quantized as they are stored
-(per-layer scale), decode-like steps run FlashMLA's FP8 decode (q quantized per step on the device),
-extend rows read the latent dequantized chunk by chunk (MHA prefill); the pool is never dequantized
-whole. It needs page size 64 and the MLA layers' ``num_heads`` / ``mla_dims`` (checked here, before any
-kernel runs); layers with softcap, a window, local attention or another head count cannot read it.
+(per-layer scale), decode-like steps run FlashMLA's FP8 decode (q quantized per step on the device; page
+64) or the split-KV kernel (q kept in its dtype; any page size) — ``policy.fp8_decode``; extend rows read the
+latent dequantized chunk by chunk (MHA prefill); the pool is never dequantized whole. It needs the MLA
+layers' ``num_heads`` / ``mla_dims``, and off page 64 a split-KV kernel that runs here (checked here, before
+any kernel runs); layers with softcap, a window, local attention or another head count cannot read it.
 
 CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE): ``init_cuda_graph_state`` allocates the builder's
 capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of them and
@@ -85,8 +86,8 @@ class MLABackend:
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
         decode_kernel: 'fa3', 'flashmla' (page 64 only), 'splitkv' (the Triton split-KV kernel; any page
-            size) or 'auto' (``policy.decode_kernel`` per step); None (default) = 'fa3', or 'flashmla' for an
-            FP8 latent pool (the only kernel that reads it; 'fa3' with an FP8 pool is an error).
+            size) or 'auto' (``policy.decode_kernel`` per step); None (default) = 'fa3', or 'auto' for an
+            FP8 latent pool (``policy.fp8_decode``: FlashMLA FP8 or split-KV; 'fa3' with an FP8 pool is an error).
         num_heads: query heads of the MLA layers (per rank); required for 'flashmla' / 'auto' because the
             FlashMLA schedule is planned once per step, before any layer runs.
         mla_dims: the MLA layers' :class:`MLADims`; with ``num_heads`` they let the prefill cost model

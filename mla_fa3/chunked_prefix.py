@@ -246,7 +246,8 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
 
 def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLayer, metadata: AttentionMetadata,
                         kv_paged: Tensor, plan: PrefillPlan, *, kv_scale: Tensor | None = None,
-                        absorbed_kernel: DecodeKernel = DecodeKernel.FA3, schedule: ops.FlashMLASchedule | None = None,
+                        absorbed_kernel: DecodeKernel = DecodeKernel.FA3,
+                        schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | None = None,
                         impl=None) -> Tensor:
     """One MLA layer of an extend-like step on the MHA path: q [T, H, d_qk] -> o [T, H, d_v], batch order.
 
@@ -254,7 +255,7 @@ def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLa
     the plan's slots — they must be stored already). kv_paged: the layer's latent pool,
     ``MLATokenPool.paged(layer_id)`` ``[pages, page_size, 1, r + d_rope]`` (or flat ``[slots, r + d_rope]``).
     plan: the step's :class:`PrefillPlan`. Decode rows of a split step run ``absorb.forward_absorbed``
-    on the plan's sub-metadata with ``absorbed_kernel`` (and FlashMLA's ``schedule`` for those rows);
+    on the plan's sub-metadata with ``absorbed_kernel`` (and its ``schedule`` for those rows: FlashMLA's or split-KV's);
     outputs come back in batch order. An FP8 (e4m3) pool needs ``kv_scale`` ([1] float32:
     ``MLATokenPool.layer_scale``); its prefix rows are dequantized chunk by chunk.
     """

@@ -16,10 +16,10 @@
                                                   row split) from prefill_plan.build_prefill_plan
         -> StepPlan(metadata, path, kernel, schedule, splitkv_schedule, prefill, record)
 
-FP8 latent pool (e4m3): every decode-like step runs FlashMLA's FP8 decode (the only kernel that reads
-it; page 64, checked when the backend is built); extend-like steps run the MHA prefill, which
-dequantizes the rows it reads chunk by chunk, and their decode rows (MIXED) run FlashMLA FP8 with a
-schedule planned here for those rows; a step whose rows are all decode rows runs FlashMLA FP8 whole.
+FP8 latent pool (e4m3): every decode-like step runs FlashMLA's FP8 decode (page 64) or split-KV (any page
+size), as the backend's kernel choice says (``policy.fp8_decode``); extend-like steps run the MHA prefill,
+which dequantizes the rows it reads chunk by chunk, and their decode rows (MIXED) run the kernel that choice
+gives for them, with a schedule planned here for those rows; a step whose rows are all decode rows runs it whole.
 
 Every layer then asks :meth:`StepPlan.route` which (path, kernel) applies to it. The route is a fixed
 rule of the plan, not a new decision: layers with softcap, a sliding window or local attention (which
@@ -175,7 +175,7 @@ class StepPlanner:
         self.impl = impl  # the backend's ops implementation (None: the ops global setting at call time)
         self.device = device
         self.kv_dtype = kv_dtype  # storage dtype of the latent pool
-        self.kv_fp8 = kv_dtype == FP8_DTYPE  # e4m3 latent: FlashMLA FP8 decode, MHA prefill (dequantized)
+        self.kv_fp8 = kv_dtype == FP8_DTYPE  # e4m3 latent: FlashMLA FP8 / split-KV decode, MHA prefill (dequantized)
         self.latent_width = latent_width  # r + d_rope of the latent pool (None without one)
         self.other_paths = other_paths
         self._workspace: PrefillWorkspace | None = None  # the MHA prefill's chunk buffers, reused
@@ -296,7 +296,8 @@ class StepPlanner:
             kernel, schedule, why = self._fp8_decode_rows(md)
             return self._extend(batch, md, AttentionPath.ABSORBED, kernel.value, f"{decision.explain()}; {why}",
                                 decision, kernel_enum=kernel, schedule=schedule)
-        kernel, schedule, why = DecodeKernel.FLASHMLA, None, None
+        # no decode rows: no absorbed kernel runs; the plan names the one that reads this pool
+        kernel, schedule, why = self.kernel_choice.pool_reader(), None, None
         if prefill.split is not None:
             kernel, schedule, why = self._fp8_decode_rows(prefill.split.absorbed_metadata)
         reason = f"{fp8}; {decision.explain()}" + (f"; {why}" if why else "")

@@ -112,6 +112,27 @@ def test_page16_fp8_pool_takes_split_kv_and_refuses_flashmla_and_fa3():
         _backend16(case, pool, decode_kernel="fa3")
 
 
+def test_page16_fp8_pool_whose_split_kv_becomes_unavailable_fails_loudly_at_planning(monkeypatch):
+    """A backend that follows the global ops setting (impl None) re-checks the one reader of a page-16 FP8 pool per
+    choice: if split-KV cannot run any more, the step fails with a named error before any kernel."""
+    case = make_mla_case(BatchSpec(DEC, (5, 9), (1, 1), page_size=16), "tiny")
+    choice = kernel_choice.DecodeKernelChoice(decode_kernel="auto", page_size=16, num_heads=case.cfg.num_heads,
+                                              kv_fp8=True, whole_row_kernels=True, impl=None,
+                                              device=torch.device("cpu"))
+    assert choice.choose_decode_kernel(2, 9)[0] is SKV and choice.pool_reader() is SKV
+    choice._splitkv_ok.clear()
+    monkeypatch.setattr(ops, "splitkv_available", lambda device, impl=None: False)
+    with pytest.raises(ValueError, match="^page_size must be 64 for an FP8 latent cache where the split-KV"):
+        choice.choose_decode_kernel(2, 9)
+
+
+def test_fp8_extend_without_decode_rows_names_the_pools_reader():
+    for page, want in ((16, SKV), (64, MLA)):
+        case = fp8_case(_paged("extend_chunked_prefix", page), seed=3)
+        _, backend = run(case, prefill_workspace_tokens=64)
+        assert backend.step_plan.prefill.split is None and backend.step_plan.kernel is want
+
+
 def test_page16_fp8_pool_without_split_kv_is_refused_at_construction(monkeypatch):
     case = make_mla_case(BatchSpec(DEC, (5, 9), (1, 1), page_size=16), "tiny")
     monkeypatch.setattr(ops, "splitkv_available", lambda device, impl=None: False)
@@ -165,7 +186,11 @@ def test_backend_choice_on_an_fp8_pool_follows_the_table_and_is_cached_per_bucke
     for bs, ctx in ((1, 65536), (2, 65536), (64, 65536), (60, 70000), (1, 300)):
         want = explain_fp8_decode_kernel(16, bs, ctx, 64).kernel
         assert choice.choose_decode_kernel(bs, ctx, float(ctx))[0] is want
-        assert choice.choose_decode_kernel(bs, ctx, float(ctx))[0] is want  # cached
+        cached = len(choice._kernel_cache)
+        monkeypatch.setattr(choice, "_bucket_choice", lambda *a: pytest.fail("a repeated step was decided again"))
+        assert choice.choose_decode_kernel(bs, ctx, float(ctx))[0] is want and len(choice._kernel_cache) == cached
+        monkeypatch.undo()
+        monkeypatch.setattr(fp8_decode, "MEASURED_FP8", TABLE)
     fixed = kernel_choice.DecodeKernelChoice(decode_kernel=MLA, page_size=64, num_heads=16, kv_fp8=True,
                                              whole_row_kernels=True, impl="reference", device=torch.device("cpu"))
     assert fixed.choose_decode_kernel(1, 65536)[0] is MLA and fixed.graph_kernels() == (MLA,)

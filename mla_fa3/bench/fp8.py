@@ -14,8 +14,9 @@ of one layer — latent store, q absorption, kernel, W_UV projection — replaye
   the cache tile converted in registers, no query quantization);
 * ``fp8_auto``: what the backend's own choice costs on that pool (``policy.fp8_decode``), when ``--auto``.
 
-Columns: per-layer microseconds of each, ``speedup`` = bf16 / the faster FP8 path (``speedup_flashmla``,
-``speedup_splitkv`` each), and the pool's capacity: tokens per
+Columns: per-layer microseconds of each (CSV ``bf16_us``, ``fp8_us`` = FlashMLA FP8, ``fp8_splitkv_us``,
+``fp8_auto_us``), ``speedup`` = bf16 / the faster FP8 path (before split-KV was timed it was bf16 / FlashMLA
+FP8; the markdown gives both ratios), and the pool's capacity: tokens per
 GB of latent pool per layer (bf16: 1e9 / 1152, fp8: 1e9 / 576) and for the 61 layers of DeepSeek-V3.
 Each pool cycles through enough layer copies to stream > 3x the L2 per replay (so the FP8 pool, half
 the bytes, cycles twice as many). Outputs: the markdown table on stdout; with ``--out DIR``

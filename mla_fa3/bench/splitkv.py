@@ -326,6 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.sweep and a.fp8:
+        print("splitkv bench: --sweep times the bf16 configs only; --fp8 takes the table's or the flags' config",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("splitkv bench: needs a CUDA GPU (the Triton kernel and FA3 run only there)", file=sys.stderr)
         return 2

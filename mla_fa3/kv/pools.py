@@ -10,7 +10,7 @@ from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every nam
   ``c_kv_paged`` / ``k_rope_paged`` slice the last dim — zero-copy views that FA3 takes as
   ``v_cache`` / ``k_cache`` of the absorbed path. Optionally FP8 e4m3 with a per-layer per-tensor scale
   (``ops/fp8.py``; stored by ``ops.store_e4m3``: one fused launch on CUDA): half the bytes per token;
-  read by FlashMLA's FP8 decode and, dequantized chunk by chunk, by the MHA prefill.
+  read by FlashMLA's FP8 decode or the split-KV kernel and, dequantized chunk by chunk, by the MHA prefill.
 - :class:`MHATokenPool` — regular K/V per layer, optionally FP8 e4m3 with per-layer per-tensor scales:
   stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
 

@@ -118,8 +118,9 @@ def splitkv_mla_with_kvcache(
     ``get_splitkv_schedule`` planned from the same lengths (the kernel never reads past
     cache_seqlens; a request past the plan's batch gets out 0, lse -inf). FP8: e4m3 q and cache
     with descale_q / descale_k (1,) float32, output bf16; or an e4m3 cache with descale_k read by a
-    bf16 / fp16 / fp32 q (no descale_q): the tile is converted in registers, q is never rounded, the
-    output has q's dtype. ``q_rope`` ``[bs, sq, H, D - head_dim_v]``: the query's rope part given apart (any
+    bf16 / fp16 / fp32 q (no descale_q): the tile is converted in registers, q is not rounded to e4m3 (a
+    bf16 q enters fp16 dots after an exact power-of-two rescale: see ``splitkv_triton.py``), the output has
+    q's dtype. ``q_rope`` ``[bs, sq, H, D - head_dim_v]``: the query's rope part given apart (any
     strides with a contiguous last dim, e.g. a slice of the model's q); q then holds only the first
     ``head_dim_v`` columns — the kernel reads both where they lie, nothing is concatenated. Always returns (out ``[bs, sq, H,
     head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.

@@ -6,7 +6,8 @@ Two kernels read an e4m3 latent cache in place (FA3 cannot: ``HeaddimV > 256 req
   (``ops.quantize_query_e4m3``, two launches) and the softmax probabilities meet the cache in e4m3;
   page 64 only;
 - our split-KV Triton kernel (``ops.splitkv_mla_with_kvcache`` with a bf16 q and ``descale_k``): the cache
-  tile is converted in registers, q is never rounded to e4m3 (the more accurate read: see
+  tile is converted in registers, q is not rounded to e4m3 (it enters fp16 dots after an exact power-of-two
+  rescale; the more accurate read: see
   docs/PERFORMANCE.md, "FP8 latent cache"); any page size.
 
 Measured on the H200 (docs/PERFORMANCE.md, "The FP8 pool read by split-KV"): split-KV is the more accurate
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from mla_fa3.checks import check_int, is_real
-from mla_fa3.policy.decode_kernel import (MAX_DISTANCE, MIN_GAIN, TIE_DISTANCE, KernelChoice, _distances,
-                                          _log_coords, _query_skew)
+from mla_fa3.policy.decode_kernel import (HEADS_WEIGHT, MAX_DISTANCE, MIN_GAIN, TIE_DISTANCE, KernelChoice,
+                                          _distances, _log_coords, _query_skew)
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["MeasuredFP8", "MEASURED_FP8", "explain_fp8_decode_kernel", "choose_fp8_decode_kernels",
@@ -176,7 +177,7 @@ def fp8_splitkv_possible(num_heads: int, table: Sequence[MeasuredFP8] | None = N
     """Whether the page-64 choice can pick split-KV at ``num_heads`` (its graphs are then worth capturing).
     Never False where it could: see ``policy.decode_kernel.splitkv_possible``."""
     check_int(num_heads, "num_heads")
-    reach = (MAX_DISTANCE + TIE_DISTANCE) / 2.0  # HEADS_WEIGHT
+    reach = (MAX_DISTANCE + TIE_DISTANCE) / HEADS_WEIGHT
     return any(m.splitkv_gain >= min_gain and abs(math.log2(m.num_heads) - math.log2(num_heads)) <= reach
                for m in (MEASURED_FP8 if table is None else table))
 

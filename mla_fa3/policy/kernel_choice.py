@@ -115,8 +115,10 @@ class DecodeKernelChoice:
             fp8 = " on the FP8 latent pool" if self.kv_fp8 else ""
             return self.decode_kernel, f"decode_kernel={self.decode_kernel.value} (backend setting){fp8}"
         if self.page_size != FLASHMLA_PAGE_SIZE:
-            if self.kv_fp8:  # split-KV is the one kernel that reads it (checked at construction)
-                choice = explain_fp8_decode_kernel(self.num_heads, 1, 1, self.page_size)
+            if self.kv_fp8:  # split-KV is the one kernel that reads it (checked at construction, and here again:
+                # with impl None the backend follows the global ops setting, which may have changed since)
+                choice = explain_fp8_decode_kernel(self.num_heads, 1, 1, self.page_size,
+                                                   allow_splitkv=self._splitkv_usable())
                 return choice.kernel, f"auto: {choice.reason}"
             return DecodeKernel.FA3, f"auto: page_size {self.page_size} != {FLASHMLA_PAGE_SIZE} -> FA3"
         if not self.whole_row_kernels:
@@ -196,6 +198,16 @@ class DecodeKernelChoice:
         if self._splitkv_usable() and self.num_heads is not None and splitkv_possible(self.num_heads):
             return (DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV)
         return (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+
+    def pool_reader(self) -> DecodeKernel:
+        """The absorbed kernel that can read this backend's pool when no step numbers are at hand (an FP8 extend
+        step without decode rows names it): the setting, else split-KV off page 64 on an FP8 pool, else FlashMLA
+        on an FP8 pool, else FA3."""
+        if self.decode_kernel != DECODE_KERNEL_AUTO:
+            return self.decode_kernel
+        if self.kv_fp8:
+            return DecodeKernel.SPLITKV if self.page_size != FLASHMLA_PAGE_SIZE else DecodeKernel.FLASHMLA
+        return DecodeKernel.FA3
 
     def _measured(self) -> tuple:
         """The measured table this backend's choice reads (replaced at run time by a re-fit)."""

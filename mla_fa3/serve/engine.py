@@ -66,7 +66,8 @@ class Engine:
         use_cuda_graph: decode through CUDA graphs (``mla_fa3.graphs.runner``); batch sizes
             ``cuda_graph_batch_sizes`` (default 1, 2, 4, ... up to ``max_batch_size``).
         decode_kernel / prefill_path / impl: passed to :class:`MLABackend`.
-        kv_dtype / kv_scales: the latent cache's storage dtype ("fp8": e4m3, page 64) and its per-layer
+        kv_dtype / kv_scales: the latent cache's storage dtype ("fp8": e4m3; FlashMLA FP8 at page 64, split-KV at
+            any page size) and its per-layer
             scales (default: the checkpoint's, else 1.0); :meth:`calibrate_kv_scales` measures them.
         allow_past_max_position: accept requests longer than the config's ``max_position_embeddings``
             (a warning is logged); by default they raise ValueError.
