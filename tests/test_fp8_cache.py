@@ -27,7 +27,6 @@ from specs import FP8_SPECS, BatchSpec
 from fp8_cases import (FP8, TOL, SCALES, EXT, DEC, stored, fp8_oracle, fp8_case, fp8_backend, run)
 
 from mla_fa3 import absorb
-from mla_fa3.backend import MLABackend
 from mla_fa3.draft_backend import MultiStepDraftBackend
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool
