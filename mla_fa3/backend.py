@@ -62,6 +62,7 @@ from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 from mla_fa3.plan import PathRecord, StepPlan, StepPlanner, mean_seqlen
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
+from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
 
 __all__ = ["MLABackend"]
@@ -81,7 +82,7 @@ class MLABackend:
     def __init__(self, *, req_to_token_pool, kv_pool, page_size: int, device, decode_kernel=None,
                  num_heads: int | None = None, mla_dims: MLADims | None = None, prefill_path: str = "auto",
                  prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, prefill_workspace_tokens: int | None = None,
-                 attention_chunk_size: int | None = None, impl=None,
+                 attention_chunk_size: int | None = None, impl=None, prefill_graph_shapes: int = 0,
                  debug_checks: bool = False):
         """
         kv_pool: an ``MLATokenPool``, an ``MHATokenPool``, or a tuple of both (mixed models).
@@ -98,6 +99,10 @@ class MLABackend:
             (``prefill_plan.workspace_tokens_for_bytes``: ~47k tokens at 16 heads, ~6.4k at 128, V3 dims bf16).
         prefill_workspace_tokens: an explicit tokens-per-chunk override of that budget (tests, benchmarks).
         impl: ``ops`` implementation for every kernel call (None = the ops global setting).
+        prefill_graph_shapes: > 0 replays the MHA prefill of each layer from a CUDA graph when a step's
+            lengths repeat, keeping graphs for at most this many shapes (``prefill_graph.PrefillGraphs``:
+            captured the second time a shape is seen; split steps, CPU and the reference run eagerly).
+            0 (default): eager. ``prefill_graphs.stats`` counts captures and replays.
         """
         self.device = torch.device(device)
         self.page_size = check_int(page_size, "page_size")
@@ -125,6 +130,8 @@ class MLABackend:
         else:  # no MHA prefill without heads and dims: the value is never used
             prefill_workspace_tokens = page_size
         self.prefill_workspace_tokens = prefill_workspace_tokens
+        shapes = check_int(prefill_graph_shapes, "prefill_graph_shapes", 0)
+        self.prefill_graphs = PrefillGraphs(shapes) if shapes else None  # CUDA graphs of repeating MHA prefills
         self.num_heads = num_heads
         self.impl = ops.coerce_impl(impl)
         ops.resolve_impl(self.impl, self.device)  # FA3 asked where it cannot run: a named error now
@@ -199,7 +206,7 @@ class MLABackend:
             latent_new = k if (save_kv_cache and k is not None and v is None) else None
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
                                                       kv_scale=kv_scale, absorbed_kernel=kernel,
-                                                      schedule=schedule, impl=self.impl)
+                                                      schedule=schedule, impl=self.impl, graphs=self.prefill_graphs)
         return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel, schedule=schedule,
                                        kv_scale=kv_scale, impl=self.impl, validate=False)
 

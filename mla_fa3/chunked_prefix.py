@@ -66,6 +66,7 @@ from mla_fa3.layer import AttentionLayer
 from mla_fa3.ops.fp8 import FP8_DTYPE, dequantize_e4m3
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.policy.paths import DecodeKernel
+from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PrefillPlan
 
 __all__ = ["decompress_latent", "forward_mha_prefill"]
@@ -97,12 +98,26 @@ class _Decompress:
         r, L, vk = dims.kv_lora_rank, latent.shape[0], dims.v_head_dim + dims.qk_nope_head_dim
         self.c_kv = latent[:, :r].unsqueeze(0).expand(H, L, r)  # stride-0 batch: no copy
         self.gemm_out = buf[..., :vk].transpose(0, 1)  # [H, L, d_v + d_nope] written as [L, H, .]
-        self.rope_src = latent[:, None, r:].expand(L, H, dims.qk_rope_head_dim)
-        self.rope_dst = buf[..., vk:]
+        self.rope_src, self.rope_dst = _rope_broadcast(latent[:, r:], buf[..., vk:], H)
 
     def run(self, w_vk: Tensor) -> None:
         torch.bmm(self.c_kv, w_vk, out=self.gemm_out)
         self.rope_dst.copy_(self.rope_src)
+
+
+def _rope_broadcast(src: Tensor, dst: Tensor, H: int) -> tuple[Tensor, Tensor]:
+    """(source, destination) views of the k_rope broadcast ``dst[l, h] = src[l]``, as 8-byte words if they allow.
+
+    torch's strided copy costs per element (index arithmetic), not per byte: copying the 64 bf16 rope
+    columns as 16 int64 words moves the same bytes in a quarter of the elements (measured on the H200:
+    the bf16 copy ran at ~1 TB/s and took 9 % of the 128-head prefill). Bit-exact; views whose strides or
+    offset do not allow the reinterpretation keep their dtype.
+    """
+    try:
+        src8, dst8 = src.view(torch.int64), dst.view(torch.int64)
+    except RuntimeError:
+        src8, dst8 = src, dst
+    return src8[:, None].expand(src8.shape[0], H, src8.shape[1]), dst8
 
 
 def _flat_rows(kv: Tensor, width: int) -> Tensor:
@@ -159,15 +174,26 @@ class _ChunkCalls:
 
 
 @dataclass(frozen=True)
+class _OnePassCalls:
+    """The one-pass layout's buffers and its single causal call (``PrefillPlan.one_pass``)."""
+
+    latent: Tensor  # [P + N, r + d_rope] workspace view: every key's latent row (pool dtype)
+    latent_dq: Tensor | None  # [P + N, r + d_rope] workspace view: them dequantized (FP8 pool), else None
+    decompress: _Decompress  # (latent_dq or latent) -> the workspace's [v | k] rows
+    attn: VarlenCall  # causal (bottom-right) attention of the MHA rows over [prefix_b | new_b]
+
+
+@dataclass(frozen=True)
 class _LayerCalls:
     """Every call of one layer configuration in this step, validated once (first layer)."""
 
     impl: ops.Impl  # resolved: FA3 or REFERENCE
     latent_new: Tensor  # [N, r + d_rope]: the new rows when they are read back from the pool (pool dtype)
     latent_new_dq: Tensor | None  # [N, r + d_rope]: them dequantized (FP8 pool), else None
-    kv_new: Tensor  # [N, H, d_v + d_qk]: the new tokens' [v | k]
-    attn_new: VarlenCall  # causal attention of the MHA rows over their own tokens
-    chunks: tuple[_ChunkCalls, ...]
+    kv_new: Tensor | None  # [N, H, d_v + d_qk]: the new tokens' [v | k] (None in one pass)
+    attn_new: VarlenCall | None  # causal attention of the MHA rows over their own tokens (None in one pass)
+    chunks: tuple[_ChunkCalls, ...]  # empty in one pass
+    one_pass: _OnePassCalls | None
 
 
 def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _LayerCalls:
@@ -180,6 +206,10 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
         return calls
     N, H, dv, dqk = q.shape[0], layer.num_heads, dims.v_head_dim, dims.qk_head_dim
     common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, impl=impl)
+    new_dq = q.new_empty(N, rows.shape[1]) if rows.dtype == FP8_DTYPE else None
+    if plan.one_pass is not None:
+        calls = plan.calls[key] = _one_pass_calls(plan, q, layer, rows, new_dq, common)
+        return calls
     kv_new = q.new_empty(N, H, dv + dqk)
     chosen, attn_new = ops.prepare_flash_attn_varlen(
         q, kv_new[..., dv:], kv_new[..., :dv], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_q,
@@ -199,15 +229,30 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
             q_c, kv[..., dv:], kv[..., :dv], cu_seqlens_q=ch.cu_seqlens_q, cu_seqlens_k=ch.cu_seqlens_k,
             max_seqlen_q=ch.max_seqlen_q, max_seqlen_k=ch.max_seqlen_k, causal=False, **common)
         o_c, lse_c = o[ch.q_lo: ch.q_hi], lse[ch.q_lo: ch.q_hi]
-        merge = ops.prepare_merge_state(o_c, lse_c, o_c, lse_c, impl=impl)
+        merge = ops.prepare_merge_state(o_c, lse_c, o_c, lse_c, impl=impl, a_nonempty=True)  # every row sees itself
         lat = lat_buf[: ch.num_keys]
         dq = None if dq_buf is None else dq_buf[: ch.num_keys]
         chunks.append(_ChunkCalls(lat, dq, kv, _Decompress(lat if dq is None else dq, kv, H, dims),
                                   slice(ch.q_lo, ch.q_hi), attn, merge, ch.q_lo == 0 and ch.q_hi == N))
-    new_dq = q.new_empty(N, rows.shape[1]) if rows.dtype == FP8_DTYPE else None
     calls = plan.calls[key] = _LayerCalls(chosen, rows.new_empty(N, rows.shape[1]), new_dq, kv_new, attn_new,
-                                          tuple(chunks))
+                                          tuple(chunks), None)
     return calls
+
+
+def _one_pass_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, new_dq, common) -> _LayerCalls:
+    """The validated single call of the one-pass layout over the workspace's first ``P + N`` rows."""
+    one, dims, H = plan.one_pass, layer.mla, layer.num_heads
+    dv, dqk = dims.v_head_dim, dims.qk_head_dim
+    ws = plan.workspace
+    lat = ws.buffer("latent", (rows.shape[1],), rows.dtype, rows.device)[: one.num_keys]
+    dq = ws.buffer("latent_dq", (rows.shape[1],), q.dtype, q.device)[: one.num_keys] if rows.dtype == FP8_DTYPE \
+        else None
+    kv = ws.buffer("kv", (H, dv + dqk), q.dtype, q.device)[: one.num_keys]
+    chosen, attn = ops.prepare_flash_attn_varlen(
+        q, kv[..., dv:], kv[..., :dv], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=one.cu_seqlens_k,
+        max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=one.max_seqlen_k, causal=True, **common)
+    calls = _OnePassCalls(lat, dq, _Decompress(lat if dq is None else dq, kv, H, dims), attn)
+    return _LayerCalls(chosen, rows.new_empty(q.shape[0], rows.shape[1]), new_dq, None, None, (), calls)
 
 
 def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, kv_scale, impl) -> Tensor:
@@ -220,6 +265,8 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
     ``ops.run_merge_state``; ``lse.merge_states`` is the typed form of the same merge for other callers.
     """
     calls = _layer_calls(plan, q, layer, rows, impl)
+    if calls.one_pass is not None:
+        return _one_pass(q, latent, layer, rows, plan, calls, kv_scale)
     if latent is None:
         latent = torch.index_select(rows, 0, plan.new_slot_ids, out=calls.latent_new)
         if kv_scale is not None:
@@ -244,11 +291,27 @@ def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: Prefi
     return o
 
 
+def _one_pass(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, calls: _LayerCalls,
+              kv_scale) -> Tensor:
+    """Every key of the step gathered as ``[prefix_b | new_b]``, decompressed once, one causal attention.
+
+    The new tokens' rows come from ``latent`` when given (an FP8 pool: their unquantized values), else
+    from the pool with the prefix.
+    """
+    c = calls.one_pass
+    torch.index_select(rows, 0, plan.one_pass.slot_ids, out=c.latent)
+    keys = c.latent if kv_scale is None else dequantize_e4m3(c.latent, kv_scale, q.dtype, out=c.latent_dq)
+    if latent is not None:
+        keys.index_copy_(0, plan.one_pass.new_rows, latent)
+    c.decompress.run(layer.mla_weights.w_vk)
+    return ops.run_flash_attn_varlen(calls.impl, c.attn.with_q(q))[0]
+
+
 def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLayer, metadata: AttentionMetadata,
                         kv_paged: Tensor, plan: PrefillPlan, *, kv_scale: Tensor | None = None,
                         absorbed_kernel: DecodeKernel = DecodeKernel.FA3,
                         schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | None = None,
-                        impl=None) -> Tensor:
+                        impl=None, graphs: PrefillGraphs | None = None) -> Tensor:
     """One MLA layer of an extend-like step on the MHA path: q [T, H, d_qk] -> o [T, H, d_v], batch order.
 
     latent_new ``[T, r + d_rope]``: the step's new latent rows (None: read them back from the pool at
@@ -257,7 +320,9 @@ def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLa
     plan: the step's :class:`PrefillPlan`. Decode rows of a split step run ``absorb.forward_absorbed``
     on the plan's sub-metadata with ``absorbed_kernel`` (and its ``schedule`` for those rows: FlashMLA's or split-KV's);
     outputs come back in batch order. An FP8 (e4m3) pool needs ``kv_scale`` ([1] float32:
-    ``MLATokenPool.layer_scale``); its prefix rows are dequantized chunk by chunk.
+    ``MLATokenPool.layer_scale``); its prefix rows are dequantized chunk by chunk. graphs: a
+    :class:`~mla_fa3.prefill_graph.PrefillGraphs` replays the MHA rows from a CUDA graph when the step's
+    shape repeats (same result; eager otherwise).
     """
     _check_forward(q, latent_new, layer, kv_paged, plan, kv_scale)
     if kv_paged.dtype != FP8_DTYPE:
@@ -265,6 +330,8 @@ def forward_mha_prefill(q: Tensor, latent_new: Tensor | None, layer: AttentionLa
     rows = _flat_rows(kv_paged, layer.mla.latent_dim)
     split = plan.split
     if split is None:
+        if graphs is not None:
+            return graphs.run(_mha_rows, q, latent_new, layer, rows, plan, kv_scale, impl)
         return _mha_rows(q, latent_new, layer, rows, plan, kv_scale, impl)
     q_mha, q_abs = split.split(q)
     lat_mha = None if latent_new is None else latent_new.index_select(0, split.mha_tokens)

@@ -5,6 +5,11 @@ tokens of the whole batch, concatenated request by request, are cut into chunks 
 (the workspace budget; a chunk may hold slices of several requests and may end mid-page), each a
 :class:`PrefixChunk`: its pool slot ids (from ``req_to_token``) and the cu_seqlens of the requests it covers.
 
+When the prefix and the new tokens fit the workspace together (``P + N <= W``), the plan also holds
+a :class:`OnePass` layout (``[prefix_b | new_b]`` per request) and the layer runs ONE causal attention over
+it instead of the chunk loop (no pass over the new tokens alone, no merge); ``chunks`` still describes
+the prefix in chunks (one here).
+
 Plan once per step, run per layer: :func:`build_prefill_plan` turns the step's host lengths into
 index tensors (chunk slot ids, cu_seqlens, host maxima) shared by every layer; the backend stores it
 in the step plan (:func:`plan_extend` first chooses the path with ``policy.prefill_cost``). Not
@@ -35,7 +40,7 @@ from mla_fa3.checks import check_int
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.policy.prefill_cost import H200_COSTS, PathDecision, choose_path, decode_rows
 
-__all__ = ["PrefixChunk", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend",
+__all__ = ["PrefixChunk", "OnePass", "RowSplit", "PrefillWorkspace", "PrefillPlan", "build_prefill_plan", "plan_extend",
            "PREFILL_WORKSPACE_BYTES", "workspace_tokens_for_bytes", "chunk_layout"]
 
 PREFILL_WORKSPACE_BYTES = 512 * 2**20  # default workspace budget of the chunked MHA prefill (bytes, per rank)
@@ -55,6 +60,22 @@ class PrefixChunk:
     num_keys: int  # host: tokens of the chunk
     max_seqlen_q: int  # host
     max_seqlen_k: int  # host
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """The whole step in one workspace pass (``P + N <= W``): each request's prefix then its new tokens.
+
+    Keys are laid out request by request as ``[prefix_b | new_b]``, so one causal varlen call with
+    bottom-right alignment (query ``i`` of request ``b`` sees keys ``j <= p_b + i``) is exactly the
+    causal set: no chunk, no separate pass over the new tokens, no merge.
+    """
+
+    slot_ids: Tensor  # [P + N] int64, device — pool slots in that layout
+    cu_seqlens_k: Tensor  # [n+1] int32, device — p_b + n_b per MHA request
+    new_rows: Tensor  # [N] int64, device — the workspace rows of the new tokens (where latent_new lands)
+    num_keys: int  # host: P + N
+    max_seqlen_k: int  # host: max p_b + n_b
 
 
 @dataclass(frozen=True)
@@ -160,6 +181,8 @@ class PrefillPlan:
     workspace: PrefillWorkspace
     prefix_lens_cpu: Tensor  # [n_mha] int32, cpu — of the MHA requests
     extend_lens_cpu: Tensor  # [n_mha] int32, cpu
+    # the prefix and the new tokens fit the workspace together (P + N <= W, P > 0): one pass, no chunk loop
+    one_pass: OnePass | None = None
     # the step's validated kernel calls per layer configuration (q shape/dtype, scale, impl, ...):
     # filled by the first layer that runs with this plan (chunked_prefix), reused by every other one
     calls: dict = field(default_factory=dict, repr=False)
@@ -329,11 +352,17 @@ def _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size
     abs_req = torch.nonzero(is_dec).flatten()
     # one host->device copy of every int64 index: prefix (request, column), new (request, column), rows
     col0 = _first_columns(metadata)[mha_req]
-    idx = torch.cat([torch.repeat_interleave(mha_req, prefix), _ranges(col0, prefix),
-                     torch.repeat_interleave(mha_req, extend), _ranges(col0 + prefix, extend),
-                     _ranges(tok_start[mha_req], extend), _ranges(tok_start[abs_req], extend_all[abs_req])])
-    idx = idx.to(device)
-    pr, pc, nr, nc, mha_tok, abs_tok = idx.split([P, P, N, N, N, T - N])
+    one = 0 < P and P + N <= workspace_tokens  # the one-pass layout: (request, column) of [prefix_b | new_b]
+    whole = prefix + extend
+    parts = [torch.repeat_interleave(mha_req, prefix), _ranges(col0, prefix),
+             torch.repeat_interleave(mha_req, extend), _ranges(col0 + prefix, extend),
+             _ranges(tok_start[mha_req], extend), _ranges(tok_start[abs_req], extend_all[abs_req])]
+    if one:
+        parts += [torch.repeat_interleave(mha_req, whole), _ranges(col0, whole),
+                  _ranges(torch.cumsum(whole, 0) - extend, extend)]
+    idx = torch.cat(parts).to(device)
+    sizes = [P, P, N, N, N, T - N] + ([P + N, P + N, N] if one else [])
+    pr, pc, nr, nc, mha_tok, abs_tok, *one_idx = idx.split(sizes)
     prefix_slots = req_to_token[req_pool_indices[pr], pc].long()
     new_slots = req_to_token[req_pool_indices[nr], nc].long()
     if debug_checks or device.type == "cpu":  # reads device values: only on CPU or when asked
@@ -348,8 +377,16 @@ def _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size
     cq = torch.zeros(extend.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(extend, 0, out=cq[1:])
     host, cu_q, cu_k = chunk_layout(prefix, extend, workspace_tokens)
-    cu = torch.cat([cq, cu_q, cu_k]).to(torch.int32).to(device)
+    cu_whole = torch.zeros(extend.shape[0] + 1 if one else 0, dtype=torch.int64)
+    if one:
+        torch.cumsum(whole, 0, out=cu_whole[1:])
+    cu = torch.cat([cq, cu_q, cu_k, cu_whole]).to(torch.int32).to(device)
     n0, E = cq.shape[0], cu_q.shape[0]
+    one_pass = None
+    if one:
+        wr, wc, new_rows = one_idx
+        one_pass = OnePass(slot_ids=req_to_token[req_pool_indices[wr], wc].long(), cu_seqlens_k=cu[n0 + 2 * E:],
+                           new_rows=new_rows, num_keys=P + N, max_seqlen_k=int(whole.max()))
     chunks, pos = [], n0
     for s, e, lo, hi, q_lo, q_hi, mq, mk in host.tolist():  # one record per chunk
         k = hi - lo + 1
@@ -362,7 +399,7 @@ def _build(metadata, req_to_token, req_pool_indices, workspace_tokens, page_size
         workspace_tokens=workspace_tokens, num_tokens=T, num_mha_tokens=N, cu_seqlens_q=cu[:n0],
         max_seqlen_q=int(extend.max()), new_slot_ids=new_slots, prefix_slot_ids=prefix_slots, chunks=tuple(chunks),
         split=split, workspace=workspace, prefix_lens_cpu=prefix.to(torch.int32),
-        extend_lens_cpu=extend.to(torch.int32))
+        extend_lens_cpu=extend.to(torch.int32), one_pass=one_pass)
 
 
 def plan_extend(metadata, req_to_token: Tensor, req_pool_indices: Tensor, *, num_heads: int, dims,

@@ -79,6 +79,45 @@ def test_chunk_budget_does_not_change_the_result(name):
         assert rel_err(_run(case, md, plan), ref) < TOL
 
 
+_PREFIXED = [n for n, s in PREFILL_SPECS.items()
+             if any(p > 0 and not (e == 1 and s.mode is MIX) for p, e in zip(s.prefix_lens, s.extend_lens))]
+
+
+@pytest.mark.parametrize("name", _PREFIXED)
+def test_one_pass_exactly_when_prefix_and_new_fit_and_same_answer(name):
+    """P + N <= W: one causal pass over [prefix_b | new_b] (layout checked against req_to_token); one token
+    less of workspace: the chunk loop. Both against the fp64 oracle, new rows passed in or read back."""
+    spec, (_, cfg) = PREFILL_SPECS[name], PREFILL_RUNS[name]
+    case, md, plan = _setup(spec, cfg, 4096)
+    P, N = int(plan.prefix_lens_cpu.sum()), int(plan.extend_lens_cpu.sum())
+    ref = mla_oracle(case)
+    r2t, rows = case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices
+    mha = plan.split.mha_requests.tolist() if plan.split is not None else list(range(len(spec.prefix_lens)))
+    for W in (P + N, P + N - 1):
+        if W < spec.page_size:
+            continue
+        plan = build_prefill_plan(md, r2t, rows, W, spec.page_size)
+        assert (plan.one_pass is not None) == (W == P + N)
+        if plan.one_pass is not None:
+            one = plan.one_pass
+            want = torch.cat([r2t[rows[b], : spec.prefix_lens[b] + spec.extend_lens[b]].long() for b in mha])
+            assert one.slot_ids.tolist() == want.tolist() and one.num_keys == P + N
+            lens = [spec.prefix_lens[b] + spec.extend_lens[b] for b in mha]
+            assert one.cu_seqlens_k.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+            assert one.max_seqlen_k == max(lens)
+            assert one.slot_ids[one.new_rows].tolist() == plan.new_slot_ids.tolist()
+        for latent in (True, False):
+            assert rel_err(_run(case, md, plan, latent=latent), ref) < TOL
+
+
+def test_one_pass_uses_the_given_new_rows():
+    """latent_new given: the new tokens attend to those rows, not the pool's copy (as the chunk loop does)."""
+    spec, (W, cfg) = PREFILL_SPECS["budget_covers_all"], PREFILL_RUNS["budget_covers_all"]
+    case, md, plan = _setup(spec, cfg, 4096, store_new=False)  # the pool holds NaN at the new slots
+    assert plan.one_pass is not None
+    assert rel_err(_run(case, md, plan), mla_oracle(case)) < TOL
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_batches(seed):
     rnd = random.Random(seed)

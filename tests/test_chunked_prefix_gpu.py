@@ -57,6 +57,28 @@ def test_fa3_mha_prefill_bf16(name):
     assert cosine(absorbed, ref) >= 0.9999
 
 
+@pytest.mark.parametrize("name", [n for n in PREFILL_GPU_SPECS if any(PREFILL_GPU_SPECS[n].prefix_lens)])
+def test_fa3_one_pass_bf16(name):
+    """P + N <= W: one FA3 causal call with bottom-right alignment over [prefix_b | new_b] (no chunk, no merge),
+    by the same precision rule; new rows passed in or read back from the pool."""
+    case, md, _ = _case(name)
+    r2t, rows = case.layout.req_to_token_pool.req_to_token, case.batch.req_pool_indices
+    probe = build_prefill_plan(md, r2t, rows, 1 << 20, case.spec.page_size)
+    total = int(probe.prefix_lens_cpu.sum() + probe.extend_lens_cpu.sum())
+    plan = build_prefill_plan(md, r2t, rows, total, case.spec.page_size)
+    assert plan.one_pass is not None and plan.one_pass.num_keys == total
+    kv = case.pool.paged(case.layer.layer_id)
+    ref = mla_oracle(case)
+    base = forward_mha_prefill(case.q, case.new_latent, case.layer, md, kv, plan, impl="reference")
+    for latent in (case.new_latent, None):
+        out = forward_mha_prefill(case.q, latent, case.layer, md, kv, plan, impl="fa3")
+        torch.cuda.synchronize()
+        assert ops.last_impl() is ops.Impl.FA3 and torch.isfinite(out).all()
+        err, err_base = rel_err(out, ref), rel_err(base, ref)
+        assert err <= 2 * err_base + BF16_STEP, (err, err_base)
+        assert cosine(out, ref) >= 0.9999
+
+
 def test_fa3_new_rows_from_pool_equal_given_rows():
     case, md, plan = _case("chunked_mid_page_v3")
     kv = case.pool.paged(case.layer.layer_id)

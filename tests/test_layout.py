@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("graphs",),  # CUDA-graph capture buffers, static inputs, the graph runner
     ("metadata",),  # THE metadata builder
     ("policy",),  # decode-kernel choice, prefill cost model, their tables
-    ("prefill_plan",),  # the MHA prefill's per-step chunks and row split
+    ("prefill_plan", "prefill_graph"),  # the MHA prefill's per-step chunks and row split; its CUDA graphs
     ("plan",),  # the typed per-step plan
     ("backend_config",),  # the backend's pools, decode kernel and FP8 rules, checked at construction
     ("lse", "absorb", "chunked_prefix", "mha_fallback"),  # the compute paths

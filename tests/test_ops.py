@@ -128,6 +128,14 @@ def test_merge_state_equals_attention_over_union(dtype):
     torch.testing.assert_close(lse.double(), l_ref, atol=2e-5, rtol=1e-5)
 
 
+def test_prepare_merge_state_a_nonempty_is_a_checked_flag():
+    o, lse = torch.zeros(2, 1, 8), torch.zeros(2, 1)
+    assert ops.prepare_merge_state(o, lse, o, lse, impl="reference", a_nonempty=True).a_nonempty is True
+    assert ops.prepare_merge_state(o, lse, o, lse, impl="reference").a_nonempty is False
+    with pytest.raises(TypeError, match="a_nonempty"):
+        ops.prepare_merge_state(o, lse, o, lse, impl="reference", a_nonempty=1)
+
+
 def test_merge_state_empty_states():
     o_a = torch.tensor([[[1.0, 2.0]], [[float("nan"), 0.0]], [[5.0, 5.0]], [[3.0, 4.0]]])
     o_b = torch.tensor([[[float("nan"), 7.0]], [[1.0, -1.0]], [[6.0, 6.0]], [[9.0, 9.0]]])

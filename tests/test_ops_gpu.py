@@ -135,6 +135,15 @@ def test_merge_state_v2_chunked_prefix_and_empty_rows():
     torch.testing.assert_close(lse2, rl2, atol=1e-5, rtol=1e-5)
     self_o, self_lse = ops.merge_state(o_p, l_p, o_p, l_p, impl="fa3")
     torch.testing.assert_close(self_lse, l_p + math.log(2), atol=1e-5, rtol=1e-5)
+    # a validated merge whose state a has no empty row (a_nonempty): b's empty rows (-inf and FA3's +inf)
+    # still drop out, without the both-empty rewrite
+    lb[1], lb[3] = inf, -inf
+    call = ops.prepare_merge_state(o_n, l_n, o_p, lb, impl="fa3", a_nonempty=True)
+    o3, lse3 = ops.run_merge_state(call, o_n, l_n, o_p, lb)
+    r3, rl3 = ops.merge_state(o_n, l_n, o_p, lb, impl="reference")
+    assert torch.isfinite(o3).all() and torch.isfinite(lse3).all()
+    torch.testing.assert_close(o3.float(), r3.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse3, rl3, atol=1e-5, rtol=1e-5)
 
 
 GPU_FLASHMLA = {

@@ -19,7 +19,10 @@ events (median, eager — the way the backend runs extend steps):
 * ``ceiling_ms``  — the MHA path's work at 790 TFLOP/s: attention ``2·H·T·(P + T/2)·(d_qk + d_v)`` plus
   decompression ``(P + T)·r·H·(d_nope + d_v)·2`` FLOPs (T new, P prefix); ``mha_pct_ceiling`` = ceiling / MHA ms;
 * ``absorbed_ms`` is skipped (NaN, ``absorbed_skipped`` = 1) when the cost model puts it > 10x the MHA path;
-* ``cosine``      — cosine similarity of the two paths' outputs (a correctness smoke check).
+* ``cosine``      — cosine similarity of the two paths' outputs (a correctness smoke check);
+* ``mha_graph_ms`` (``--graph``) — the same MHA call replayed from a CUDA graph (``prefill_graph``: a first
+  step of the shape runs eagerly, the timed calls replay; each includes copying q in and the output out);
+  ``graph_pct_ceiling`` = ceiling / it.
 
 Usage: ``python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2`` (or ``mla-fa3 bench prefill``):
 writes ``prefill_run{i}.csv`` / ``.md`` per repeat under the directory and prints the table, the MHA
@@ -49,6 +52,7 @@ from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import MetadataBuilder
+from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, PrefillWorkspace, build_prefill_plan, workspace_tokens_for_bytes
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.policy.prefill_cost import choose_path, estimate_costs_ms
@@ -85,6 +89,8 @@ class PrefillRow:
     cosine: float  # of the two paths' outputs (NaN when absorbed was skipped)
     peak_gb: float  # peak device memory of the shape
     run: int = 0  # repeat index
+    mha_graph_ms: float = math.nan  # the MHA path replayed from a CUDA graph (--graph; prefill_graph.PrefillGraphs)
+    graph_pct_ceiling: float = math.nan  # 100 * ceiling_ms / mha_graph_ms
 
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM rate reached in practice (shared/device/README.md)
@@ -111,7 +117,7 @@ def _layout(pool_pages: int, tokens: int, page: int, gen: torch.Generator) -> to
 
 
 def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool: MLATokenPool,
-              device: torch.device, budget_ms: float, gen: torch.Generator) -> PrefillRow:
+              device: torch.device, budget_ms: float, gen: torch.Generator, graph: bool = False) -> PrefillRow:
     """Set up one request over a random latent pool, time both paths, ask the prefill cost model."""
     dtype = pool.dtype
     total = prefix + new
@@ -163,6 +169,14 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     host_us = sorted(host)[len(host) // 2] * 1e6 / (len(plan.chunks) + 1)
+    t_graph = math.nan
+    if graph and device.type == "cuda":  # a first step of the shape (eager), then the timed one replays
+        graphs = PrefillGraphs(max_shapes=1)
+        forward_mha_prefill(q, latent_new, layer, md, kv, plan_fn(), graphs=graphs)
+        t_graph = time_cuda(lambda: forward_mha_prefill(q, latent_new, layer, md, kv, plan, graphs=graphs),
+                            warmup=2, iters=_iters(model[mha_key], budget_ms))
+        assert graphs.stats["captures"] == 1, graphs.stats
+        del graphs
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     auto = choose_path([prefix], [new], num_heads=H, dims=V3, workspace_tokens=workspace).path
     times = {AttentionPath.ABSORBED: t_abs, mha_key: t_mha}
@@ -173,7 +187,8 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
         best_path=best.value, auto_over_best=times[auto] / times[best], mha_speedup=t_abs / t_mha,
         model_absorbed_ms=model[AttentionPath.ABSORBED], model_mha_ms=model[mha_key], plan_ms=t_plan,
         host_us_per_chunk=host_us, ceiling_ms=mha_flop_ms, mha_pct_ceiling=100.0 * mha_flop_ms / t_mha,
-        absorbed_skipped=int(skip), cosine=cos, peak_gb=peak)
+        absorbed_skipped=int(skip), cosine=cos, peak_gb=peak, mha_graph_ms=t_graph,
+        graph_pct_ceiling=100.0 * mha_flop_ms / t_graph)
 
 
 def _fmt(v) -> str:
@@ -182,15 +197,16 @@ def _fmt(v) -> str:
 
 def table(rows: Sequence[PrefillRow]) -> str:
     """A markdown table of the measured shapes."""
-    head = ("| heads | new | prefix | W | chunks | absorbed ms | MHA ms | MHA % ceiling | chunked/absorbed speedup "
-            "| plan ms | host us/chunk | auto | auto/best | model abs / MHA ms | cosine |")
+    head = ("| heads | new | prefix | W | chunks | absorbed ms | MHA ms | MHA % ceiling | MHA graph ms (% ceiling) "
+            "| chunked/absorbed speedup | plan ms | host us/chunk | auto | auto/best | model abs / MHA ms | cosine |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mark = "" if r.auto_over_best <= 1.0 else " (!)"
         absorbed = f"{r.absorbed_ms:.3f}" + (" (model, skipped)" if r.absorbed_skipped else "")
+        graph = "-" if math.isnan(r.mha_graph_ms) else f"{r.mha_graph_ms:.3f} ({r.graph_pct_ceiling:.0f} %)"
         lines.append(
             f"| {r.heads} | {r.new} | {r.prefix} | {r.workspace} | {r.chunks} | {absorbed} | {r.mha_ms:.3f} "
-            f"| {r.mha_pct_ceiling:.0f} % | {r.mha_speedup:.2f}x | {r.plan_ms:.3f} | {r.host_us_per_chunk:.0f} "
+            f"| {r.mha_pct_ceiling:.0f} % | {graph} | {r.mha_speedup:.2f}x | {r.plan_ms:.3f} | {r.host_us_per_chunk:.0f} "
             f"| {r.auto_path} | {r.auto_over_best:.3f}{mark} "
             f"| {r.model_absorbed_ms:.3f} / {r.model_mha_ms:.3f} | {r.cosine:.5f} |")
     return "\n".join(lines)
@@ -232,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workspace", type=int, default=None, help="tokens per chunk (overrides --workspace-bytes)")
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--repeat", type=int, default=1, help="runs of the sweep (run-to-run spread)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time the MHA path replayed from a CUDA graph (column mha_graph_ms; CUDA only)")
     p.add_argument("--budget-ms", type=float, default=60.0, help="timed ms per path and shape (sets iters)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="prefill", help="directory of the CSV / markdown files (or a .csv path)")
@@ -261,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for h, n, pre in shapes:
                 W = args.workspace or workspace_tokens_for_bytes(h, V3, args.workspace_bytes, dtype, page_size=args.page)
                 row = run_shape(h, n, pre, page=args.page, workspace=W, pool=pool, device=device,
-                                budget_ms=args.budget_ms, gen=gen)
+                                budget_ms=args.budget_ms, gen=gen, graph=args.graph)
                 row.run = run + 1
                 rows.append(row)
                 prog.step(f"run {run + 1} heads {h} new {n} prefix {pre}: absorbed {row.absorbed_ms:.3f} ms, "

@@ -37,7 +37,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fa3, reference, validate
+from . import _checks as chk, fa3, reference, validate
 from .calls import MergeCall, VarlenCall
 from .fa3 import FA3UnavailableError
 from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_impl, ran, resolve,
@@ -229,11 +229,17 @@ def run_flash_attn_varlen(chosen: Impl, call: VarlenCall) -> Tuple[Tensor, Tenso
 
 
 def prepare_merge_state(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor,
-                        impl: Optional[ImplLike] = None) -> MergeCall:
-    """Validate a :func:`merge_state` signature (same checks, same errors) for :func:`run_merge_state`."""
+                        impl: Optional[ImplLike] = None, *, a_nonempty: bool = False) -> MergeCall:
+    """Validate a :func:`merge_state` signature (same checks, same errors) for :func:`run_merge_state`.
+
+    a_nonempty: the caller guarantees that every row of state a has keys (finite ``lse_a``), so no row is
+    empty on both sides; FA3 then skips its both-empty rewrite (four elementwise kernels). The reference
+    is exact either way. A row of a that is empty under this promise gives NaN on FA3.
+    """
     chosen = resolve(impl, validate.device_of(o_a, "o_a"))
     validate.check_merge(o_a, lse_a, o_b, lse_b, impl=chosen)
-    return MergeCall(impl=chosen, o_shape=tuple(o_a.shape), dtype=o_a.dtype)
+    return MergeCall(impl=chosen, o_shape=tuple(o_a.shape), dtype=o_a.dtype,
+                     a_nonempty=chk.flag(a_nonempty, "a_nonempty"))
 
 
 def run_merge_state(call: MergeCall, o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -241,7 +247,10 @@ def run_merge_state(call: MergeCall, o_a: Tensor, lse_a: Tensor, o_b: Tensor, ls
     if o_a.shape != call.o_shape or o_b.shape != call.o_shape or o_a.dtype != call.dtype or o_b.dtype != call.dtype:
         raise ValueError(f"o_a / o_b must be {call.o_shape} {call.dtype} (the validated merge), got "
                          f"{tuple(o_a.shape)} {o_a.dtype} / {tuple(o_b.shape)} {o_b.dtype}")
-    out = (fa3 if call.impl is Impl.FA3 else reference).merge_state(o_a, lse_a, o_b, lse_b)
+    if call.impl is Impl.FA3:
+        out = fa3.merge_state(o_a, lse_a, o_b, lse_b, a_nonempty=call.a_nonempty)
+    else:
+        out = reference.merge_state(o_a, lse_a, o_b, lse_b)
     ran(call.impl)
     return out
 

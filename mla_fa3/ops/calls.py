@@ -83,6 +83,8 @@ class MergeCall:
     impl: object  # the Impl (FA3 / REFERENCE) resolved when it was validated
     o_shape: Tuple[int, ...]  # [T, H, d] of o_a and o_b (lse_a / lse_b: [T, H] float32)
     dtype: torch.dtype  # of o_a and o_b
+    # the caller guarantees every row of state a has keys (finite lse_a): FA3 skips the both-empty rewrite
+    a_nonempty: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ fixed here, with shape-only tensor ops (no device->host sync, legal inside CUDA-
   i.e. a natural log (checked in FlashMLA's combine kernel), so no base conversion is needed.
 * FA3 and FlashMLA write ``+inf`` as the lse of a row without keys; it is rewritten to ``-inf``.
 * ``merge_state_v2`` treats any infinite lse as empty but returns NaN when both sides are empty:
-  such rows are rewritten to o 0, lse -inf.
+  such rows are rewritten to o 0, lse -inf (four elementwise kernels over o and lse) — unless the caller
+  guarantees that state a has no empty row (``MergeCall.a_nonempty``: the chunked MHA prefill's running
+  state, whose every row sees at least its own token).
 Rows with ``bs == 0`` or no query tokens return empty tensors without launching a kernel.
 
 Pairing: an sgl-kernel wheel is compiled against one torch ABI (``SGL_KERNEL_TORCH``). Importing this
@@ -226,12 +228,19 @@ def flash_attn_varlen_func(call: VarlenCall, *, return_lse: bool) -> Tuple[Tenso
     return out, _token_major(lse, (H, T), (1, 0), (T, H))
 
 
-def merge_state(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
-    """``sgl_kernel.merge_state_v2`` (lse ``[T, H]`` natural log, contiguous) with empty rows fixed."""
+def merge_state(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor, *,
+                a_nonempty: bool = False) -> Tuple[Tensor, Tensor]:
+    """``sgl_kernel.merge_state_v2`` (lse ``[T, H]`` natural log, contiguous) with empty rows fixed.
+
+    a_nonempty: every row of state a has keys (the caller knows it), so no row is empty on both sides
+    and the rewrite is skipped.
+    """
     if o_a.shape[0] == 0:
         return o_a.clone(), lse_a.clone()
     sk = _module("sgl_kernel")
     o, lse = sk.merge_state_v2(o_a.contiguous(), lse_a.contiguous(), o_b.contiguous(), lse_b.contiguous())
+    if a_nonempty:
+        return o, lse
     empty = torch.isinf(lse_a) & torch.isinf(lse_b)
     o.masked_fill_(empty.unsqueeze(-1), 0.0)
     lse.masked_fill_(empty, float("-inf"))
