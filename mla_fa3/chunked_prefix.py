@@ -10,6 +10,9 @@ dims ``d_qk / d_v`` (192 / 128 for DeepSeek-V3) — cheaper than the absorbed pa
 per score when many queries share the keys.
 
 * one-shot (no prefix): ``o = attn_causal(q, k_new, v_new)`` — one ``flash_attn_varlen_func`` call.
+* one pass (prefix and new tokens fit the workspace together, ``P + N <= W``): each request's keys laid out
+  ``[prefix_b | new_b]``, one causal call with bottom-right alignment (query ``i`` sees keys ``j <= p_b + i``)
+  — exactly the causal set, no merge (``prefill_plan.OnePass``).
 * chunked: the new tokens attend to themselves causally, giving ``(o_0, l_0)``; the prefix tokens of
   the whole batch, concatenated request by request, are cut into chunks of at most ``W`` tokens (the
   workspace budget; a chunk may hold slices of several requests and may end mid-page). Chunk ``i``:
@@ -39,8 +42,9 @@ expand-copy — FA3 needs K's head dim contiguous, so the 64 rope columns exist 
 Host work per layer and chunk: an index_select, a GEMM, a copy, a q slice and two pre-validated calls
 (``ops.prepare_* / run_*``: every shape/dtype/device check runs once per step, in the first layer, for
 every chunk; later layers only swap in their q). No host read of a device value, no allocation by
-this module (the ops allocate their outputs). Not legal inside a CUDA graph as is (extend steps are
-never captured). Memory: the plan's workspace (``W`` tokens of latent and ``[v | k]`` rows) and, per
+this module (the ops allocate their outputs). Capturable: ``prefill_graph.PrefillGraphs`` captures the MHA
+rows of a repeated shape and replays them (``graphs=``). The merges skip FA3's both-empty-row rewrite: the
+running state starts from the causal pass, so every row has a key. Memory: the plan's workspace (``W`` tokens of latent and ``[v | k]`` rows) and, per
 step, the new tokens' ``[v | k]`` rows.
 
 Split steps (MIXED): decode rows run ``absorb.forward_absorbed`` on the plan's sub-metadata

@@ -22,7 +22,7 @@ events (median, eager — the way the backend runs extend steps):
 * ``cosine``      — cosine similarity of the two paths' outputs (a correctness smoke check);
 * ``mha_graph_ms`` (``--graph``) — the same MHA call replayed from a CUDA graph (``prefill_graph``: a first
   step of the shape runs eagerly, the timed calls replay; each includes copying q in and the output out);
-  ``graph_pct_ceiling`` = ceiling / it.
+  ``graph_pct_ceiling`` = ceiling / it; ``graph_host_us`` = host time of one such layer call (all chunks).
 
 Usage: ``python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2`` (or ``mla-fa3 bench prefill``):
 writes ``prefill_run{i}.csv`` / ``.md`` per repeat under the directory and prints the table, the MHA
@@ -91,6 +91,7 @@ class PrefillRow:
     run: int = 0  # repeat index
     mha_graph_ms: float = math.nan  # the MHA path replayed from a CUDA graph (--graph; prefill_graph.PrefillGraphs)
     graph_pct_ceiling: float = math.nan  # 100 * ceiling_ms / mha_graph_ms
+    graph_host_us: float = math.nan  # host time of one graph-replayed layer call (copy in, replay, clone out)
 
 
 PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM rate reached in practice (shared/device/README.md)
@@ -159,22 +160,14 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
         absorbed, warmup=1, iters=_iters(model[AttentionPath.ABSORBED], budget_ms, hi=20))
     t_mha = time_cuda(mha, warmup=2, iters=_iters(model[mha_key], budget_ms))
     t_plan = time_cuda(plan_fn, warmup=1, iters=5)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    host = []
-    for _ in range(5):  # host time of the call alone: launches queue behind the previous call's work
-        t0 = time.perf_counter()
-        mha()
-        host.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    host_us = sorted(host)[len(host) // 2] * 1e6 / (len(plan.chunks) + 1)
-    t_graph = math.nan
+    host_us = _host_us(mha, device) / (len(plan.chunks) + 1)
+    t_graph = graph_host = math.nan
     if graph and device.type == "cuda":  # a first step of the shape (eager), then the timed one replays
         graphs = PrefillGraphs(max_shapes=1)
         forward_mha_prefill(q, latent_new, layer, md, kv, plan_fn(), graphs=graphs)
-        t_graph = time_cuda(lambda: forward_mha_prefill(q, latent_new, layer, md, kv, plan, graphs=graphs),
-                            warmup=2, iters=_iters(model[mha_key], budget_ms))
+        replayed = lambda: forward_mha_prefill(q, latent_new, layer, md, kv, plan, graphs=graphs)  # noqa: E731
+        t_graph = time_cuda(replayed, warmup=2, iters=_iters(model[mha_key], budget_ms))
+        graph_host = _host_us(replayed, device)
         assert graphs.stats["captures"] == 1, graphs.stats
         del graphs
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
@@ -188,7 +181,21 @@ def run_shape(H: int, new: int, prefix: int, *, page: int, workspace: int, pool:
         model_absorbed_ms=model[AttentionPath.ABSORBED], model_mha_ms=model[mha_key], plan_ms=t_plan,
         host_us_per_chunk=host_us, ceiling_ms=mha_flop_ms, mha_pct_ceiling=100.0 * mha_flop_ms / t_mha,
         absorbed_skipped=int(skip), cosine=cos, peak_gb=peak, mha_graph_ms=t_graph,
-        graph_pct_ceiling=100.0 * mha_flop_ms / t_graph)
+        graph_pct_ceiling=100.0 * mha_flop_ms / t_graph, graph_host_us=graph_host)
+
+
+def _host_us(fn, device: torch.device) -> float:
+    """Median host time of one call (us), the device idle at its start: Python + launches, no device work."""
+    host = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sorted(host)[len(host) // 2] * 1e6
 
 
 def _fmt(v) -> str:
@@ -203,7 +210,8 @@ def table(rows: Sequence[PrefillRow]) -> str:
     for r in rows:
         mark = "" if r.auto_over_best <= 1.0 else " (!)"
         absorbed = f"{r.absorbed_ms:.3f}" + (" (model, skipped)" if r.absorbed_skipped else "")
-        graph = "-" if math.isnan(r.mha_graph_ms) else f"{r.mha_graph_ms:.3f} ({r.graph_pct_ceiling:.0f} %)"
+        graph = "-" if math.isnan(r.mha_graph_ms) else \
+            f"{r.mha_graph_ms:.3f} ({r.graph_pct_ceiling:.0f} %, host {r.graph_host_us:.0f} us)"
         lines.append(
             f"| {r.heads} | {r.new} | {r.prefix} | {r.workspace} | {r.chunks} | {absorbed} | {r.mha_ms:.3f} "
             f"| {r.mha_pct_ceiling:.0f} % | {graph} | {r.mha_speedup:.2f}x | {r.plan_ms:.3f} | {r.host_us_per_chunk:.0f} "

@@ -17,9 +17,11 @@ mode, so the two overlap — ``k = 1`` adds them, a large ``k`` takes the larger
   attention with head dims ``d_qk / d_v``: ``2·H·S·(d_qk + d_v) / (R_mha · occupancy)``, where
   ``occupancy = min(1, H·Σ_b ceil(n_b / tile_m) / num_sms)`` (FA3's varlen forward runs one CTA per
   (q tile, head): few new tokens leave SMs idle); decompression ``2·(P + N)·r·H·(d_nope + d_v) / R_gemm``
-  plus its copies ``(P + N)·H·(2·d_nope + d_qk + d_v)·2 B / BW_copy``; the gather of the prefix's latent
-  rows ``2·P·(r + d_rope)·2 B / BW_copy``; one LSE merge per chunk ``N·H·(3·d_v·2 B + 12 B) / BW_copy``;
-  ``h = mha_fixed + c·chunk_overhead`` (each chunk is ~8 launches: gather, 2 GEMMs, 2 copies, attention, merge).
+  (one GEMM writes ``[v | k_nope]`` in place) plus the k_rope broadcast ``(P + N)·H·d_rope·2 B / BW_copy``;
+  the gather of the prefix's latent rows ``2·P·(r + d_rope)·2 B / BW_copy``; one LSE merge per chunk
+  ``N·H·(3·d_v·2 B + 12 B) / BW_copy``; ``h = mha_fixed + c·chunk_overhead`` (each chunk is ~6 launches:
+  gather, GEMM, copy, attention, merge). When ``P + N <= W`` the step runs in one pass
+  (``prefill_plan.OnePass``): ``c = 0``, no merge, the gather covers the ``P + N`` rows.
 
 Rows with ``n_b = 1`` and ``p_b > 0`` (decode rows of a MIXED step) always take the absorbed path —
 decompressing a whole prefix for one query never pays — so the choice is made for the other rows, and
@@ -27,8 +29,8 @@ the decode rows' absorbed ``g`` and ``h`` are added to the MHA options' (one spl
 Decode-like modes (one query per request) are ABSORBED by definition.
 
 :class:`CostConstants` holds every constant in one place. :data:`H200_COSTS` is fitted with
-``prefill_fit.fit_cost_constants`` to the 32 shapes of ``docs/perf/prefill_2026-12-02_run1.csv``
-(H200, eager CUDA-event times of one layer, host overhead included, bf16, page 64, W = 8192). The rates
+``prefill_fit.fit_cost_constants`` to the H200 sweeps listed above it (eager CUDA-event times of one layer,
+host overhead included, bf16, page 64, workspace budget 512 MiB). The rates
 are *effective* rates of the code as it runs, not hardware peaks. Pure host arithmetic on CPU lengths:
 no tensor is read from a device, so choosing a path never syncs.
 
@@ -82,19 +84,19 @@ class CostConstants:
 
 
 # H200 (sm90, 132 SMs), DeepSeek-V3 dims, bf16, page 64, workspace budget 512 MiB (47,127 tokens per chunk
-# at 16 heads, 6,462 at 128): fit_cost_constants on docs/perf/2026-12-03/prefill_run{1,2}.csv (two runs of the
-# bench on 2026-12-03 after the host-lean MHA prefill; heads {16,128} x new {1k,4k,8k} x prefix {16k,64k,128k};
-# eager CUDA-event times, host launch costs included). Auto picks the faster path on 18/18 shapes of each run;
-# tests/test_prefill_cost.py replays both.
-# The rates are effective: gemm_tflops (932) exceeds the H200's ~790 because the model still charges the
-# decompression copies the fused path no longer makes (the GEMM term absorbs that overcount).
+# at 16 heads, 6,462 at 128): fit_cost_constants on docs/perf/2026-12-03/session4/prefill_run{3,4,5,6}.csv
+# (two pairs of runs of the bench after the one-pass layout; heads {16,128} x new {1k,4k,8k} x prefix
+# {16k,64k,128k}) and prefill_small_run{1,2}.csv (new {128,512} x prefix {0,8k,32k}: the crossover); eager
+# CUDA-event times, host launch costs included. Auto picks the faster path on 18/18 shapes of each of the six
+# sweeps of that session and within 5 % on 10/12 and 11/12 small shapes (misses: 0.2 ms steps, where two runs
+# disagree by up to 20 %); tests/test_prefill_cost.py replays them. The rates are effective rates of the code.
 # To re-fit:
 #   python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2     (prints the fitted constants), or
 #   python -m mla_fa3.policy.prefill_fit docs/perf/<new>.csv           (prints a paste-ready H200_COSTS line)
-# then record the CSV under docs/perf/ and point tests/test_prefill_cost.py's RECORDED_CSV at it.
+# then record the CSV under docs/perf/ and point tests/test_prefill_cost.py's FIT_CSVS at it.
 H200_COSTS = CostConstants(
-    mha_attn_tflops=646.0, absorbed_attn_tflops=636.0, gemm_tflops=932.0,
-    chunk_overhead_us=37.4, mha_fixed_us=180.0, absorbed_fixed_us=42.6, host_overlap_p=2.0)
+    mha_attn_tflops=651.0, absorbed_attn_tflops=642.0, gemm_tflops=714.0,
+    chunk_overhead_us=230.0, mha_fixed_us=176.0, absorbed_fixed_us=175.0, host_overlap_p=2.0)
 
 
 @dataclass(frozen=True)
@@ -178,9 +180,10 @@ def _mha_parts(prefix, extend, H, dims, c: CostConstants, workspace_tokens: int)
     occupancy = min(1.0, tiles / c.num_sms)
     attn = 2.0 * H * _pairs(prefix, extend) * (dqk + dv) / (c.mha_attn_tflops * 1e9 * occupancy)
     rows = P + N
-    decomp = 2.0 * rows * r * H * (dn + dv) / (c.gemm_tflops * 1e9) + e * rows * H * (2 * dn + dqk + dv) / bw
-    chunks = -(-P // workspace_tokens) if P else 0
-    gather = 2.0 * e * P * (r + dr) / bw
+    decomp = 2.0 * rows * r * H * (dn + dv) / (c.gemm_tflops * 1e9) + e * rows * H * dr / bw
+    one_pass = 0 < P and rows <= workspace_tokens  # prefill_plan.OnePass: no chunk loop, no merge
+    chunks = 0 if one_pass or not P else -(-P // workspace_tokens)
+    gather = 2.0 * e * (rows if one_pass else P) * (r + dr) / bw
     merge = chunks * N * H * (3 * dv * e + 12) / bw
     return attn + decomp + gather + merge, (chunks * c.chunk_overhead_us + c.mha_fixed_us) * 1e-3
 
@@ -270,6 +273,8 @@ def choose_path(prefix_lens, extend_lens, *, num_heads: int, dims, workspace_tok
         return decision(AttentionPath.ABSORBED, "override prefill_path='absorbed'")
     shape = (f"{len(rest_n)} extend rows, {sum(rest_n)} new tokens over {sum(rest_p)} prefix tokens, "
              f"{num_heads} heads" + (f", {chunks} chunks of <= {workspace_tokens}" if chunks else "")
+             + (", one pass (prefix + new fit the workspace)" if has_prefix and sum(rest_p) + sum(rest_n)
+                <= workspace_tokens else "")
              + (f"; {n_dec} decode rows absorbed" if n_dec else ""))
     if override is PrefillOverride.MHA:
         return decision(mha_path, f"override prefill_path='mha' ({shape})")
