@@ -14,7 +14,8 @@ weights, pool rows and FP8 scale are addresses in it (the entry keeps those tens
 is never reused under it) and so are its scale and softcap.
 
 Per step, at the first layer of a new plan: the live plan's slot ids are copied into the captured plan's
-tensors (one ``_foreach_copy_`` for all layers). Per layer: q (and the new rows) are copied into the
+tensors (one ``_foreach_copy_`` for all layers); the captured plan owns those tensors (a copy made at
+capture), so no caller's plan is ever written. Per layer: q (and the new rows) are copied into the
 shape's static inputs, the graph is replayed, and its output is cloned out of the shape's static output
 (one buffer for all layers): the caller owns what it gets, a later replay never overwrites it.
 
@@ -28,6 +29,8 @@ device, after one eager warm-up run on a side stream; a failure raises (nothing 
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,6 +71,23 @@ class _Shape:
         self.bound = plan
 
 
+def _private_plan(plan: PrefillPlan) -> PrefillPlan:
+    """The plan with slot-id tensors of its own (what ``bind`` overwrites), its chunks viewing them.
+
+    Never the caller's tensors: a caller that runs an older plan again must find its own slots intact. The
+    cu_seqlens and row tensors are shared: equal for every plan of the shape, and never written.
+    """
+    prefix = plan.prefix_slot_ids.clone()
+    chunks, start = [], 0
+    for ch in plan.chunks:
+        chunks.append(dataclasses.replace(ch, slot_ids=prefix[start: start + ch.num_keys]))
+        start += ch.num_keys
+    one = plan.one_pass
+    return dataclasses.replace(
+        plan, prefix_slot_ids=prefix, new_slot_ids=plan.new_slot_ids.clone(), chunks=tuple(chunks),
+        one_pass=None if one is None else dataclasses.replace(one, slot_ids=one.slot_ids.clone()), calls={})
+
+
 class PrefillGraphs:
     """CUDA graphs of ``chunked_prefix``'s MHA rows, keyed by shape then layer (see the module docstring).
 
@@ -78,7 +98,7 @@ class PrefillGraphs:
     def __init__(self, max_shapes: int = 4):
         self.max_shapes = check_int(max_shapes, "max_shapes", 1)
         self._shapes: OrderedDict[tuple, _Shape] = OrderedDict()
-        self._seen: OrderedDict[tuple, int] = OrderedDict()  # shape -> id of the plan it was first seen with
+        self._seen: OrderedDict[tuple, weakref.ref] = OrderedDict()  # shape -> the plan it was first seen with
         self._pool = None  # one memory pool for every capture (graphs replay one at a time, in order)
         self._last: tuple[PrefillPlan | None, tuple | None] = (None, None)
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "evictions": 0}
@@ -147,9 +167,9 @@ class PrefillGraphs:
     def _seen_before(self, key: tuple, plan: PrefillPlan) -> bool:
         """True when an earlier step (another plan) had this shape; every layer of the first step is eager."""
         first = self._seen.get(key)
-        if first is not None and first != id(plan):
+        if first is not None and first() is not plan:  # a dead first plan was another step too
             return True
-        self._seen[key] = id(plan)
+        self._seen[key] = weakref.ref(plan)
         if len(self._seen) > _SEEN_LIMIT:
             self._seen.popitem(last=False)
         return False
@@ -159,7 +179,7 @@ class PrefillGraphs:
             self._shapes.popitem(last=False)
             self.stats["evictions"] += 1
         out = q.new_empty(q.shape[0], layer.num_heads, layer.mla.v_head_dim)
-        shape = self._shapes[key] = _Shape(plan=plan, q=torch.empty_like(q),
+        shape = self._shapes[key] = _Shape(plan=_private_plan(plan), q=torch.empty_like(q),
                                            latent=None if latent is None else torch.empty_like(latent), out=out,
                                            bound=plan)
         return shape

@@ -17,7 +17,7 @@ from specs import PREFILL_RUNS, PREFILL_SPECS
 from mla_fa3.backend import MLABackend
 from mla_fa3.chunked_prefix import forward_mha_prefill
 from mla_fa3.metadata import MetadataBuilder
-from mla_fa3.prefill_graph import PrefillGraphs, _Shape
+from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PrefillWorkspace, build_prefill_plan
 
 TOL = 2e-5
@@ -80,21 +80,39 @@ def test_first_step_of_a_shape_is_eager_on_every_layer_a_later_step_repeats():
 
 @pytest.mark.parametrize("name,W", [("budget_splits_mid_page", None), ("budget_covers_all", 4096)])
 def test_bind_copies_the_live_slots_into_the_captured_plan(name, W):
-    """After bind, the captured plan IS the live step for every kernel that reads it (chunks' views too)."""
-    case, md, (captured, live) = _plans(name, W=W)
-    assert (captured.one_pass is not None) == (W is not None)
+    """After bind, the captured plan IS the live step for every kernel that reads it (chunks' views too); the
+    captured plan owns its slot tensors, so binding never writes a caller's plan (an older step run again)."""
+    case, md, (first, live, again) = _plans(name, W=W, n=3)
+    assert (first.one_pass is not None) == (W is not None)
+
+    def slots(p):
+        return [p.prefix_slot_ids, p.new_slot_ids] + ([p.one_pass.slot_ids] if p.one_pass else [])
+
     # the live step's slots differ: scramble them (a relocated cache), then bind
-    for t in (live.prefix_slot_ids, live.new_slot_ids) + ((live.one_pass.slot_ids,) if live.one_pass else ()):
+    for t in slots(live):
         t.copy_(t.flip(0))
-    shape = _Shape(plan=captured, q=case.q.clone(), latent=None, out=case.q.new_empty(0), bound=captured)
-    shape.bind(live)
-    assert shape.bound is live
-    assert torch.equal(captured.prefix_slot_ids, live.prefix_slot_ids)
-    assert torch.equal(captured.new_slot_ids, live.new_slot_ids)
-    for c, l in zip(captured.chunks, live.chunks):
-        assert torch.equal(c.slot_ids, l.slot_ids)
-    if W is not None:
-        assert torch.equal(captured.one_pass.slot_ids, live.one_pass.slot_ids)
+    before = [t.clone() for t in slots(first)]
+    shape = PrefillGraphs()._new_shape(("k",), case.q, None, case.layer, first)
+    captured = shape.plan
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(slots(captured), slots(first)))
+    for p in (live, first, live, again):
+        shape.bind(p)
+        assert shape.bound is p
+        for c, l in zip(slots(captured), slots(p)):
+            assert torch.equal(c, l)
+        for c, l in zip(captured.chunks, p.chunks):
+            assert torch.equal(c.slot_ids, l.slot_ids) and c.slot_ids.data_ptr() != l.slot_ids.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(slots(first), before))  # the caller's plan is untouched
+
+
+def test_a_step_whose_first_plan_died_is_a_repeat():
+    g = PrefillGraphs()
+    _, _, (a, b) = _plans("budget_splits_mid_page")
+    key = g._plan_key(a)
+    assert not g._seen_before(key, a)
+    g._last = (None, None)
+    del a
+    assert g._seen_before(key, b)
 
 
 def test_eviction_keeps_at_most_max_shapes():
