@@ -7,6 +7,8 @@ path in fp32 over a shuffled, NaN-poisoned paged latent pool. fp32 vs fp64: rel.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -290,11 +292,19 @@ def test_cuda_graph_capture_then_replay_reads_captured_metadata(mode, k, kernel)
         assert backend.explain().kernel == kernel and backend.explain().graph
 
 
-def test_auto_graphs_capture_every_kernel_and_each_replay_picks_from_live_lengths():
-    """decode_kernel='auto' on page 64: one graph per kernel per size (split-KV too: the built-in table has
-    split-KV times and the reference impl runs it); a replay picks the kernel that kernel_choice gives for
-    the live lengths (skew included) and computes the right answer with it."""
+def test_auto_graphs_capture_every_kernel_and_each_replay_picks_from_live_lengths(monkeypatch):
+    """decode_kernel='auto' on page 64: one graph per kernel per size (split-KV too, under the kernel-alone
+    table, where split-KV wins at 16 heads; the built-in whole-step table picks it nowhere, so only FA3 and
+    FlashMLA are captured); a replay picks the kernel that kernel_choice gives for the live lengths (skew
+    included) and computes the right answer with it."""
     kc = pytest.importorskip("mla_fa3.policy.decode_kernel")
+    spec0 = BatchSpec(DEC, (40, 3, 77), (1,) * 3, page_size=64)
+    case0 = make_mla_case(spec0, "deepseek_v3", seed=9)
+    built_in = backend_for(case0, decode_kernel="auto", num_heads=case0.cfg.num_heads)
+    assert built_in.graph_kernels() == (DecodeKernel.FA3, DecodeKernel.FLASHMLA)
+    perf = Path(__file__).resolve().parents[1] / "docs" / "perf"
+    monkeypatch.setattr(kc, "MEASURED", kc.table_from_csvs([str(perf / "decode_2026-12-02_run1.csv"),
+                                                             str(perf / "2026-12-03" / "decode_small_batch.csv")]))
     spec = BatchSpec(DEC, (40, 3, 77), (1,) * 3, page_size=64)
     case = make_mla_case(spec, "deepseek_v3", seed=9)
     H = case.cfg.num_heads

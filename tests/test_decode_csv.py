@@ -16,7 +16,7 @@ from mla_fa3.policy import decode_csv
 from mla_fa3.policy import decode_kernel as kc
 from mla_fa3.policy.paths import DecodeKernel
 
-from test_decode_kernel import SMALL, SWEEP, small_batch
+from test_decode_kernel import SMALL, SMALL_KERNEL, SWEEP, small_batch
 
 SKV = DecodeKernel.SPLITKV
 
@@ -32,11 +32,12 @@ def _write(path, rows):
     return str(path)
 
 
-def test_builtin_table_is_the_two_sweeps_merged(monkeypatch):
-    """MEASURED is what --from-csv run1 --from-csv decode_small_batch prints (200 shapes, each once)."""
+def test_builtin_table_is_the_three_sweeps_merged(monkeypatch):
+    """MEASURED is what --from-csv run1 --from-csv decode_small_batch --from-csv session4/decode_whole_step prints
+    (200 shapes, each once; the whole-step sweep replaces the kernel-alone small-batch rows whole)."""
     root = SWEEP.parents[2]
     monkeypatch.chdir(root)  # the documented command runs from the repository root (sources are its paths)
-    rel = [str(p.relative_to(root)) for p in (SWEEP, SMALL)]
+    rel = [str(p.relative_to(root)) for p in (SWEEP, SMALL_KERNEL, SMALL)]
     assert decode_csv.table_from_csvs(rel) == kc.MEASURED
     keys = [decode_csv.shape_key(m) for m in kc.MEASURED]
     assert len(keys) == len(set(keys)) == 200
@@ -48,7 +49,7 @@ def test_builtin_table_is_the_two_sweeps_merged(monkeypatch):
     by_shape = {(m.num_heads, m.batch_size, m.context, m.skew == 1.0): m for m in kc.MEASURED}
     for (h, bs, ctx), t in small.items():  # the later sweep's row, whole
         m = by_shape[(h, bs, ctx, True)]
-        assert (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) == (t["fa3"], t["mla"], t["skv"]) and "small_batch" in m.source
+        assert (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) == (t["fa3"], t["mla"], t["skv"]) and "whole_step" in m.source
     for (h, bs, ctx, kind), r in run1.items():
         m = by_shape[(h, bs, ctx, kind == "equal" or bs == 1)]
         if kind == "equal" and (h, bs, ctx) in small:
@@ -83,12 +84,12 @@ def test_a_later_csv_replaces_the_whole_row_of_a_shape(tmp_path):
 def test_a_shape_kept_twice_would_hide_splitkv_where_it_wins():
     """Why the merge drops the older row: at a shape measured twice, the row without a split-KV time ties
     with the row that has one (distance 0), and a tie with an unmeasured shape never picks split-KV."""
-    run1, small = kc.table_from_csv(str(SWEEP)), kc.table_from_csv(str(SMALL))
-    t = small_batch()[(16, 1, 16384)]
+    run1, small = kc.table_from_csv(str(SWEEP)), kc.table_from_csv(str(SMALL_KERNEL))
+    t = small_batch(SMALL_KERNEL)[(16, 1, 16384)]  # the kernels alone: split-KV won there
     assert min(t["fa3"], t["mla"]) / t["skv"] > 1.2  # split-KV measured > 20 % faster there
     naive = kc.explain_decode_kernel(16, 1, 16384, 64, table=run1 + small)
     assert naive.kernel is not SKV and "split-KV not measured at 1 of these 2 shapes" in naive.reason
-    merged = kc.explain_decode_kernel(16, 1, 16384, 64)
+    merged = kc.explain_decode_kernel(16, 1, 16384, 64, table=kc.table_from_csvs([str(SWEEP), str(SMALL_KERNEL)]))
     assert merged.kernel is SKV and f"split-KV {t['skv']:.4g} ms" in merged.reason
 
 

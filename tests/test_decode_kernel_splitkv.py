@@ -1,9 +1,12 @@
-"""The split-KV pick of ``explain_decode_kernel`` against the H200 sweep that timed it.
+"""The split-KV pick of ``explain_decode_kernel`` against the H200 sweeps that timed it.
 
-Oracle: ``docs/perf/2026-12-03/decode_small_batch.csv`` (heads 16 / 128 × bs 1, 2, 4, 8 × context 16k-128k,
-page 64, equal lengths: FA3, FlashMLA and split-KV per layer), read with ``csv`` alone
-(``test_decode_kernel.small_batch``). The winners and the margins come from those times, never from the
-table under test; the shapes the brief names (16 heads bs 1 16k, 128 heads) are checked against them first.
+Oracles, read with ``csv`` alone (``test_decode_kernel.small_batch``): ``docs/perf/2026-12-03/decode_small_batch.csv``
+(``SMALL_KERNEL``: heads 16 / 128 × bs 1, 2, 4, 8 × context 16k-128k, page 64, equal lengths — FA3, FlashMLA and
+split-KV *alone* per layer) and ``session4/decode_whole_step.csv`` (``SMALL``: the same shapes as the backend's
+*whole step* with each kernel forced). The built-in table holds the whole-step rows: there split-KV is slower
+everywhere (its schedule is planned on the host in the replay update), so the built-in table picks it nowhere.
+The split-KV machinery (picks, neighbours, evaluation) is checked on the kernel-alone table, where it won at 16
+heads, bs 1-2, 16k-32k. The winners and margins come from the CSVs, never from the table under test.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 from mla_fa3.policy import decode_kernel as kc
 from mla_fa3.policy.paths import DecodeKernel
 
-from test_decode_kernel import SMALL, SWEEP, lengths_of, small_batch, times_of, winner
+from test_decode_kernel import SMALL, SMALL_KERNEL, SWEEP, lengths_of, small_batch, times_of, winner
 
 FA3, MLA, SKV = DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV
 RUN2 = SWEEP.parent / "decode_2026-12-02_run2.csv"
@@ -25,6 +28,7 @@ RUN2 = SWEEP.parent / "decode_2026-12-02_run2.csv"
 HEADS = (4, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 BATCH = (1, 2, 3, 4, 6, 8, 12, 16, 64, 128)
 CONTEXT = (1024, 4096, 8192, 12000, 16384, 24000, 32768, 50000, 65536, 100000, 131072, 200000)
+KERNEL_TABLE = kc.table_from_csvs([str(SWEEP), str(SMALL_KERNEL)])  # the table before the whole-step sweep
 
 
 def _pick(h, bs, ctx, kind="equal", **kw):
@@ -32,45 +36,54 @@ def _pick(h, bs, ctx, kind="equal", **kw):
     return kc.explain_decode_kernel(h, bs, max(lens), 64, mean_seqlen_k=sum(lens) / bs, **kw)
 
 
-def test_every_small_batch_row_is_within_5pct_of_the_fastest_kernel():
-    rows = small_batch()
+@pytest.mark.parametrize("oracle,table", [(SMALL, None), (SMALL_KERNEL, KERNEL_TABLE)], ids=["whole_step", "kernel"])
+def test_every_small_batch_row_is_within_5pct_of_the_fastest_kernel(oracle, table):
+    rows = small_batch(oracle)
     assert len(rows) == 32
     for (h, bs, ctx), t in rows.items():
         times = times_of(t)
-        k = _pick(h, bs, ctx).kernel
+        k = _pick(h, bs, ctx, table=table).kernel
         assert times[k] / min(times.values()) <= 1.05, ((h, bs, ctx), k, times)
         assert k is winner(t), ((h, bs, ctx), k, times)  # on the grid the rule is the measured winner
         if k is SKV:  # never picked where it is not measured faster than both others by MIN_GAIN
             assert min(t["fa3"], t["mla"]) / t["skv"] >= kc.MIN_GAIN
     wins = {s for s, t in rows.items() if winner(t) is SKV}
-    assert wins and {h for h, _, _ in wins} == {16}  # the sweep's finding: split-KV wins at 16 heads only
+    if table is None:  # the whole steps: split-KV wins nowhere
+        assert not wins
+    else:  # the kernels alone: split-KV won at 16 heads only
+        assert wins and {h for h, _, _ in wins} == {16}
 
 
-def test_splitkv_at_16_heads_bs1_16k_and_never_at_128_heads():
-    t = small_batch()[(16, 1, 16384)]
-    assert min(t["fa3"], t["mla"]) / t["skv"] > 1.05  # the oracle: split-KV measured > 5 % faster there
+def test_the_built_in_table_picks_splitkv_nowhere_the_kernel_alone_table_at_16_heads_bs1_16k():
+    whole, alone = small_batch()[(16, 1, 16384)], small_batch(SMALL_KERNEL)[(16, 1, 16384)]
+    assert whole["skv"] > whole["fa3"]  # the whole step: split-KV slower than FA3 there
+    assert min(alone["fa3"], alone["mla"]) / alone["skv"] > 1.05  # the kernel alone: > 5 % faster
     choice = kc.explain_decode_kernel(16, 1, 16384, 64)
-    assert choice.kernel is SKV and f"split-KV {t['skv']:.4g} ms" in choice.reason
-    assert all(winner(t) is not SKV for (h, _, _), t in small_batch().items() if h == 128)  # it loses there
-    for bs in BATCH:
-        for ctx in CONTEXT:
-            for kind in ("equal", "skewed"):
-                assert _pick(128, bs, ctx, kind).kernel is not SKV, (bs, ctx, kind)
-                assert _pick(64, bs, ctx, kind).kernel is not SKV, (bs, ctx, kind)
-    assert kc.explain_decode_kernel(16, 1, 16384, 64, allow_splitkv=False).kernel is FA3  # no Triton here
+    assert choice.kernel is FA3 and f"split-KV {whole['skv']:.4g} ms" in choice.reason
+    choice = kc.explain_decode_kernel(16, 1, 16384, 64, table=KERNEL_TABLE)
+    assert choice.kernel is SKV and f"split-KV {alone['skv']:.4g} ms" in choice.reason
+    for h in (16, 64, 128):
+        for bs in BATCH:
+            for ctx in CONTEXT:
+                for kind in ("equal", "skewed"):
+                    assert _pick(h, bs, ctx, kind).kernel is not SKV, (h, bs, ctx, kind)
+                    if h >= 64:
+                        assert _pick(h, bs, ctx, kind, table=KERNEL_TABLE).kernel is not SKV, (h, bs, ctx, kind)
+    assert kc.explain_decode_kernel(16, 1, 16384, 64, allow_splitkv=False, table=KERNEL_TABLE).kernel is FA3
 
 
 def test_splitkv_picks_between_grid_points_stay_near_its_measured_wins():
-    """Off the grid, split-KV is picked only next to its measured wins (16 heads, bs 1-2, 16k-32k): within one
+    """(Kernel-alone table.) Off the grid, split-KV is picked only next to its measured wins (16 heads, bs 1-2,
+    16k-32k): within one
     grid step of context and batch, and from 8 to 24 heads (the nearest measured head count is 16; the
     sweep has no 32-head split-KV time, so 24 heads follows 16 where 32 heads has no row at that shape)."""
-    wins = {s for s, t in small_batch().items() if winner(t) is SKV}
+    wins = {s for s, t in small_batch(SMALL_KERNEL).items() if winner(t) is SKV}
     seen = set()
     for h in HEADS:
         for bs in BATCH:
             for ctx in CONTEXT:
                 for kind in ("equal", "skewed"):
-                    choice = _pick(h, bs, ctx, kind)
+                    choice = _pick(h, bs, ctx, kind, table=KERNEL_TABLE)
                     if choice.kernel is SKV:
                         assert 8 <= h <= 24 and bs <= 2 and 8192 <= ctx <= 32768, (h, bs, ctx, choice.reason)
                         assert any(f"heads 16, bs {b}, ctx {c}," in choice.reason for _, b, c in wins)
@@ -92,26 +105,32 @@ def test_a_nearest_shape_without_a_splitkv_time_rules_splitkv_out():
 
 @pytest.mark.parametrize("sweep", [SWEEP, RUN2], ids=["run1", "run2"])
 def test_older_sweeps_pick_splitkv_only_where_the_splitkv_sweep_measured_it_winning(sweep):
-    ev = kc.evaluate_on_csv(str(sweep))
+    built_in = kc.evaluate_on_csv(str(sweep))
+    assert built_in.fitted.splitkv_at == () and built_in.fitted.unscored == 0 and built_in.fitted.rows == 180
+    ev = kc.evaluate_on_csv(str(sweep), table=KERNEL_TABLE)
     assert ev.fitted.splitkv_at == ("heads 16, bs 1, ctx 16384, skew 1.00",)
-    assert winner(small_batch()[(16, 1, 16384)]) is SKV
+    assert winner(small_batch(SMALL_KERNEL)[(16, 1, 16384)]) is SKV
     assert ev.fitted.unscored == 1 and ev.fitted.rows == 179  # no split-KV time in these sweeps: not scored
     assert ev.fitted.within_5pct == ev.fitted.rows and ev.fitted.worst_slowdown <= 1.05
 
 
-def test_evaluate_reports_the_small_batch_sweep_and_where_splitkv_is_picked():
-    ev = kc.evaluate_on_csv(str(SMALL))
-    rows = small_batch()
+@pytest.mark.parametrize("oracle,table", [(SMALL, None), (SMALL_KERNEL, KERNEL_TABLE)], ids=["whole_step", "kernel"])
+def test_evaluate_reports_the_small_batch_sweep_and_where_splitkv_is_picked(oracle, table):
+    ev = kc.evaluate_on_csv(str(oracle), table=table)
+    rows = small_batch(oracle)
     assert ev.fitted.rows == 32 and ev.fitted.unscored == 0 and ev.fitted.within_5pct == 32
     want = {s for s, t in rows.items() if winner(t) is SKV}
-    assert ev.fitted.splitkv_picks == len(want)
+    assert ev.fitted.splitkv_picks == len(want) and bool(want) == (table is not None)
     assert set(ev.fitted.splitkv_at) == {f"heads {h}, bs {b}, ctx {c}, skew 1.00" for h, b, c in want}
     best = [min(times_of(t).values()) for t in rows.values()]
-    picked = [times_of(t)[_pick(*s).kernel] for s, t in rows.items()]
+    picked = [times_of(t)[_pick(*s, table=table).kernel] for s, t in rows.items()]
     assert ev.fitted.mean_slowdown == pytest.approx(sum(p / b for p, b in zip(picked, best)) / 32, rel=1e-12)
+    if table is None:
+        return
     buf = io.StringIO()
     with redirect_stdout(buf):
-        assert kc.main(["--evaluate", str(SMALL), "--evaluate", str(SWEEP)]) == 0
+        assert kc.main(["--from-csv", str(SWEEP), "--from-csv", str(SMALL_KERNEL), "--evaluate", str(SMALL_KERNEL),
+                        "--evaluate", str(SWEEP)]) == 0
     out = buf.getvalue()
     assert out.count("rule (table):") == 2 and "split-KV picked (table) at: heads 16, bs 1, ctx 16384" in out
     assert "1 more rows without a split-KV time (not scored)" in out
@@ -119,10 +138,11 @@ def test_evaluate_reports_the_small_batch_sweep_and_where_splitkv_is_picked():
 
 def test_splitkv_possible_is_never_false_where_the_choice_picks_it():
     for h in HEADS:
-        picks = any(_pick(h, bs, ctx, kind).kernel is SKV
+        picks = any(_pick(h, bs, ctx, kind, table=KERNEL_TABLE).kernel is SKV
                     for bs in BATCH for ctx in CONTEXT for kind in ("equal", "skewed"))
-        assert kc.splitkv_possible(h) or not picks, h
-    assert kc.splitkv_possible(16) and not kc.splitkv_possible(64) and not kc.splitkv_possible(128)
+        assert kc.splitkv_possible(h, KERNEL_TABLE) or not picks, h
+    assert not any(kc.splitkv_possible(h) for h in HEADS)  # the built-in table: slower everywhere as a whole step
+    assert kc.splitkv_possible(16, KERNEL_TABLE) and not kc.splitkv_possible(64, KERNEL_TABLE)
     no_skv = tuple(replace(m, splitkv_ms=None) for m in kc.MEASURED)
     assert not kc.splitkv_possible(16, no_skv) and not kc.splitkv_measured(no_skv) and kc.splitkv_measured()
     slower = tuple(replace(m, splitkv_ms=2 * m.fa3_ms) for m in kc.MEASURED)  # measured, but never faster

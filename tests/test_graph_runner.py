@@ -202,15 +202,21 @@ def test_constructor_rejects_bad_arguments():
                     **common)
 
 
-def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks():
-    """decode_kernel='auto' on page 64: the runner captures FA3, FlashMLA and split-KV per size (the built-in
-    table has split-KV times); each run replays the kernel the backend chose from the live lengths, and the
-    answer matches the fp64 oracle."""
+def test_runner_keeps_one_graph_per_kernel_and_replays_the_one_the_backend_picks(monkeypatch):
+    """decode_kernel='auto' on page 64: the runner captures FA3, FlashMLA and split-KV per size (under the
+    kernel-alone table, where split-KV wins at 16 heads); each run replays the kernel the backend chose from
+    the live lengths, and the answer matches the fp64 oracle."""
+    from pathlib import Path
+
     from mla_cases import follow_up, make_mla_case, mla_oracle, rel_err
     from specs import BatchSpec
 
     from mla_fa3.policy import decode_kernel as kernel_choice
     from mla_fa3.absorb import DecodeKernel
+
+    perf = Path(__file__).resolve().parents[1] / "docs" / "perf"
+    monkeypatch.setattr(kernel_choice, "MEASURED", kernel_choice.table_from_csvs(
+        [str(perf / "decode_2026-12-02_run1.csv"), str(perf / "2026-12-03" / "decode_small_batch.csv")]))
 
     spec = BatchSpec(ForwardMode.DECODE, (40, 3, 77), (1, 1, 1), page_size=64)
     case = make_mla_case(spec, "deepseek_v3", seed=5)

@@ -18,6 +18,11 @@ lengths (geometric from L down to L/16: ``L_b = L · 16^(-b/(bs-1))``), DeepSeek
     its split schedule planned outside the graph.
 (e) ``roofline``: ``max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)`` (``bench.roofline``).
 
+``--whole-step``: (b)-(d) become the backend's whole step (as (a)) with that kernel forced
+(``decode_kernel='fa3' | 'flashmla' | 'splitkv'``) — what the decode-kernel choice should compare where the
+steps' other work differs by kernel (small batches: FlashMLA's q concatenation, split-KV's host-planned schedule
+in the replay update); the CSV feeds ``policy.decode_kernel --from-csv`` the same way.
+
 L2: a shape whose cache is smaller than 3x the 50 MiB L2 cycles through ``R`` copies (pool layers,
 R <= 64) inside one graph, and times are per copy. Pages are scattered (a random permutation), as in
 a long-running server. One latent pool per (page, bs, L) is shared by every H and both length
@@ -71,6 +76,7 @@ class Config:
     budget_ms: float = 120.0  # target timed milliseconds per measurement
     max_iters: int = 100
     skip: set = field(default_factory=set)  # of "backend", "fa3", "flashmla", "splitkv"
+    whole_step: bool = False  # kernel columns = the backend's whole step with that kernel forced (not the kernel alone)
     quiet: bool = False
     seed: int = 0
 
@@ -231,6 +237,9 @@ def measure_splitkv(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms
                                                                     device=cell.device))
 
 
+MEASURE = {"fa3": measure_fa3, "flashmla": measure_flashmla, "splitkv": measure_splitkv}  # the kernel alone
+
+
 def plan(cfg: Config) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """(cells to run, cells skipped for the memory cap) as (page, bs, ctx), big pools first per page."""
     run, skipped = [], []
@@ -259,22 +268,23 @@ def sweep(cfg: Config) -> list[roofline.DecodeRow]:
             cell = Cell(page, bs, ctx, device, gen)
             for heads in cfg.heads:
                 bench = BackendBench(cfg, cell, heads, gen) if "backend" not in cfg.skip else None
+                kernels = [k for k in ("fa3", "flashmla", "splitkv") if k not in cfg.skip and (k == "fa3" or page == 64)]
+                forced = {k: BackendBench(cfg, cell, heads, gen, decode_kernel=k) for k in kernels} \
+                    if cfg.whole_step else {}
                 for kind in kinds[bs]:
                     lens = lengths_of(kind, bs, ctx)
                     row = roofline.make_row(heads, bs, ctx, page, kind, sum(lens), ceil)
                     row.layers_rotated = cell.rotate
-                    if "fa3" not in cfg.skip:
-                        row.fa3_ms = measure_fa3(cfg, cell, heads, lens, row.roofline_ms)
-                    if "flashmla" not in cfg.skip and page == 64:
-                        row.flashmla_ms = measure_flashmla(cfg, cell, heads, lens, row.roofline_ms)
-                    if "splitkv" not in cfg.skip and page == 64:
-                        row.splitkv_ms = measure_splitkv(cfg, cell, heads, lens, row.roofline_ms)
+                    for k in kernels:
+                        ms = forced[k].measure(lens, row.roofline_ms)[0] if cfg.whole_step else \
+                            MEASURE[k](cfg, cell, heads, lens, row.roofline_ms)
+                        setattr(row, f"{k}_ms", ms)
                     if bench is not None:
                         row.backend_ms, row.update_ms, row.backend_kernel = bench.measure(lens, row.roofline_ms)
                     rows.append(row)
                     progress.step(_describe(row))
-                if bench is not None:
-                    bench.close()
+                for b in ([bench] if bench is not None else []) + list(forced.values()):
+                    b.close()
             del cell
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -330,6 +340,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--lengths", type=_words, help="equal,skewed (default both)")
     p.add_argument("--quick", action="store_true", help="a small subset: H 16,128 x bs 1,64 x ctx 4k,64k, page 64")
     p.add_argument("--skip", type=_words, default=(), help="parts to skip: backend,fa3,flashmla,splitkv")
+    p.add_argument("--whole-step", action="store_true",
+                   help="time each kernel column as the backend's whole step with that kernel forced (store, "
+                        "absorption, kernel, projection, replay update / 61) instead of the kernel alone")
     p.add_argument("--out", help="directory for decode.csv, decode.md, decode_roofline.png")
     p.add_argument("--mem-cap-gb", type=float, default=40.0, help="skip shapes whose latent pool exceeds this")
     p.add_argument("--budget-ms", type=float, default=120.0, help="timed milliseconds per measurement")
@@ -348,7 +361,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         p.error(f"--lengths takes equal, skewed; got {lengths}")
     cfg = Config(heads=a.heads or base["heads"], batch=a.batch or base["batch"], context=a.context or base["context"],
                  page=a.page or base["page"], lengths=lengths, device=a.device, impl=a.impl, mem_cap_gb=a.mem_cap_gb,
-                 budget_ms=a.budget_ms, max_iters=a.max_iters, skip=set(a.skip), quiet=a.quiet)
+                 budget_ms=a.budget_ms, max_iters=a.max_iters, skip=set(a.skip), quiet=a.quiet,
+                 whole_step=a.whole_step)
     return cfg, a
 
 
