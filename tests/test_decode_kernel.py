@@ -386,3 +386,37 @@ def test_batched_choice_is_the_explained_choice_at_every_point(allow):
         want = [kc.explain_decode_kernel(heads, b, m, 64, mean_seqlen_k=mean, allow_splitkv=allow).kernel
                 for b, m, mean in points]
         assert got == want
+
+
+def test_decode_bench_whole_step_times_the_backend_with_each_kernel_forced(tmp_path, monkeypatch):
+    """--whole-step: each kernel column is a BackendBench built with that kernel forced (the auto backend skipped
+    here), its per-layer time written in the kernel's column; the kernels alone are not timed at all."""
+    from mla_fa3.bench import decode
+
+    built, times = [], {"fa3": 0.031, "flashmla": 0.047, "splitkv": 0.029}
+
+    class Forced:
+        def __init__(self, cfg, cell, heads, gen, decode_kernel="auto"):
+            built.append(decode_kernel)
+            self.kernel = decode_kernel
+
+        def measure(self, lens, est_ms):
+            return times[self.kernel], 0.2, self.kernel
+
+        def close(self):
+            pass
+
+    def kernel_alone(*a, **k):
+        raise AssertionError("--whole-step must not time the kernels alone")
+
+    monkeypatch.setattr(decode, "BackendBench", Forced)
+    monkeypatch.setattr(decode, "MEASURE", {k: kernel_alone for k in times})
+    rc = decode.main(["--device", "cpu", "--impl", "reference", "--heads", "16", "--batch", "1", "--context", "96",
+                      "--page", "64", "--lengths", "equal", "--whole-step", "--skip", "backend", "--quiet",
+                      "--out", str(tmp_path)])
+    assert rc == 0 and built == ["fa3", "flashmla", "splitkv"]
+    with open(tmp_path / "decode.csv", newline="") as f:
+        (rec,) = list(csv.DictReader(f))
+    assert {k: float(rec[f"{k}_ms"]) for k in times} == times and rec["backend_ms"] in ("", "0", "0.0", "nan")
+    (m,) = kc.table_from_csv(str(tmp_path / "decode.csv"))
+    assert (m.fa3_ms, m.flashmla_ms, m.splitkv_ms) == (0.031, 0.047, 0.029)
