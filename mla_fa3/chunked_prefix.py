@@ -192,7 +192,7 @@ class _LayerCalls:
     """Every call of one layer configuration in this step, validated once (first layer)."""
 
     impl: ops.Impl  # resolved: FA3 or REFERENCE
-    latent_new: Tensor  # [N, r + d_rope]: the new rows when they are read back from the pool (pool dtype)
+    latent_new: Tensor | None  # [N, r + d_rope]: the new rows read back from the pool (pool dtype; None in one pass)
     latent_new_dq: Tensor | None  # [N, r + d_rope]: them dequantized (FP8 pool), else None
     kv_new: Tensor | None  # [N, H, d_v + d_qk]: the new tokens' [v | k] (None in one pass)
     attn_new: VarlenCall | None  # causal attention of the MHA rows over their own tokens (None in one pass)
@@ -210,10 +210,10 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
         return calls
     N, H, dv, dqk = q.shape[0], layer.num_heads, dims.v_head_dim, dims.qk_head_dim
     common = dict(softmax_scale=layer.scaling, softcap=layer.logit_cap, impl=impl)
-    new_dq = q.new_empty(N, rows.shape[1]) if rows.dtype == FP8_DTYPE else None
     if plan.one_pass is not None:
-        calls = plan.calls[key] = _one_pass_calls(plan, q, layer, rows, new_dq, common)
+        calls = plan.calls[key] = _one_pass_calls(plan, q, layer, rows, common)
         return calls
+    new_dq = q.new_empty(N, rows.shape[1]) if rows.dtype == FP8_DTYPE else None
     kv_new = q.new_empty(N, H, dv + dqk)
     chosen, attn_new = ops.prepare_flash_attn_varlen(
         q, kv_new[..., dv:], kv_new[..., :dv], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_q,
@@ -243,7 +243,7 @@ def _layer_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, impl) -> _La
     return calls
 
 
-def _one_pass_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, new_dq, common) -> _LayerCalls:
+def _one_pass_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, common) -> _LayerCalls:
     """The validated single call of the one-pass layout over the workspace's first ``P + N`` rows."""
     one, dims, H = plan.one_pass, layer.mla, layer.num_heads
     dv, dqk = dims.v_head_dim, dims.qk_head_dim
@@ -256,7 +256,7 @@ def _one_pass_calls(plan: PrefillPlan, q: Tensor, layer, rows: Tensor, new_dq, c
         q, kv[..., dv:], kv[..., :dv], cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=one.cu_seqlens_k,
         max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=one.max_seqlen_k, causal=True, **common)
     calls = _OnePassCalls(lat, dq, _Decompress(lat if dq is None else dq, kv, H, dims), attn)
-    return _LayerCalls(chosen, rows.new_empty(q.shape[0], rows.shape[1]), new_dq, None, None, (), calls)
+    return _LayerCalls(chosen, None, None, None, None, (), calls)  # the new rows come with every key
 
 
 def _mha_rows(q: Tensor, latent: Tensor | None, layer, rows: Tensor, plan: PrefillPlan, kv_scale, impl) -> Tensor:

@@ -51,7 +51,7 @@ _SEEN_LIMIT = 256  # shapes remembered as seen once (oldest forgotten first)
 class _Shape:
     """The graphs of one shape: the captured plan and static inputs/output shared by its layers."""
 
-    plan: PrefillPlan  # the plan captured with; its device tensors are the graphs' inputs
+    plan: PrefillPlan  # a private copy of the plan captured with (_private_plan): the graphs' inputs
     q: Tensor  # [N, H, d_qk] static
     latent: Tensor | None  # [N, r + d_rope] static (None: the graphs read the new rows from the pool)
     out: Tensor  # [N, H, d_v] static output of every layer's graph (cloned out after each replay)
