@@ -43,8 +43,9 @@ any kernel runs); layers with softcap, a window, local attention or another head
 CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE): ``init_cuda_graph_state`` allocates the builder's
 capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of them and
 records the kernel baked into the graph; ``init_forward_metadata_replay_cuda_graph`` rewrites the
-buffers in place (``MetadataBuilder.replay``) and re-plans the FlashMLA schedule into the captured
-schedule tensors (``FlashMLASchedule.copy_``) — outside the graph, never inside it.
+buffers in place (``MetadataBuilder.replay``) and re-plans the FlashMLA or split-KV schedule into the
+captured schedule tensors from the live device lengths — in the replay update, or inside the graph itself
+(``graph_prologue``) when ``init_cuda_graph_state(device_metadata=True)``.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ class MLABackend:
     def graph_prologue(self) -> None:
         """Device work of the captured / replayed step that runs inside its CUDA graph, before the layers
         (with ``init_cuda_graph_state(device_metadata=True)``): the page table from ``req_to_token`` and
-        the FlashMLA schedule from the live lengths. Tensor ops on fixed shapes, no host value read."""
+        the FlashMLA or split-KV schedule from the live lengths. Fixed shapes, no host value read."""
         plan = self.step_plan
         if plan is None or plan.graph_bs is None:
             raise RuntimeError("graph_prologue runs on a captured or replayed step (init_forward_metadata_"
@@ -299,6 +300,8 @@ class MLABackend:
         self.builder.derive_tables(plan.metadata)
         if plan.flashmla_schedule is not None:
             self.planner.replan_flashmla(plan.metadata, plan.flashmla_schedule)
+        if plan.splitkv_schedule is not None:
+            self.planner.replan_splitkv(plan.metadata, plan.splitkv_schedule)
         plan.prologue_pending = False
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
@@ -372,8 +375,10 @@ class MLABackend:
         schedule = entry.plan.flashmla_schedule
         if schedule is not None and not self.device_metadata:  # else: re-planned in the graph (graph_prologue)
             self.planner.replan_flashmla(md, schedule)
-        if entry.plan.splitkv_schedule is not None:  # the live host lengths' plan, copied in place
-            schedule = self.planner.splitkv_schedule(md, batch.seq_lens_cpu, into=entry.plan.splitkv_schedule)
+        if entry.plan.splitkv_schedule is not None:  # re-planned on the device from the live lengths
+            schedule = entry.plan.splitkv_schedule
+            if not self.device_metadata:  # else in the graph (graph_prologue)
+                self.planner.replan_splitkv(md, schedule)
         self.graph_kernel = kernel
         plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                         graph=True, schedule=schedule, static_batch=entry.plan.batch)

@@ -28,7 +28,9 @@ planned one run the absorbed path on FA3.
 
 CUDA graphs: a captured SPLITKV step holds a ``SplitKVSchedule`` with room for any plan of its batch
 size (planned at capture with every request at ``max_context``; its ``KernelConfig`` fixed), and each
-replay ``copy_``-s the plan of the live host lengths into it — host->device copies, outside the graph. The :class:`PathRecord` (``explain()``) is written once, with the plan.
+replay re-plans it **on the device** from the live ``cache_seqlens`` (``ops.replan_splitkv_schedule``: one
+program, no host plan) — inside the graph's prologue with device metadata (as FlashMLA's schedule), else in
+the replay update. The :class:`PathRecord` (``explain()``) is written once, with the plan.
 
 The plan knows the batch it was made for: :meth:`StepPlan.check_batch` refuses a forward with another
 batch (compared by identity, else by its host lengths: a few CPU ints, never a device value).
@@ -215,21 +217,23 @@ class StepPlanner:
                                                                  mean_seqlen(batch))
         return self.decode_plan(batch, metadata, kernel, reason, graph=False)
 
-    def splitkv_schedule(self, metadata: AttentionMetadata, lens_cpu: torch.Tensor | None, *,
-                         into: SplitKVSchedule | None = None) -> SplitKVSchedule:
+    def splitkv_schedule(self, metadata: AttentionMetadata, lens_cpu: torch.Tensor | None) -> SplitKVSchedule:
         """The split-KV schedule of the step, from host lengths (never a device value: no sync).
 
         ``lens_cpu`` None (a capture): every request at ``max_seqlen_k``, sized for any plan of this batch
-        size. ``into``: a captured schedule; the plan of ``lens_cpu`` (with its config) is copied into it."""
+        size (a replay re-plans it on the device: :meth:`replan_splitkv`)."""
         sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
         kw = dict(num_heads=self.num_heads, num_q_tokens=sq, page_size=self.page_size)
-        if into is not None:
-            return into.copy_(ops.get_splitkv_schedule(lens_cpu, **kw, config=into.config))
         if lens_cpu is None:
             bs = metadata.batch_size
             return ops.get_splitkv_schedule([max(metadata.max_seqlen_k, 1)] * bs, **kw, device=self.device,
                                             max_batch=bs)
         return ops.get_splitkv_schedule(lens_cpu, **kw, device=self.device)
+
+    def replan_splitkv(self, metadata: AttentionMetadata, into: SplitKVSchedule) -> SplitKVSchedule:
+        """A replay's split-KV re-plan: the captured ``into`` planned on the device from the live ``cache_seqlens``
+        (one launch, no host value read; inside the graph's prologue or in the replay update)."""
+        return ops.replan_splitkv_schedule(metadata.cache_seqlens, into, impl=self.impl)
 
     def decode_plan(self, batch: ForwardBatch | None, metadata: AttentionMetadata, kernel: DecodeKernel,
                     reason: str, *, graph: bool, schedule: FlashMLASchedule | SplitKVSchedule | None = None,
@@ -248,7 +252,10 @@ class StepPlanner:
         if kernel is DecodeKernel.SPLITKV:
             if schedule is None:
                 schedule = self.splitkv_schedule(metadata, None if graph else metadata.cache_seqlens_cpu)
-            splits = schedule.planned_work
+            if graph:  # the count is a device value: the graph re-plans its splits from the lengths it runs with
+                reason += "; splits planned on the device from the live lengths"
+            else:
+                splits = schedule.planned_work
         record = self._record(metadata.mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=graph,
                               kv_bytes=self._kv_bytes(batch), num_splits=splits)
         flashmla = schedule if kernel is DecodeKernel.FLASHMLA else None

@@ -15,6 +15,7 @@ from specs import SPECS, BatchSpec
 
 from mla_fa3.batch import ForwardMode
 from mla_fa3.ops import SplitKVSchedule
+from mla_fa3.ops import splitkv_plan as sp
 from mla_fa3.policy import decode_kernel as kc
 from mla_fa3.policy.decode_table import Measured
 from mla_fa3.policy.paths import DecodeKernel
@@ -48,14 +49,18 @@ def test_splitkv_step_falls_back_to_fa3_for_a_softcapped_layer():
     assert rel_err(out, mla_oracle(case)) <= TOL
 
 
+@pytest.mark.parametrize("device_metadata", [False, True])
 @pytest.mark.parametrize("mode,k", [(DEC, 1), (VER, 3), (DRAFT, 1)])
-def test_splitkv_graph_capture_then_replay_with_new_lengths(mode, k):
-    """Capture at bs 4 (schedule sized for any lengths), replay smaller batches: each replay's plan is copied
-    into the captured schedule's buffers (same tensors) and the output matches the oracle."""
+def test_splitkv_graph_capture_then_replay_with_new_lengths(mode, k, device_metadata):
+    """Capture at bs 4 (schedule sized for any lengths), replay smaller batches: each replay re-plans the captured
+    schedule's buffers (same tensors) on the device from the live lengths — in the replay update, or in the graph's
+    prologue with device metadata — into exactly the host planner's plan of those lengths, and the output matches
+    the oracle."""
     spec = BatchSpec(mode, (40, 3, 77), (k,) * 3, page_size=16)
     case = make_mla_case(spec, "tiny", seed=9)
     backend = backend_for(case, decode_kernel="splitkv")
-    backend.init_cuda_graph_state(4, case.layout.req_to_token_pool.max_context, max_num_draft_tokens=k)
+    backend.init_cuda_graph_state(4, case.layout.req_to_token_pool.max_context, max_num_draft_tokens=k,
+                                  device_metadata=device_metadata)
     backend.init_forward_metadata_capture_cuda_graph(4, mode, num_draft_tokens=k)
     captured = backend.step_plan.splitkv_schedule
     assert captured.max_batch == 4 and backend.explain().graph
@@ -63,10 +68,20 @@ def test_splitkv_graph_capture_then_replay_with_new_lengths(mode, k):
     for prefix, requests, seed in (((40, 3, 77), [0, 1, 2], 0), ((60, 30), [2, 0], 1), ((2,), [1], 2)):
         step = follow_up(case, mode, prefix, (k,) * len(prefix), requests=requests, seed=seed, pad_to=4)
         backend.init_forward_metadata_replay_cuda_graph(step.batch)
+        if device_metadata:
+            backend.graph_prologue()  # what the captured graph runs before its layers
         plan = backend.step_plan
         assert plan.splitkv_schedule is captured and captured.work is work, "replay writes the captured buffers"
         assert captured.planned_batch == step.batch.batch_size  # the padded batch (padding rows: 1 key each)
-        assert backend.explain().num_splits == captured.planned_work >= len(prefix)
+        rec = backend.explain()
+        assert rec.num_splits is None and "splits planned on the device" in rec.reason
+        lens = step.batch.seq_lens_cpu.tolist()
+        want, offsets, _ = sp.plan_splits(lens, target=captured.target, granule=captured.granule,
+                                          min_split_tokens=captured.min_split_tokens)
+        n = len(want)
+        assert captured.num_work.tolist() == [n] and n >= len(prefix)
+        assert captured.work[:n].tolist() == [list(row) for row in want]
+        assert captured.split_offsets.tolist() == offsets
         out = backend.forward(padded(step.q, 4 * k), padded(step.new_latent, 4 * k), None, step.layer, step.batch)
         T = step.q.shape[0]
         assert rel_err(out[:T], mla_oracle(step)) <= TOL

@@ -85,6 +85,15 @@ def test_flashmla_replay_smaller_batch_equals_eager_and_oracle(name, device_meta
     assert world.backend.explain().kernel == "flashmla"
 
 
+@pytest.mark.parametrize("device_metadata", [True, False])
+@pytest.mark.parametrize("name", GRAPH_GPU)
+def test_splitkv_replay_smaller_batch_equals_eager_and_oracle(name, device_metadata):
+    """Split-KV's schedule is re-planned on the device from the live lengths: inside the graph with device metadata
+    (the Triton planner captured), else by one launch in the replay update — under the no-sync check either way
+    (that the replays' plans are exactly the host planner's: ``test_backend_splitkv.py``)."""
+    _run_case(GRAPH_SPECS[name], name, "splitkv", device_metadata)
+
+
 def test_replay_tracks_new_lengths_without_recapture():
     """Consecutive replays of one graph at growing lengths follow the metadata (no stale page table)."""
     spec = GRAPH_SPECS["decode_p16"]

@@ -167,6 +167,89 @@ def test_schedule_copy_refuses_what_does_not_fit():
     assert dst.num_work.tolist() == [0], "a refused copy writes nothing"
 
 
+# ------------------------------------------------------------------------------------------ device re-plan
+
+REPLAN_CASES = [  # (lens, max_batch, page, num_sms): the host planner's cases, graph-sized schedules
+    ([1000, 0, 70], 4, 16, 8), ([1], 1, 64, 132), ([63, 64, 65, 127, 129], 8, 64, 132), ([1, 2, 3, 4097], 4, 1, 66),
+    ([127, 128, 129, 100_000], 5, 128, 132), ([0, 0, 0], 3, 16, 132), ([], 2, 64, 132), ([131072], 1, 64, 132),
+    ([2**31 - 1, 5], 2, 64, 132), ([131072 >> k for k in range(8)], 16, 64, 132),
+]
+
+
+def _replan_cases(n_random=150):
+    rng = random.Random(7)
+    yield from REPLAN_CASES
+    for _ in range(n_random):
+        bs = rng.randint(0, 9)
+        lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(bs)]
+        yield lens, bs + rng.randint(0, 3) or 1, rng.choice([1, 2, 16, 64, 128]), rng.randint(1, 140)
+
+
+def replan_mismatch(lens, max_batch, page, num_sms, impl) -> str | None:
+    """Re-plan a graph-sized schedule on the device from ``lens``; None when it holds exactly ``plan_splits(lens)``
+    (the brute-force-checked host plan) with idle rows past it and empty requests past ``lens``, else what differs."""
+    dev = "cpu"
+    sched = ops.get_splitkv_schedule([1] * max_batch, num_heads=16, page_size=page, num_sms=num_sms, max_batch=max_batch)
+    sched.work.fill_(-5)  # stale values: every entry must be rewritten
+    sched.split_offsets.fill_(-5)
+    work, offsets, chunk = sp.plan_splits(lens, target=sched.target, granule=sched.granule,
+                                          min_split_tokens=sched.min_split_tokens)
+    if sum(lens) < 10**6:  # small enough to enumerate: the host plan itself, token by token
+        brute_force_check(lens, work, offsets, chunk, target=sched.target, granule=sched.granule,
+                          min_split_tokens=sched.min_split_tokens)
+    out = ops.replan_splitkv_schedule(torch.tensor(lens, dtype=I32, device=dev), sched, impl=impl)
+    n = len(work)
+    got = (sched.num_work.tolist(), sched.work.tolist(), sched.split_offsets.tolist())
+    want = ([n], [list(r) for r in work] + [[0, 0, 0, w] for w in range(n, sched.capacity)],
+            offsets + [n] * (max_batch - len(lens)))
+    if out is not sched or got != want or sched.planned_work is not None or sched.planned_batch != len(lens):
+        return f"lens {lens} max_batch {max_batch} page {page} sms {num_sms}: got {got}, want {want}"
+    return None
+
+
+def test_device_replan_reference_is_the_host_plan():
+    for lens, max_batch, page, num_sms in _replan_cases():
+        assert replan_mismatch(lens, max_batch, page, num_sms, "reference") is None
+
+
+def test_device_replan_is_a_graph_replay_update():
+    """Host plan at capture (every request at the longest length), then device re-plans with new lengths: same
+    buffers, and a copy_ of a device-planned schedule is refused (its count is a device value)."""
+    sched = ops.get_splitkv_schedule([4096] * 3, num_heads=16, page_size=64, num_sms=16, max_batch=3)
+    work = sched.work
+    ops.replan_splitkv_schedule(torch.tensor([100, 5000], dtype=I32), sched)
+    assert sched.work is work and sched.chunk is None and sched.planned_work is None
+    assert sched.split_offsets.tolist()[-1] == sched.num_work.item() > 2
+    with pytest.raises(ValueError, match="^other was planned on the device"):
+        ops.get_splitkv_schedule([1], num_heads=16, page_size=64, num_sms=16, max_batch=3).copy_(sched)
+
+
+REPLAN_BAD = {
+    "not_a_schedule": (lambda s: (torch.ones(2, dtype=I32), ops.FlashMLASchedule(Impl.REFERENCE)), TypeError, "schedule"),
+    "no_params": (lambda s: (torch.ones(2, dtype=I32), SplitKVSchedule.empty(max_batch=4, capacity=64)), ValueError,
+                  "schedule carries no planner parameters"),
+    "not_tensor": (lambda s: ([1, 2], s), TypeError, "seqlens must be a tensor"),
+    "int64": (lambda s: (torch.ones(2, dtype=torch.int64), s), ValueError, "seqlens must be a 1-D int32"),
+    "rank2": (lambda s: (torch.ones(1, 2, dtype=I32), s), ValueError, "seqlens must be a 1-D int32"),
+    "device": (lambda s: (torch.ones(2, dtype=I32, device="meta"), s), ValueError, "seqlens must be on the schedule"),
+    "too_many": (lambda s: (torch.ones(5, dtype=I32), s), ValueError, "seqlens has 5 requests"),
+    "exact_capacity": (lambda s: (torch.ones(1, dtype=I32), ops.get_splitkv_schedule([70], num_heads=16, page_size=64,
+                                                                                      num_sms=16)),
+                       ValueError, "the schedule holds 1 splits"),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAN_BAD))
+def test_device_replan_bad_arguments_are_named_and_write_nothing(name):
+    make, exc, prefix = REPLAN_BAD[name]
+    sched = ops.get_splitkv_schedule([9, 9, 9, 9], num_heads=16, page_size=64, num_sms=16, max_batch=4)
+    lens, target = make(sched)
+    before = [t.clone() for t in (sched.work, sched.num_work, sched.split_offsets)]
+    with pytest.raises(exc, match=f"^{prefix}"):
+        ops.replan_splitkv_schedule(lens, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, (sched.work, sched.num_work, sched.split_offsets)))
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 SCHED_BAD = {
@@ -365,10 +448,11 @@ def _interpreter_run() -> dict:
             args[0] = (args[0].double() * Q_SCALE[name]).to(dt)
             dense = [(args[0][b].double(), kv_b) for b, (_, kv_b) in enumerate(dense)]
             kw["softmax_scale"] = 0.2 / Q_SCALE[name]
-        if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request
+        if padded:  # graph style: capacity for more requests, tail rows idle, an extra unplanned request, the
+            # schedule re-planned on the device (the Triton planner) from the lengths the kernel reads
             big = ops.get_splitkv_schedule([1], num_heads=heads, num_q_tokens=sq, page_size=page, num_sms=4,
-                                           max_batch=len(lens) + 1, config=kw["schedule"].config)
-            kw["schedule"] = big.copy_(kw["schedule"])
+                                           max_batch=len(lens) + 1, config=kw["schedule"].config, min_split_tokens=8)
+            kw["schedule"] = ops.replan_splitkv_schedule(args[3], big, impl="triton")
         try:
             out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
             assert ops.last_impl() is Impl.TRITON
@@ -383,6 +467,12 @@ def _interpreter_run() -> dict:
                 assert torch.equal(out2, out) and torch.equal(lse2, lse)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
+    for i, case in enumerate(_replan_cases(n_random=40)):  # the Triton planner against the host plan
+        try:
+            why = replan_mismatch(*case, "triton")
+            assert ops.last_impl() is Impl.TRITON and why is None, why
+        except Exception as exc:
+            failures[f"replan_{i}"] = f"{type(exc).__name__}: {exc}"
     return failures
 
 

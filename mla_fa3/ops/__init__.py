@@ -44,8 +44,8 @@ from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_imp
                         resolve_impl, set_impl, use_impl)
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
-from .triton_ops import (fp8_fused_available, get_splitkv_schedule, quantize_query_e4m3, splitkv_available,
-                         splitkv_mla_with_kvcache, store_e4m3)
+from .triton_ops import (fp8_fused_available, get_splitkv_schedule, quantize_query_e4m3, replan_splitkv_schedule,
+                         splitkv_available, splitkv_mla_with_kvcache, store_e4m3)
 from .types import (
     FLASHMLA_HEAD_DIM,
     FLASHMLA_HEAD_DIM_V,
@@ -90,6 +90,7 @@ __all__ = [
     "SplitKVSchedule",
     "KernelConfig",
     "get_splitkv_schedule",
+    "replan_splitkv_schedule",
     "splitkv_available",
     "splitkv_mla_with_kvcache",
     "fp8_fused_available",

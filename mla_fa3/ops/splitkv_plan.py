@@ -28,7 +28,15 @@ slot) — ``slot`` is the row of the partial-result workspace the split writes, 
 are ``split_offsets[b] : split_offsets[b + 1]``. Rows past ``num_work`` are (0, 0, 0, own index): an
 empty range writing a slot nobody reads; offsets past the planned batch repeat ``num_work`` (those
 requests have no split: output 0, lse -inf). The kernels read the counts from these buffers, so a
-captured graph replays any schedule ``copy_``-ed into them.
+captured graph replays any schedule written into them.
+
+Two ways to write them for a replay, same plan: ``copy_`` of a host plan (a host->device copy), or
+**re-planned on the device** from the device lengths (``ops.replan_splitkv_schedule``: one Triton program,
+or :func:`replan_reference`'s fixed-shape tensor ops) — no host plan, no host value read, legal inside a
+CUDA graph, so a captured step plans its own splits from the lengths it is replayed with (as FlashMLA's
+schedule is). The device form is the same arithmetic: Σ L_b, the chunk, per request n_b and size_b, their
+prefix sum as ``split_offsets``, and work row w belongs to the request b with off[b] <= w < off[b + 1],
+split w - off[b] of it.
 """
 
 from __future__ import annotations
@@ -114,10 +122,13 @@ class SplitKVSchedule:
     work: Tensor  # [capacity, 4] int32 (request, token_start, token_end, slot), kernel device
     num_work: Tensor  # [1] int32, live rows of ``work``
     split_offsets: Tensor  # [max_batch + 1] int32, slots of request b: [off[b], off[b+1])
-    chunk: int  # host: the most tokens one split holds (planning record)
-    planned_work: int  # host: live rows (the last plan written)
+    chunk: Optional[int]  # host: the most tokens one split holds (planning record; None: planned on the device)
+    planned_work: Optional[int]  # host: live rows of the last host plan written (None: planned on the device)
     planned_batch: int  # host: requests of the last plan written
     config: KernelConfig = KernelConfig()  # host: launch parameters the split count was planned for
+    target: int = 0  # host: the planner's target splits (0: unknown, the schedule cannot be re-planned on the device)
+    granule: int = SPLIT_GRANULE  # host: split starts are multiples of this
+    min_split_tokens: int = MIN_SPLIT_TOKENS  # host: the planner's shortest split
 
     @property
     def capacity(self) -> int:
@@ -133,7 +144,7 @@ class SplitKVSchedule:
 
     @classmethod
     def empty(cls, *, max_batch: int, capacity: int, device: Union[str, torch.device] = "cpu",
-              config: KernelConfig = KernelConfig()) -> "SplitKVSchedule":
+              config: KernelConfig = KernelConfig(), **params) -> "SplitKVSchedule":
         """An all-idle schedule (no split) with room for ``capacity`` work rows and ``max_batch`` requests."""
         if max_batch < 0 or capacity < 1:
             raise ValueError(f"max_batch must be >= 0 and capacity >= 1, got {max_batch}, {capacity}")
@@ -142,18 +153,20 @@ class SplitKVSchedule:
         return cls(
             work=work, num_work=torch.zeros(1, dtype=torch.int32, device=device),
             split_offsets=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
-            chunk=0, planned_work=0, planned_batch=0, config=config,
+            chunk=0, planned_work=0, planned_batch=0, config=config, **params,
         )
 
     @classmethod
     def from_plan(
         cls, work: Sequence[Tuple[int, int, int, int]], offsets: Sequence[int], chunk: int, *,
         device: Union[str, torch.device] = "cpu", max_batch: Optional[int] = None, capacity: Optional[int] = None,
-        config: KernelConfig = KernelConfig(),
+        config: KernelConfig = KernelConfig(), **params,
     ) -> "SplitKVSchedule":
-        """Buffers holding a host plan (``plan_splits``), sized exactly or for ``max_batch`` / ``capacity``."""
+        """Buffers holding a host plan (``plan_splits``), sized exactly or for ``max_batch`` / ``capacity``.
+
+        ``params``: the planner's ``target`` / ``granule`` / ``min_split_tokens`` (what a device re-plan reuses)."""
         bs, n = len(offsets) - 1, len(work)
-        host = cls.empty(max_batch=bs, capacity=max(1, n), device="cpu", config=config)
+        host = cls.empty(max_batch=bs, capacity=max(1, n), device="cpu", config=config, **params)
         if n:
             host.work[:n] = torch.tensor(work, dtype=torch.int32)
         host.num_work.fill_(n)
@@ -162,7 +175,7 @@ class SplitKVSchedule:
         if max_batch is None and capacity is None:
             return host.to(device)
         out = cls.empty(max_batch=bs if max_batch is None else max_batch, capacity=capacity or max(1, n), device=device,
-                        config=config)
+                        config=config, **params)
         return out.copy_(host)
 
     def to(self, device: Union[str, torch.device]) -> "SplitKVSchedule":
@@ -170,16 +183,20 @@ class SplitKVSchedule:
         return SplitKVSchedule(
             work=self.work.to(device, non_blocking=True), num_work=self.num_work.to(device, non_blocking=True),
             split_offsets=self.split_offsets.to(device, non_blocking=True), chunk=self.chunk,
-            planned_work=self.planned_work,
-            planned_batch=self.planned_batch, config=self.config,
+            planned_work=self.planned_work, planned_batch=self.planned_batch, config=self.config,
+            target=self.target, granule=self.granule, min_split_tokens=self.min_split_tokens,
         )
 
     def copy_(self, other: "SplitKVSchedule") -> "SplitKVSchedule":
         """Write ``other``'s plan into these buffers in place (graph-safe replay update); refuse what does not fit.
 
-        The launch ``config`` stays this schedule's (a captured graph replays the kernels it captured)."""
+        The launch ``config`` and planner parameters stay this schedule's (a captured graph replays the kernels it
+        captured)."""
         if not isinstance(other, SplitKVSchedule):
             raise TypeError(f"other must be a SplitKVSchedule, got {type(other).__name__}")
+        if other.planned_work is None:
+            raise ValueError("other was planned on the device (its split count is a device value); copy_ takes a "
+                             "host plan (get_splitkv_schedule) — re-plan on the device with replan_splitkv_schedule")
         n, bs = other.planned_work, other.planned_batch
         if n > self.capacity:
             raise ValueError(
@@ -238,4 +255,71 @@ def plan_schedule(
                                        min_split_tokens=min_split_tokens)
     capacity = None if max_batch is None else capacity_for(max_batch, target)
     return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity,
-                                     config=config)
+                                     config=config, target=target, granule=max(page_size, SPLIT_GRANULE),
+                                     min_split_tokens=min_split_tokens)
+
+
+# ------------------------------------------------------------------------------------------ device re-plan
+
+
+def check_replan(seqlens, schedule) -> None:
+    """Host checks of a device re-plan (``ops.replan_splitkv_schedule``), before any kernel; values are not read.
+
+    seqlens ``[bs] int32`` on the schedule's device (the step's ``cache_seqlens``; a capture's padding rows
+    included), bs <= max_batch and the capacity holds any plan of bs requests (``capacity_for``)."""
+    if not isinstance(schedule, SplitKVSchedule):
+        raise TypeError(f"schedule must be a SplitKVSchedule (from get_splitkv_schedule), got {type(schedule).__name__}")
+    if schedule.target < 1:
+        raise ValueError("schedule carries no planner parameters (target): plan it with get_splitkv_schedule")
+    if not isinstance(seqlens, torch.Tensor):
+        raise TypeError(f"seqlens must be a tensor, got {type(seqlens).__name__}")
+    if seqlens.dim() != 1 or seqlens.dtype != torch.int32:
+        raise ValueError(f"seqlens must be a 1-D int32 tensor, got {seqlens.dtype} shape {tuple(seqlens.shape)}")
+    if seqlens.device != schedule.device:
+        raise ValueError(f"seqlens must be on the schedule's device {schedule.device}, got {seqlens.device}")
+    bs = seqlens.shape[0]
+    if bs > schedule.max_batch:
+        raise ValueError(f"seqlens has {bs} requests but the schedule holds at most max_batch={schedule.max_batch}")
+    if schedule.capacity < capacity_for(bs, schedule.target):
+        raise ValueError(f"the schedule holds {schedule.capacity} splits, a plan of {bs} requests may need "
+                         f"{capacity_for(bs, schedule.target)} (target {schedule.target} + bs): allocate it with "
+                         "max_batch")
+
+
+def _cdiv(a: Tensor, b) -> Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
+def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSchedule:
+    """``plan_splits`` of the device lengths written into ``schedule`` by tensor ops on fixed shapes (no host value
+    read: graph-legal on a GPU); the torch form of the Triton planner (``splitkv_triton.replan_schedule``).
+    Negative lengths plan as 0. Checked by :func:`check_replan` first (the op does it)."""
+    dev, cap, mb = schedule.device, schedule.capacity, schedule.max_batch
+    lens = seqlens.to(torch.int64).clamp(min=0)
+    bs = lens.shape[0]
+    w = torch.arange(cap, dtype=torch.int64, device=dev)
+    offsets = torch.zeros(mb + 1, dtype=torch.int64, device=dev)
+    work = torch.zeros(cap, 4, dtype=torch.int64, device=dev)
+    work[:, 3] = w
+    if bs:
+        g = schedule.granule
+        chunk = _cdiv(_cdiv(lens.sum(), schedule.target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
+        n = _cdiv(lens, chunk)
+        size = _cdiv(_cdiv(lens, n.clamp(min=1)), g) * g
+        incl = torch.cumsum(n, 0)
+        num = incl[-1:]
+        offsets[1 : bs + 1] = incl
+        offsets[bs + 1 :] = num
+        owner = torch.searchsorted(incl, w, right=True).clamp(max=bs - 1)  # off[b] <= w < off[b + 1]
+        start = (w - (incl - n)[owner]) * size[owner]
+        live = w < num
+        work[:, 0] = torch.where(live, owner, 0)
+        work[:, 1] = torch.where(live, start, 0)
+        work[:, 2] = torch.where(live, torch.minimum(lens[owner], start + size[owner]), 0)
+        schedule.num_work.copy_(num)
+    else:
+        schedule.num_work.zero_()
+    schedule.work.copy_(work)
+    schedule.split_offsets.copy_(offsets)
+    schedule.chunk, schedule.planned_work, schedule.planned_batch = None, None, bs
+    return schedule

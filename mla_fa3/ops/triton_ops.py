@@ -14,13 +14,13 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fp8, reference, validate
+from . import fp8, reference, splitkv_plan, validate
 from .selection import ImplLike, coerce, get_impl, ran
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
-__all__ = ["get_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache", "fp8_fused_available",
+__all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache", "fp8_fused_available",
            "store_e4m3", "quantize_query_e4m3"]
 
 Tensor = torch.Tensor
@@ -95,8 +95,6 @@ def get_splitkv_schedule(
     for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
     overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
     """
-    from . import splitkv_plan
-
     device = torch.device(device)
     if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
         num_sms = torch.cuda.get_device_properties(device if device.type == "cuda" else None).multi_processor_count
@@ -104,6 +102,27 @@ def get_splitkv_schedule(
         seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
         num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch, config=config,
     )
+
+
+def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
+                            impl: Optional[ImplLike] = None) -> SplitKVSchedule:
+    """Re-plan ``schedule`` in place from the DEVICE lengths: the plan ``get_splitkv_schedule`` makes of the same
+    lengths (same target, granule and shortest split: the ones ``schedule`` was planned with), written by the device.
+
+    cache_seqlens ``[bs] int32`` on the schedule's device, bs <= ``schedule.max_batch``; the capacity must hold any
+    plan of bs requests (a schedule from ``get_splitkv_schedule(..., max_batch=)``). No host value is read and nothing
+    syncs: legal inside a CUDA graph, so a captured step plans its splits from the lengths it is replayed with.
+    TRITON: one launch of one program; REFERENCE: fixed-shape tensor ops (``splitkv_plan.replan_reference``). The
+    split count then lives on the device only (``planned_work`` / ``chunk`` become None). Returns ``schedule``.
+    """
+    splitkv_plan.check_replan(cache_seqlens, schedule)
+    chosen = _resolve_splitkv(impl, schedule.device)
+    if chosen is Impl.TRITON:
+        _splitkv_kernels().replan_schedule(cache_seqlens, schedule)
+    else:
+        splitkv_plan.replan_reference(cache_seqlens, schedule)
+    ran(chosen)
+    return schedule
 
 
 def splitkv_mla_with_kvcache(
