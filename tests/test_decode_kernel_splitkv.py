@@ -2,11 +2,11 @@
 
 Oracles, read with ``csv`` alone (``test_decode_kernel.small_batch``): ``docs/perf/2026-12-03/decode_small_batch.csv``
 (``SMALL_KERNEL``: heads 16 / 128 × bs 1, 2, 4, 8 × context 16k-128k, page 64, equal lengths — FA3, FlashMLA and
-split-KV *alone* per layer) and ``session4/decode_whole_step.csv`` (``SMALL``: the same shapes as the backend's
-*whole step* with each kernel forced). The built-in table holds the whole-step rows: there split-KV is slower
-everywhere (its schedule is planned on the host in the replay update), so the built-in table picks it nowhere.
-The split-KV machinery (picks, neighbours, evaluation) is checked on the kernel-alone table, where it won at 16
-heads, bs 1-2, 16k-32k. The winners and margins come from the CSVs, never from the table under test.
+split-KV *alone* per layer) and ``session5/decode_whole_step.csv`` (``SMALL``: the same shapes as the backend's
+*whole step* with each kernel forced, split-KV's schedule re-planned on the device in the graph). The built-in
+table holds the whole-step rows: there split-KV wins at 16 heads, bs 1 (16k-64k) and bs 2 (16k), nowhere at 128
+heads. The kernel-alone table (the table of two sessions ago) keeps the machinery checked on a second data set.
+The winners and margins come from the CSVs, never from the table under test.
 """
 
 from __future__ import annotations
@@ -48,27 +48,26 @@ def test_every_small_batch_row_is_within_5pct_of_the_fastest_kernel(oracle, tabl
         if k is SKV:  # never picked where it is not measured faster than both others by MIN_GAIN
             assert min(t["fa3"], t["mla"]) / t["skv"] >= kc.MIN_GAIN
     wins = {s for s, t in rows.items() if winner(t) is SKV}
-    if table is None:  # the whole steps: split-KV wins nowhere
-        assert not wins
-    else:  # the kernels alone: split-KV won at 16 heads only
-        assert wins and {h for h, _, _ in wins} == {16}
+    assert wins and {h for h, _, _ in wins} == {16}  # both: split-KV wins at 16 heads only
 
 
-def test_the_built_in_table_picks_splitkv_nowhere_the_kernel_alone_table_at_16_heads_bs1_16k():
+def test_the_built_in_table_picks_splitkv_at_16_heads_small_batch_only():
     whole, alone = small_batch()[(16, 1, 16384)], small_batch(SMALL_KERNEL)[(16, 1, 16384)]
-    assert whole["skv"] > whole["fa3"]  # the whole step: split-KV slower than FA3 there
-    assert min(alone["fa3"], alone["mla"]) / alone["skv"] > 1.05  # the kernel alone: > 5 % faster
+    assert min(whole["fa3"], whole["mla"]) / whole["skv"] >= kc.MIN_GAIN  # the whole step: split-KV faster there
     choice = kc.explain_decode_kernel(16, 1, 16384, 64)
-    assert choice.kernel is FA3 and f"split-KV {whole['skv']:.4g} ms" in choice.reason
+    assert choice.kernel is SKV and f"split-KV {whole['skv']:.4g} ms" in choice.reason
     choice = kc.explain_decode_kernel(16, 1, 16384, 64, table=KERNEL_TABLE)
     assert choice.kernel is SKV and f"split-KV {alone['skv']:.4g} ms" in choice.reason
     for h in (16, 64, 128):
         for bs in BATCH:
             for ctx in CONTEXT:
                 for kind in ("equal", "skewed"):
-                    assert _pick(h, bs, ctx, kind).kernel is not SKV, (h, bs, ctx, kind)
+                    k = _pick(h, bs, ctx, kind).kernel
+                    if k is SKV:  # next to a measured whole-step win only
+                        assert h == 16 and bs <= 2 and 8192 <= ctx <= 100000, (h, bs, ctx, kind)
                     if h >= 64:
                         assert _pick(h, bs, ctx, kind, table=KERNEL_TABLE).kernel is not SKV, (h, bs, ctx, kind)
+    assert kc.explain_decode_kernel(16, 1, 16384, 64, allow_splitkv=False).kernel is not SKV
     assert kc.explain_decode_kernel(16, 1, 16384, 64, allow_splitkv=False, table=KERNEL_TABLE).kernel is FA3
 
 
@@ -103,15 +102,19 @@ def test_a_nearest_shape_without_a_splitkv_time_rules_splitkv_out():
     assert kc.explain_decode_kernel(16, 1, 8192, 64, table=table).kernel is SKV
 
 
+@pytest.mark.parametrize("table", [None, KERNEL_TABLE], ids=["built_in", "kernel"])
 @pytest.mark.parametrize("sweep", [SWEEP, RUN2], ids=["run1", "run2"])
-def test_older_sweeps_pick_splitkv_only_where_the_splitkv_sweep_measured_it_winning(sweep):
-    built_in = kc.evaluate_on_csv(str(sweep))
-    assert built_in.fitted.splitkv_at == () and built_in.fitted.unscored == 0 and built_in.fitted.rows == 180
-    ev = kc.evaluate_on_csv(str(sweep), table=KERNEL_TABLE)
-    assert ev.fitted.splitkv_at == ("heads 16, bs 1, ctx 16384, skew 1.00",)
-    assert winner(small_batch(SMALL_KERNEL)[(16, 1, 16384)]) is SKV
-    assert ev.fitted.unscored == 1 and ev.fitted.rows == 179  # no split-KV time in these sweeps: not scored
-    assert ev.fitted.within_5pct == ev.fitted.rows and ev.fitted.worst_slowdown <= 1.05
+def test_older_sweeps_pick_splitkv_only_where_the_splitkv_sweeps_measured_it_winning(sweep, table):
+    """On the kernel-alone sweeps (no split-KV time), split-KV is picked only at the shapes those sweeps share with
+    a split-KV sweep where it measured faster (those rows are not scored: no time to compare)."""
+    ev = kc.evaluate_on_csv(str(sweep), table=table)
+    oracle = small_batch() if table is None else small_batch(SMALL_KERNEL)
+    wins = {(h, b, c) for (h, b, c), t in oracle.items() if winner(t) is SKV}
+    picked = {tuple(int(x.split()[1].rstrip(",")) for x in label.split(", ")[:3]) for label in ev.fitted.splitkv_at}
+    assert picked and picked <= wins
+    assert all(label.endswith("skew 1.00") for label in ev.fitted.splitkv_at)
+    assert ev.fitted.unscored == len(picked) and ev.fitted.rows == 180 - len(picked)
+    assert ev.fitted.within_5pct >= 0.97 * ev.fitted.rows
 
 
 @pytest.mark.parametrize("oracle,table", [(SMALL, None), (SMALL_KERNEL, KERNEL_TABLE)], ids=["whole_step", "kernel"])
@@ -120,7 +123,7 @@ def test_evaluate_reports_the_small_batch_sweep_and_where_splitkv_is_picked(orac
     rows = small_batch(oracle)
     assert ev.fitted.rows == 32 and ev.fitted.unscored == 0 and ev.fitted.within_5pct == 32
     want = {s for s, t in rows.items() if winner(t) is SKV}
-    assert ev.fitted.splitkv_picks == len(want) and bool(want) == (table is not None)
+    assert ev.fitted.splitkv_picks == len(want) and want
     assert set(ev.fitted.splitkv_at) == {f"heads {h}, bs {b}, ctx {c}, skew 1.00" for h, b, c in want}
     best = [min(times_of(t).values()) for t in rows.values()]
     picked = [times_of(t)[_pick(*s, table=table).kernel] for s, t in rows.items()]
@@ -141,8 +144,10 @@ def test_splitkv_possible_is_never_false_where_the_choice_picks_it():
         picks = any(_pick(h, bs, ctx, kind, table=KERNEL_TABLE).kernel is SKV
                     for bs in BATCH for ctx in CONTEXT for kind in ("equal", "skewed"))
         assert kc.splitkv_possible(h, KERNEL_TABLE) or not picks, h
-    assert not any(kc.splitkv_possible(h) for h in HEADS)  # the built-in table: slower everywhere as a whole step
-    assert kc.splitkv_possible(16, KERNEL_TABLE) and not kc.splitkv_possible(64, KERNEL_TABLE)
+        picks = any(_pick(h, bs, ctx, kind).kernel is SKV for bs in BATCH for ctx in CONTEXT for kind in ("equal",))
+        assert kc.splitkv_possible(h) or not picks, h
+    for table in (None, KERNEL_TABLE):  # whole steps and kernels alone: split-KV wins at 16 heads only
+        assert kc.splitkv_possible(16, table) and not kc.splitkv_possible(64, table)
     no_skv = tuple(replace(m, splitkv_ms=None) for m in kc.MEASURED)
     assert not kc.splitkv_possible(16, no_skv) and not kc.splitkv_measured(no_skv) and kc.splitkv_measured()
     slower = tuple(replace(m, splitkv_ms=2 * m.fa3_ms) for m in kc.MEASURED)  # measured, but never faster

@@ -1,14 +1,16 @@
 """The measurements behind ``policy.decode_kernel``: the :class:`Measured` record and the recorded H200 table.
 
 ``MEASURED`` is generated: per shape (heads, batch, longest context, skew = mean / max KV length) the
-per-layer decode kernel times of two H200 sweeps (page 64, bf16, CUDA-graph replay), merged:
+per-layer decode times of three H200 sweeps (page 64, bf16, CUDA-graph replay), merged:
 
-- ``docs/perf/decode_2026-12-02_run1.csv`` — FA3 and FlashMLA, heads 16-128, bs 1-128, context 1k-128k,
-  equal and skewed lengths (168 rows: its 180 shapes less the 12 that the second sweep measured again);
+- ``docs/perf/decode_2026-12-02_run1.csv`` — FA3 and FlashMLA kernels alone, heads 16-128, bs 1-128, context
+  1k-128k, equal and skewed lengths (168 rows: its 180 shapes less the 12 that a later sweep measured again);
 - ``docs/perf/2026-12-03/decode_small_batch.csv`` — FA3, FlashMLA and the split-KV Triton kernel
-  (``splitkv_ms``), heads 16 / 128, bs 1, 2, 4, 8, context 16k-128k, equal lengths (32 rows).
+  (``splitkv_ms``) alone, heads 16 / 128, bs 1, 2, 4, 8, context 16k-128k, equal lengths (32 rows, all replaced);
+- ``docs/perf/2026-12-03/session5/decode_whole_step.csv`` — the same 32 shapes as the backend's WHOLE step with
+  each kernel forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph).
 
-A shape measured by both keeps the later sweep's row whole (its three times come from one run; see
+A shape measured by several keeps the latest sweep's row whole (its three times come from one run; see
 ``policy.decode_csv``); split-KV times exist only for the second sweep's shapes, ``None`` elsewhere (the
 choice picks split-KV only when every one of the nearest shapes has a split-KV time). Regenerate it from
 decode-benchmark CSVs (``mla-fa3 bench decode --out DIR``), oldest first::
@@ -70,11 +72,12 @@ class Measured:
 # The measured table (H200, sgl-kernel 0.4.5, bf16, page 64, CUDA-graph replay, per layer), from
 # ``python -m mla_fa3.policy.decode_kernel --from-csv docs/perf/decode_2026-12-02_run1.csv \
 #       --from-csv docs/perf/2026-12-03/decode_small_batch.csv \
-#       --from-csv docs/perf/2026-12-03/session4/decode_whole_step.csv``
+#       --from-csv docs/perf/2026-12-03/session5/decode_whole_step.csv``
 # The last CSV's rows (heads 16 / 128, bs 1-8, 16k-128k, equal lengths) are WHOLE backend steps with each kernel
-# forced (``bench decode --whole-step``): at small batch the kernels' surroundings differ (FlashMLA's q
-# concatenation, split-KV's host-planned schedule in the replay update), and the kernel alone picked FlashMLA /
-# split-KV where the whole step is slower (up to 1.22x the plain FA3 step). Elsewhere rows are the kernel alone.
+# forced (``bench decode --whole-step``), split-KV's schedule re-planned on the device inside the graph: at small
+# batch the kernels' surroundings differ (FlashMLA's q concatenation, split-KV's planning), and the kernel alone
+# picked FlashMLA / split-KV where the whole step is slower (up to 1.22x the plain FA3 step). Elsewhere rows are
+# the kernel alone.
 
 MEASURED: tuple[Measured, ...] = (
     *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, skew=skew,
@@ -166,23 +169,23 @@ MEASURED: tuple[Measured, ...] = (
         (128, 128, 131072, 0.3397, 3.57616, 2.78243), (128, 128, 131072, 1.0, 8.57704, 8.01699),
     )),
     *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, skew=skew,
-               source='bench CSV docs/perf/2026-12-03/session4/decode_whole_step.csv')
+               source='bench CSV docs/perf/2026-12-03/session5/decode_whole_step.csv')
       for h, b, ctx, skew, fa3, mla, skv in (  # heads, batch, context, skew, FA3 / FlashMLA / split-KV ms
-        (16, 1, 16384, 1.0, 0.0366865, 0.0550811, 0.0375069), (16, 1, 32768, 1.0, 0.0446787, 0.0601433, 0.0496284),
-        (16, 1, 65536, 1.0, 0.0548496, 0.0691235, 0.0613255), (16, 1, 131072, 1.0, 0.0728635, 0.0859924, 0.082187),
-        (16, 2, 16384, 1.0, 0.0412079, 0.0473609, 0.0459895), (16, 2, 32768, 1.0, 0.0519212, 0.0573602, 0.0592428),
-        (16, 2, 65536, 1.0, 0.071553, 0.0729827, 0.0782215), (16, 2, 131072, 1.0, 0.104608, 0.11061, 0.122321),
-        (16, 4, 16384, 1.0, 0.051033, 0.0500298, 0.0563997), (16, 4, 32768, 1.0, 0.0700873, 0.0671919, 0.0789137),
-        (16, 4, 65536, 1.0, 0.105923, 0.102149, 0.118586), (16, 4, 131072, 1.0, 0.173587, 0.172308, 0.204561),
-        (16, 8, 16384, 1.0, 0.0696915, 0.0642134, 0.0818719), (16, 8, 32768, 1.0, 0.105442, 0.099807, 0.122738),
-        (16, 8, 65536, 1.0, 0.174902, 0.168938, 0.203867), (16, 8, 131072, 1.0, 0.311876, 0.30725, 0.35863),
-        (128, 1, 16384, 1.0, 0.0565856, 0.0720255, 0.0643477), (128, 1, 32768, 1.0, 0.068328, 0.0801659, 0.0817379),
-        (128, 1, 65536, 1.0, 0.0834759, 0.0937756, 0.116409), (128, 1, 131072, 1.0, 0.111761, 0.121727, 0.179373),
-        (128, 2, 16384, 1.0, 0.0644017, 0.0818135, 0.0823756), (128, 2, 32768, 1.0, 0.0789569, 0.0968857, 0.121205),
-        (128, 2, 65536, 1.0, 0.108976, 0.122185, 0.186352), (128, 2, 131072, 1.0, 0.166787, 0.175231, 0.314236),
-        (128, 4, 16384, 1.0, 0.0759535, 0.0871817, 0.11896), (128, 4, 32768, 1.0, 0.104902, 0.113186, 0.185348),
-        (128, 4, 65536, 1.0, 0.164327, 0.159124, 0.334644), (128, 4, 131072, 1.0, 0.275184, 0.262108, 0.599449),
-        (128, 8, 16384, 1.0, 0.100347, 0.109119, 0.193537), (128, 8, 32768, 1.0, 0.157802, 0.159974, 0.535815),
-        (128, 8, 65536, 1.0, 0.26597, 0.267118, 0.792048), (128, 8, 131072, 1.0, 0.481649, 0.469908, 1.56398),
+        (16, 1, 16384, 1.0, 0.0388498, 0.0577692, 0.0355314), (16, 1, 32768, 1.0, 0.0450631, 0.0602087, 0.0414832),
+        (16, 1, 65536, 1.0, 0.0557773, 0.0689386, 0.0540191), (16, 1, 131072, 1.0, 0.0754481, 0.0892287, 0.0768245),
+        (16, 2, 16384, 1.0, 0.0433201, 0.0492774, 0.0408428), (16, 2, 32768, 1.0, 0.0515508, 0.0565902, 0.0514723),
+        (16, 2, 65536, 1.0, 0.0712338, 0.0756837, 0.073939), (16, 2, 131072, 1.0, 0.108551, 0.109728, 0.113825),
+        (16, 4, 16384, 1.0, 0.0523416, 0.0530059, 0.0517319), (16, 4, 32768, 1.0, 0.0706564, 0.0695843, 0.0738016),
+        (16, 4, 65536, 1.0, 0.105674, 0.104956, 0.11379), (16, 4, 131072, 1.0, 0.172849, 0.172359, 0.19518),
+        (16, 8, 16384, 1.0, 0.0693116, 0.0641578, 0.0723658), (16, 8, 32768, 1.0, 0.108515, 0.101315, 0.115586),
+        (16, 8, 65536, 1.0, 0.173776, 0.169515, 0.197346), (16, 8, 131072, 1.0, 0.314843, 0.308291, 0.350992),
+        (128, 1, 16384, 1.0, 0.0570143, 0.0714617, 0.0580894), (128, 1, 32768, 1.0, 0.0683062, 0.0789179, 0.0755448),
+        (128, 1, 65536, 1.0, 0.0827657, 0.0949086, 0.110328), (128, 1, 131072, 1.0, 0.112946, 0.121568, 0.177447),
+        (128, 2, 16384, 1.0, 0.0654941, 0.0855512, 0.0792389), (128, 2, 32768, 1.0, 0.0804039, 0.0985472, 0.112092),
+        (128, 2, 65536, 1.0, 0.110684, 0.125388, 0.178826), (128, 2, 131072, 1.0, 0.170552, 0.17804, 0.310348),
+        (128, 4, 16384, 1.0, 0.0762628, 0.0873159, 0.114661), (128, 4, 32768, 1.0, 0.105873, 0.114567, 0.182776),
+        (128, 4, 65536, 1.0, 0.163804, 0.161165, 0.330746), (128, 4, 131072, 1.0, 0.278329, 0.265967, 0.592087),
+        (128, 8, 16384, 1.0, 0.100944, 0.109599, 0.191092), (128, 8, 32768, 1.0, 0.160324, 0.161643, 0.534743),
+        (128, 8, 65536, 1.0, 0.270248, 0.265744, 0.774078), (128, 8, 131072, 1.0, 0.492511, 0.475297, 1.54628),
     )),
 )
