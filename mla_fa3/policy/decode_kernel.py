@@ -18,11 +18,13 @@ FA3 up to 1.7x faster for a single request at 4k-64k with <= 64 heads, FlashMLA 
 lengths) shows our Triton split-KV kernel 3-25 % faster than the faster of FA3 / FlashMLA at 16 heads,
 bs 1-2, 16k-32k, within 1 % at 16 heads bs 1 64k, and slower everywhere else (up to 3.7x at 128 heads).
 Those are kernels alone. The same 32 shapes as WHOLE backend steps per forced kernel
-(``docs/perf/2026-12-03/session4/decode_whole_step.csv``, ``bench decode --whole-step``) differ where the kernels'
-surroundings do: split-KV's schedule is planned on the host in each replay update and FlashMLA's step adds the q
-concatenation, so there FA3 wins at bs <= 2, FlashMLA at 16 heads from bs 4, split-KV nowhere. The table holds
-those whole-step rows at these shapes (the backend step then stays within 0.97-1.08x of the plain unfused
-step, against up to 1.22x with the kernel-alone rows). FlashMLA needs page size 64.
+(``docs/perf/2026-12-03/session5/decode_whole_step.csv``, ``bench decode --whole-step``) differ where the kernels'
+surroundings do: FlashMLA's step adds the q concatenation, and split-KV's schedule is planned per step (on the
+device inside the graph since the fifth session; on the host before, which made it lose everywhere). As whole
+steps split-KV wins at 16 heads, bs 1 at 16k-64k (1.03-1.09x) and bs 2 at 16k (1.06x), FA3 elsewhere at bs <= 2,
+FlashMLA or FA3 at bs 4-8 within a few %, split-KV nowhere at 128 heads (1.0-3.3x slower). The table holds those
+whole-step rows at these shapes (the backend step then stays within 0.96-1.05x of the plain unfused step).
+FlashMLA needs page size 64.
 
 The choice (host arithmetic on host numbers; no tensors, no sync):
 - FA3 when ``page_size != 64``;
@@ -40,13 +42,14 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
   out, and the reason says so (split-KV is picked on evidence only; a missing time is never a gain).
 
 Offline check on the recorded sweeps (``evaluate_on_csv``; slowdown = picked kernel time / fastest
-measured kernel time, page-64 rows). decode_whole_step: 32/32 within 5 % (worst 1.015x), split-KV picked
-nowhere; leave-one-out over its own 32 rows: 32/32, worst 1.050x. decode_2026-12-02_run1 (kernels alone):
-177/180 within 5 %, worst 1.159x — the misses are shapes the whole-step sweep re-measured, where the table
-follows the whole step by design; leave-one-out over its 180 rows: 172/180 within 5 %, 177/180 within 15 %,
-worst 1.215x. The skew-blind table that sweep ran with: 106/180, worst 2.10x. With the kernel-alone
-small-batch rows instead (``decode_small_batch``, the table before): split-KV picked at 16 heads bs 1 16k and
-32k, bs 2 16k, 32/32 of those kernel times within 5 %.
+measured kernel time, page-64 rows). session5/decode_whole_step: 32/32 within 5 % (worst 1.017x), split-KV picked
+at 16 heads bs 1 16k / 32k / 64k and bs 2 16k; leave-one-out over its own 32 rows: 32/32, worst 1.046x.
+decode_2026-12-02_run1 (kernels alone): 174/178 scored rows within 5 %, worst 1.159x — the misses are shapes the
+whole-step sweep re-measured, where the table follows the whole step by design; the 2 rows where split-KV is picked
+have no split-KV time there (not scored); leave-one-out over its 180 rows: 172/180 within 5 %, 177/180 within
+15 %, worst 1.215x. The skew-blind table that sweep ran with: 106/180, worst 2.10x. With the kernel-alone
+small-batch rows instead (``decode_small_batch``, the table of the third session): split-KV picked at 16 heads bs 1
+16k and 32k, bs 2 16k, 32/32 of those kernel times within 5 %.
 
 The table (``Measured``, ``MEASURED``) lives in ``policy/decode_table.py`` and is re-exported here, as is
 the CSV reader (``policy/decode_csv.py``). Regenerate it from decode-benchmark CSVs
