@@ -225,7 +225,8 @@ def test_device_replan_is_a_graph_replay_update():
 
 
 REPLAN_BAD = {
-    "not_a_schedule": (lambda s: (torch.ones(2, dtype=I32), ops.FlashMLASchedule(Impl.REFERENCE)), TypeError, "schedule"),
+    "not_a_schedule": (lambda s: (torch.ones(2, dtype=I32), ops.FlashMLASchedule(Impl.REFERENCE)), TypeError,
+                       "schedule"),
     "no_params": (lambda s: (torch.ones(2, dtype=I32), SplitKVSchedule.empty(max_batch=4, capacity=64)), ValueError,
                   "schedule carries no planner parameters"),
     "not_tensor": (lambda s: ([1, 2], s), TypeError, "seqlens must be a tensor"),

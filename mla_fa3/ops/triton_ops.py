@@ -20,8 +20,8 @@ from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
-__all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache", "fp8_fused_available",
-           "store_e4m3", "quantize_query_e4m3"]
+__all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache",
+           "fp8_fused_available", "store_e4m3", "quantize_query_e4m3"]
 
 Tensor = torch.Tensor
 
@@ -93,7 +93,8 @@ def get_splitkv_schedule(
     any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
     waves). ``config``: the kernel's launch parameters (``KernelConfig``; None: the measured table's choice
     for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
-    overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay.
+    overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay —
+    or re-plan the captured schedule on the device with ``replan_splitkv_schedule`` (legal inside).
     """
     device = torch.device(device)
     if num_sms is None and torch.cuda.is_available():  # a host plan is for the current GPU
