@@ -396,7 +396,8 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp16_two_head_tiles_sq4": ((15, 16, 17, 3), 4, 20, 16, "float16", False, False),
     "fp32_page64_pm1_padded": ((63, 65, 129), 1, 4, 64, "float32", False, True),
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
-    "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_SPLITS
+    "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_WIDE's 16
+    "fp32_71_splits_narrow_combine": ((9000, 70), 1, 4, 16, "float32", False, False, 128),  # > COMBINE_NARROW's 64
     # the one-page-per-block fast path (page >= block_n), blocks spanning a request's end, and the switches
     "fp32_page64_block64_spans_end": ((63, 64, 65, 200), 1, 4, 64, "float32", False, False),
     "fp16_page32_verify_sq3_half_reload": ((31, 32, 97), 3, 4, 32, "float16", False, True),

@@ -62,12 +62,13 @@ class KernelConfig:
         return replace(self, **kw)
 
 
-# (heads, bs, ctx) -> config; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep`` on 2026-12-03
-# (the time of each shape's winner in the comment; docs/PERFORMANCE.md has the peers' times).
+# (heads, bs, ctx) -> config; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep`` on 2026-12-03, the
+# 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now pay; the time of each
+# shape's winner in the comment; docs/PERFORMANCE.md has the peers' times).
 CONFIG_TABLE: dict = {
-    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=False, reload_kv=False),  # 40.3 us
-    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=False),  # 100.9 us
-    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=False),  # 57.9 us
+    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 32.1 us
+    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 84.5 us
+    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 50.0 us
     (128, 1, 16384): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False),  # 34.5 us
     (128, 2, 32768): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False),  # 91.9 us
     (128, 4, 65536): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=True),  # 306.8 us

@@ -31,14 +31,15 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
         m, l, acc = -inf, 0, 0                      # [rows], [rows], [rows, r]; rows = heads x sq
         for n0 in range(start, end, BLOCK_N):
             kv_blk = kv[page_table[b, j // page_size], j % page_size]  for j in n0 .. n0+BLOCK_N-1 (< end)
-                     (CONTIG, page >= BLOCK_N: one page id per block, a strided [BLOCK_N, D] tile)
+                     (CONTIG, page >= BLOCK_N: one page id per block, a strided [BLOCK_N, D] tile;
+                      the page ids of block n0 + BLOCK_N are read in this iteration, see Pipelining)
             s2 = (q_lat @ kv_blk[:, :r].T + q_rope @ kv_blk[:, r:].T) · scale · log2 e,  masked
             m_new = max(m, rowmax(s2)); alpha = 2^(m - m_new); p = 2^(s2 - m_new)
             l = l·alpha + rowsum(p);  acc = acc·alpha + p @ kv_blk[:, :r];  m = m_new
         part_o[slot] = acc / l;  part_lse2[slot] = m + log2 l         (empty row: 0, -inf)
     # phase 2 (fused combine): one program per (request, query, head) and block of r columns;
-    # it loads COMBINE_SPLITS splits at a time (a [splits, columns] tile), two passes over the LSEs
-    for (b·i·h, vb) in grid(bs·sq·H, r / COMBINE_DV):
+    # it loads BLOCK_S splits at a time (a [splits, columns] tile, ``combine_tile``), two passes over the LSEs
+    for (b·i·h, vb) in grid(bs·sq·H, r / BLOCK_DV):
         S = slots split_offsets[b] .. split_offsets[b+1]
         M = max_s part_lse2[s];  w_s = 2^(part_lse2[s] - M);  W = Σ_s w_s
         out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
@@ -46,9 +47,18 @@ The step, two launches (schedule from ``splitkv_plan.py``, planned on the host o
 Launch switches (``KernelConfig``, ``splitkv_config.py``; the schedule carries the one it was planned
 with): ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows``; ``half_partials`` stores ``part_o``
 in the output dtype (half the workspace traffic; one extra rounding per split); ``reload_kv`` loads
-the latent tile a second time for P·V (an L2 hit), so that each load feeds a single dot — the
-compiler can then stage each in shared memory for its one consumer. The c_kv tile otherwise serves
-both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
+the latent tile a second time for P·V (an L2 hit: the first load is marked evict-last), so that each
+load feeds a single dot — the compiler can then stage each in shared memory for its one consumer. The
+c_kv tile otherwise serves both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
+
+Pipelining (Triton 3.6, sm_90; read off the compiled TTGIR): ``num_stages`` buffers the tile loads as
+asynchronous copies into shared memory only if (1) their addresses depend on no load of the same
+iteration — so the next block's page id is read one iteration ahead — and (2) every use of a load goes
+through one shared-memory layout. A bf16 tile meets (2) as it is (the transposed use is a view of the
+staged tile); an e4m3 tile under mma.sync (< 64 rows) does not — it must be converted in registers, and
+the transposed conversion is a register shuffle — so the launcher sets ``RELOAD`` for it. Without (1),
+the compiler kept one buffer and every iteration waited out the load's full latency (fifth session and
+before: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now).
 
 Why the combine is a second launch, not "the last program of a request combines": that program
 would read every split of the request alone (bs 1, 16 heads, 256 splits: 4-8 MB through one SM,
@@ -76,30 +86,46 @@ from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
-COMBINE_SPLITS = 16  # splits a combine program loads at once
-COMBINE_DV = 64  # latent columns per combine program (bs 1, 16 heads: 128 programs)
+COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 64 output rows
+COMBINE_NARROW = (64, 32)  # fewer output rows (bs·sq·H < 64): twice the programs, a quarter of the loop trips
+
+
+def combine_tile(rows: int) -> Tuple[int, int]:
+    """(splits per load, columns) of a combine program for ``rows`` = bs·sq·H output rows. Measured on the H200
+    (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1 with the wide tile; no change at
+    bs 4 or 128 heads — docs/PERFORMANCE.md)."""
+    return COMBINE_NARROW if rows < 64 else COMBINE_WIDE
 
 
 @triton.jit
-def _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_c, c_ok,
+def _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE: tl.constexpr, CONTIG: tl.constexpr):
+    """The page id(s) of keys n0 .. n0 + BLOCK_N - 1: one (CONTIG) or one per key; 0 at and past ``end``."""
+    if CONTIG:
+        ids = tl.load(PageTable + pt_row + n0 // PAGE, mask=n0 < end, other=0)
+    else:
+        keys = n0 + offs_n
+        ids = tl.load(PageTable + pt_row + keys // PAGE, mask=keys < end, other=0)
+    return ids
+
+
+@triton.jit
+def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
                stride_kvp, stride_kvs, col0: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-               CONTIG: tl.constexpr, EXACT_C: tl.constexpr):
+               CONTIG: tl.constexpr, EXACT_C: tl.constexpr, EVICT: tl.constexpr):
     """keys n0 .. n0 + BLOCK_N - 1 (< end), columns col0 + offs_c: a [BLOCK_N, C] tile of the latent rows.
 
-    CONTIG (PAGE >= BLOCK_N, block starts on a multiple of BLOCK_N): the block lies in one page — one
-    page id, one strided tile. Else one page id per key."""
+    ``page``: ``_page_ids`` of the block. CONTIG (PAGE >= BLOCK_N, block starts on a multiple of BLOCK_N): the
+    block lies in one page — one page id, one strided tile. Else one page id per key."""
     keys = n0 + offs_n
     key_ok = keys < end
     if CONTIG:
-        page = tl.load(PageTable + pt_row + n0 // PAGE)
         rows = KV + page.to(tl.int64) * stride_kvp + ((n0 % PAGE) + offs_n) * stride_kvs
     else:
-        page = tl.load(PageTable + pt_row + keys // PAGE, mask=key_ok, other=0)
         rows = KV + page.to(tl.int64) * stride_kvp + (keys % PAGE) * stride_kvs
     ptrs = rows[:, None] + col0 + offs_c[None, :]
     if EXACT_C:
-        return tl.load(ptrs, mask=key_ok[:, None], other=0.0)
-    return tl.load(ptrs, mask=key_ok[:, None] & c_ok[None, :], other=0.0)
+        return tl.load(ptrs, mask=key_ok[:, None], other=0.0, eviction_policy=EVICT)
+    return tl.load(ptrs, mask=key_ok[:, None] & c_ok[None, :], other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -115,7 +141,7 @@ def _splitkv_partial_kernel(
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
-    CONTIG: tl.constexpr, RELOAD: tl.constexpr,
+    CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
@@ -169,20 +195,38 @@ def _splitkv_partial_kernel(
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        # the next block's page id is read one iteration ahead: the tile loads then depend on no load of their own
+        # iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the page id
+        # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
+        # (NARROW: < 64 rows, mma.sync. At >= 64 rows — wgmma — the multi-buffered loads outgrow shared memory with
+        # block 64 and were not faster at 128 heads: that path keeps the page id read in the same iteration)
+        page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
         for n0 in range(start, end, BLOCK_N):
-            c_kv = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
-                              0, PAGE, BLOCK_N, CONTIG, EXACT_V)
-            k_pe = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
-                              DV, PAGE, BLOCK_N, CONTIG, EXACT_R)
-            if KV8:  # dequantize in registers: e4m3 is exact in fp16 / bf16 / fp32 (the scale is applied above)
-                c_kv = c_kv.to(q_lat.dtype)
-                k_pe = k_pe.to(q_lat.dtype)
-            if IEEE:
-                s = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
-                s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision="ieee")
+            if NARROW:
+                page = page_next
+                page_next = _page_ids(PageTable, pt_row, n0 + BLOCK_N, end, offs_n, PAGE, CONTIG)
             else:
-                s = tl.dot(q_lat, tl.trans(c_kv))
-                s = tl.dot(q_pe, tl.trans(k_pe), acc=s)
+                page = _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE, CONTIG)
+            c_kv = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
+                              0, PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else "")
+            k_pe = _load_tile(KV, page, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
+                              DV, PAGE, BLOCK_N, CONTIG, EXACT_R, "")
+            # transposed before the conversion (e4m3 -> fp16 in registers, exact; the scale is applied above): the
+            # transpose is then a view of the shared-memory tile, as is the P·V operand below, so the one load keeps
+            # its asynchronous multi-buffered copy (converted first, the transpose is a register shuffle and the
+            # pipeliner leaves the load synchronous)
+            if NARROW:
+                c_kv_t = tl.trans(c_kv).to(q_lat.dtype)
+                k_pe_t = tl.trans(k_pe).to(q_lat.dtype)
+            else:  # wgmma stages the converted tile itself
+                c_kv_t = tl.trans(c_kv.to(q_lat.dtype))
+                k_pe_t = tl.trans(k_pe.to(q_lat.dtype))
+            if IEEE:
+                s = tl.dot(q_lat, c_kv_t, input_precision="ieee")
+                s = tl.dot(q_pe, k_pe_t, acc=s, input_precision="ieee")
+            else:
+                s = tl.dot(q_lat, c_kv_t)
+                s = tl.dot(q_pe, k_pe_t, acc=s)
             s = s * scale_log2
             keys = n0 + offs_n
             visible = (keys < end)[None, :]
@@ -195,12 +239,11 @@ def _splitkv_partial_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
             if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
-                v_blk = _load_tile(KV, PageTable, pt_row, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
-                                   0, PAGE, BLOCK_N, CONTIG, EXACT_V)
-                if KV8:
-                    v_blk = v_blk.to(q_lat.dtype)
+                v_blk = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
+                                   0, PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_first" if NARROW else "")
             else:
                 v_blk = c_kv
+            v_blk = v_blk.to(q_lat.dtype)  # e4m3 -> q's dtype (no-op otherwise)
             if IEEE:
                 acc = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc * alpha[:, None], input_precision="ieee")
             else:
@@ -357,17 +400,20 @@ def splitkv_mla_with_kvcache(
         H=H, SQ=sq, DV=dv, DR=D - dv, PAGE=page,
         BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(D - dv)),
         BLOCK_N=config.block_n, CAUSAL=call.causal, Q8=q8, KV8=kv8, IEEE=q.dtype == torch.float32,
-        CONTIG=contig, RELOAD=config.reload_kv,
+        # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
+        # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
+        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and rows < 64), NARROW=rows < 64,
         num_warps=warps, num_stages=config.num_stages,
     )
-    cdv = min(COMBINE_DV, _next_pow2(dv))
+    block_s, cdv = combine_tile(bs * sq * H)
+    cdv = min(cdv, _next_pow2(dv))
     _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
         part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else one,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        H=H, SQ=sq, DV=dv, BLOCK_S=COMBINE_SPLITS, BLOCK_DV=cdv, KV8=kv8,
+        H=H, SQ=sq, DV=dv, BLOCK_S=block_s, BLOCK_DV=cdv, KV8=kv8,
         num_warps=4,
     )
     return out, lse

@@ -7,8 +7,10 @@ per-layer decode times of three H200 sweeps (page 64, bf16, CUDA-graph replay), 
   1k-128k, equal and skewed lengths (168 rows: its 180 shapes less the 12 that a later sweep measured again);
 - ``docs/perf/2026-12-03/decode_small_batch.csv`` — FA3, FlashMLA and the split-KV Triton kernel
   (``splitkv_ms``) alone, heads 16 / 128, bs 1, 2, 4, 8, context 16k-128k, equal lengths (32 rows, all replaced);
-- ``docs/perf/2026-12-03/session5/decode_whole_step.csv`` — the same 32 shapes as the backend's WHOLE step with
-  each kernel forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph).
+- ``docs/perf/2026-12-04/decode_whole_step.csv`` — the same 32 shapes as the backend's WHOLE step with each kernel
+  forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph): the 16-head
+  rows from 2026-12-04 (``decode_whole_step_16.csv``, after the split-KV kernel's loads became multi-buffered), the
+  128-head rows from ``2026-12-03/session5/decode_whole_step.csv`` (that path of the kernel is unchanged).
 
 A shape measured by several keeps the latest sweep's row whole (its three times come from one run; see
 ``policy.decode_csv``); split-KV times exist only for the second sweep's shapes, ``None`` elsewhere (the
@@ -169,16 +171,16 @@ MEASURED: tuple[Measured, ...] = (
         (128, 128, 131072, 0.3397, 3.57616, 2.78243), (128, 128, 131072, 1.0, 8.57704, 8.01699),
     )),
     *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, skew=skew,
-               source='bench CSV docs/perf/2026-12-03/session5/decode_whole_step.csv')
+               source='bench CSV docs/perf/2026-12-04/decode_whole_step.csv')
       for h, b, ctx, skew, fa3, mla, skv in (  # heads, batch, context, skew, FA3 / FlashMLA / split-KV ms
-        (16, 1, 16384, 1.0, 0.0388498, 0.0577692, 0.0355314), (16, 1, 32768, 1.0, 0.0450631, 0.0602087, 0.0414832),
-        (16, 1, 65536, 1.0, 0.0557773, 0.0689386, 0.0540191), (16, 1, 131072, 1.0, 0.0754481, 0.0892287, 0.0768245),
-        (16, 2, 16384, 1.0, 0.0433201, 0.0492774, 0.0408428), (16, 2, 32768, 1.0, 0.0515508, 0.0565902, 0.0514723),
-        (16, 2, 65536, 1.0, 0.0712338, 0.0756837, 0.073939), (16, 2, 131072, 1.0, 0.108551, 0.109728, 0.113825),
-        (16, 4, 16384, 1.0, 0.0523416, 0.0530059, 0.0517319), (16, 4, 32768, 1.0, 0.0706564, 0.0695843, 0.0738016),
-        (16, 4, 65536, 1.0, 0.105674, 0.104956, 0.11379), (16, 4, 131072, 1.0, 0.172849, 0.172359, 0.19518),
-        (16, 8, 16384, 1.0, 0.0693116, 0.0641578, 0.0723658), (16, 8, 32768, 1.0, 0.108515, 0.101315, 0.115586),
-        (16, 8, 65536, 1.0, 0.173776, 0.169515, 0.197346), (16, 8, 131072, 1.0, 0.314843, 0.308291, 0.350992),
+        (16, 1, 16384, 1.0, 0.037446, 0.0552259, 0.0304163), (16, 1, 32768, 1.0, 0.0451937, 0.0596927, 0.0346599),
+        (16, 1, 65536, 1.0, 0.0553648, 0.0682894, 0.0455405), (16, 1, 131072, 1.0, 0.073983, 0.0855691, 0.0634481),
+        (16, 2, 16384, 1.0, 0.0429872, 0.0489618, 0.0356659), (16, 2, 32768, 1.0, 0.0522352, 0.0583239, 0.0458213),
+        (16, 2, 65536, 1.0, 0.0707957, 0.0733423, 0.0634413), (16, 2, 131072, 1.0, 0.105062, 0.110398, 0.0999725),
+        (16, 4, 16384, 1.0, 0.0509312, 0.0502125, 0.046378), (16, 4, 32768, 1.0, 0.0700409, 0.0665759, 0.0643431),
+        (16, 4, 65536, 1.0, 0.107554, 0.102519, 0.100531), (16, 4, 131072, 1.0, 0.176141, 0.17141, 0.171487),
+        (16, 8, 16384, 1.0, 0.0691818, 0.0645065, 0.0652235), (16, 8, 32768, 1.0, 0.108528, 0.0998696, 0.101611),
+        (16, 8, 65536, 1.0, 0.175481, 0.168315, 0.172315), (16, 8, 131072, 1.0, 0.312492, 0.307597, 0.304661),
         (128, 1, 16384, 1.0, 0.0570143, 0.0714617, 0.0580894), (128, 1, 32768, 1.0, 0.0683062, 0.0789179, 0.0755448),
         (128, 1, 65536, 1.0, 0.0827657, 0.0949086, 0.110328), (128, 1, 131072, 1.0, 0.112946, 0.121568, 0.177447),
         (128, 2, 16384, 1.0, 0.0654941, 0.0855512, 0.0792389), (128, 2, 32768, 1.0, 0.0804039, 0.0985472, 0.112092),
