@@ -211,10 +211,9 @@ def _splitkv_partial_kernel(
                               0, PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else "")
             k_pe = _load_tile(KV, page, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
                               DV, PAGE, BLOCK_N, CONTIG, EXACT_R, "")
-            # transposed before the conversion (e4m3 -> fp16 in registers, exact; the scale is applied above): the
-            # transpose is then a view of the shared-memory tile, as is the P·V operand below, so the one load keeps
-            # its asynchronous multi-buffered copy (converted first, the transpose is a register shuffle and the
-            # pipeliner leaves the load synchronous)
+            # e4m3 -> fp16 in registers (exact; the scale is applied above). At < 64 rows transposed first: k_pe's
+            # load then keeps its asynchronous multi-buffered copy (converted first, its transpose is a register
+            # shuffle and the pipeliner leaves the load synchronous); c_kv, which P·V uses too, needs RELOAD as well
             if NARROW:
                 c_kv_t = tl.trans(c_kv).to(q_lat.dtype)
                 k_pe_t = tl.trans(k_pe).to(q_lat.dtype)
