@@ -200,7 +200,8 @@ def _splitkv_partial_kernel(
         # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
         # (NARROW: < 64 rows, mma.sync. At >= 64 rows — wgmma — the multi-buffered loads outgrow shared memory with
         # block 64 and were not faster at 128 heads: that path keeps the page id read in the same iteration)
-        page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
+        if NARROW:
+            page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
         for n0 in range(start, end, BLOCK_N):
             if NARROW:
                 page = page_next
