@@ -438,6 +438,34 @@ def test_op_with_the_rope_part_apart_matches_the_oracle():
     _check_vs_oracle(c, dense, out, lse)
 
 
+def combine_case() -> None:
+    """The combine alone (``splitkv_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150 splits, so
+    three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
+    2^-3 of it (the running maximum must rescale what it summed), empty splits (-inf) among them, all LSEs near 2^200
+    (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits."""
+    from mla_fa3.ops import splitkv_triton as kt
+
+    g = torch.Generator().manual_seed(11)
+    sq, H, dv, counts = 2, 3, 40, (150, 0, 5)  # 3 * 2 * 3 = 18 output rows < 64: the narrow tile; 40 columns, masked
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=I32)
+    slots = int(offsets[-1])
+    part_o = torch.randn(slots, sq, H, dv, generator=g)
+    lse2 = 200.0 + torch.randn(slots, sq, H, generator=g) + 3.0 * (torch.arange(slots) >= 128).view(-1, 1, 1)
+    lse2[::7] = float("-inf")
+    lse2[150:] = float("-inf")
+    out = torch.full((len(counts), sq, H, dv), float("nan"))
+    lse = torch.full((len(counts), sq, H), float("nan"))
+    kt.combine_splits(part_o, lse2, offsets, out, lse)
+    for b in range(len(counts)):
+        l, o = lse2[offsets[b]: offsets[b + 1]].double() * math.log(2.0), part_o[offsets[b]: offsets[b + 1]].double()
+        if not torch.isfinite(l).any():
+            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all(), f"request {b}: no live split"
+            continue
+        want = (torch.softmax(l, dim=0)[..., None] * o).sum(0)
+        torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[b].double(), torch.logsumexp(l, dim=0), atol=1e-4, rtol=1e-6)
+
+
 def _interpreter_run() -> dict:
     """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
     failures = {}
@@ -469,6 +497,10 @@ def _interpreter_run() -> dict:
                 assert torch.equal(out2, out) and torch.equal(lse2, lse)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
+    try:
+        combine_case()
+    except Exception as exc:
+        failures["combine_running_maximum"] = f"{type(exc).__name__}: {exc}"
     for i, case in enumerate(_replan_cases(n_random=40)):  # the Triton planner against the host plan
         try:
             why = replan_mismatch(*case, "triton")

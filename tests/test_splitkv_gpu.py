@@ -267,6 +267,44 @@ def test_device_planner_in_a_graph_follows_new_lengths():
         check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+@pytest.mark.parametrize("fp8", [False, "kv"])
+def test_programmatic_dependent_launch_changes_nothing(fp8):
+    """With PDL (the table's choice at 16 heads) phase 1 is launched while the kernel before it still runs and the
+    combine while phase 1 does. In a graph whose first kernel writes q, every replay — with a new q each time — equals
+    the in-order launches bit for bit (a phase 1 that read q before it was written would differ), and the oracle."""
+    lens, heads, page = (9000, 1, 4097, 65), 16, 64
+    q_src, kv, table, seqlens, dense, extra = build(lens, 1, heads, page, fp8=fp8, seed=8)
+    on = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV)
+    off = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV,
+                                   config=on.config.with_(pdl=False))
+    assert on.config.pdl and on.planned_work == off.planned_work > len(lens)
+    factor = torch.ones(1, dtype=BF16, device=DEV)
+    q = torch.empty_like(q_src)
+    kw = dict(head_dim_v=R, softmax_scale=SCALE, causal=True, impl="triton", **extra)
+
+    def step():
+        torch.mul(q_src, factor, out=q)  # the kernel before phase 1 writes its q
+        return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=on, **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for f in (1.0, -0.5, 2.0, 1.0):
+        factor.fill_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q_src * factor, kv, table, seqlens, schedule=off, **kw)
+        assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse), f"factor {f}"
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q_src, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 # ------------------------------------------------------------------------------------------ through the backend
 
 @pytest.mark.parametrize("page", [16, 64])

@@ -11,6 +11,9 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
     flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
 
+``--pdl-ab``: every shape twice, the table's config with and without programmatic dependent launch
+(``KernelConfig.pdl``), side by side.
+
 ``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
 registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
 step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roofline's bytes are halved.
@@ -40,7 +43,7 @@ from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import Progress, h200_ceilings, rotating_inputs, time_graph
 from mla_fa3.ops import validate
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
-from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig
+from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig, choose_config
 
 R, D_ROPE, PAGE = 512, 64, 64
 D = R + D_ROPE
@@ -245,18 +248,18 @@ def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
         fh.write(markdown(rows))
 
 
-def run(shapes: Sequence[tuple], configs: Callable[[int], Sequence[Optional[KernelConfig]]], *, device,
+def run(shapes: Sequence[tuple], configs: Callable[[int, int, int], Sequence[Optional[KernelConfig]]], *, device,
         iters: int, peers: bool, quiet: bool = False, fp8: bool = False) -> list:
-    """Time every (H, bs, L) of ``shapes`` with every config of ``configs(H)``; pools built once per (bs, L)."""
+    """Time every (H, bs, L) of ``shapes`` with every config of ``configs(H, bs, L)``; pools built once per (bs, L)."""
     rows = []
     by_cell = {}
     for h, bs, ctx in shapes:
         by_cell.setdefault((bs, ctx), []).append(h)
-    with Progress(sum(len(configs(h)) for h, _, _ in shapes), quiet=quiet) as prog:
+    with Progress(sum(len(configs(h, bs, ctx)) for h, bs, ctx in shapes), quiet=quiet) as prog:
         for (bs, ctx), heads in by_cell.items():
             shape = Shape(bs, ctx, device, fp8)
             for h in heads:
-                for cfg in configs(h):
+                for cfg in configs(h, bs, ctx):
                     rows.append(measure(shape, h, cfg, iters, peers))
                     r = rows[-1]
                     prog.step(f"H {h} bs {bs} ctx {ctx} {r.variant}: splitkv {_f(r.splitkv_us)} µs, "
@@ -283,19 +286,19 @@ def config_table(best: dict, configs: dict) -> str:
         c = configs[row.variant]
         lines.append(f"    {key}: KernelConfig(block_n={c.block_n}, num_warps={c.num_warps}, num_stages={c.num_stages}, "
                      f"max_rows={c.max_rows}, waves={c.waves}, half_partials={c.half_partials}, "
-                     f"reload_kv={c.reload_kv}),  # {row.splitkv_us:.1f} us")
+                     f"reload_kv={c.reload_kv}, pdl={c.pdl}),  # {row.splitkv_us:.1f} us")
     return "\n".join(lines + ["}"]) + "\n"
 
 
 def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool) -> None:
     """Every candidate of each shape's head class (split-KV only), then each shape's best against the peers."""
-    rows = run(shapes, sweep_candidates, device=device, iters=iters, peers=False, quiet=quiet)
+    rows = run(shapes, lambda h, bs, ctx: sweep_candidates(h), device=device, iters=iters, peers=False, quiet=quiet)
     print(markdown(rows))
     best = best_per_shape(rows)
     known = {c.label(): c for c in SWEEP_NARROW + SWEEP_WIDE}
     table = config_table(best, known)
     print(table)
-    winners = [run([key], lambda h, c=known[r.variant]: [c], device=device, iters=iters, peers=True, quiet=True)[0]
+    winners = [run([key], lambda h, bs, ctx, c=known[r.variant]: [c], device=device, iters=iters, peers=True, quiet=True)[0]
                for key, r in best.items()]
     print("best per shape vs the peers:\n" + markdown(winners))
     if out:
@@ -321,6 +324,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-rows", type=int)
     p.add_argument("--half-partials", action="store_true")
     p.add_argument("--reload-kv", action="store_true")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="each shape twice, the table's config with and without programmatic dependent launch")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
@@ -348,7 +353,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None)
     flags = {k: v for k, v in flags.items() if v is not None}
     fixed = [KernelConfig(**flags)] if flags else [None]  # None: the table's choice per shape
-    rows = run(shapes, lambda h: fixed, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
+    def configs(h, bs, ctx):
+        return [choose_config(h, bs, ctx), choose_config(h, bs, ctx).with_(pdl=False)] if a.pdl_ab else fixed
+
+    rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
     print(markdown(rows))
     if a.out:
         write(rows, a.out, "splitkv_fp8" if a.fp8 else "splitkv")

@@ -35,6 +35,7 @@ class KernelConfig:
     waves         programs per SM the split planner aims for
     half_partials partial outputs stored in the output dtype (bf16/fp16) instead of float32
     reload_kv     load the latent tile a second time for P·V (each load then feeds one dot)
+    pdl           programmatic dependent launch of both phases (CUDA sm_90+; elsewhere they launch in order)
     """
 
     block_n: int = 32
@@ -44,6 +45,7 @@ class KernelConfig:
     waves: float = 2.0
     half_partials: bool = False
     reload_kv: bool = False
+    pdl: bool = True
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -54,7 +56,7 @@ class KernelConfig:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
 
     def label(self) -> str:
-        extra = ("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
+        extra = ("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "") + ("" if self.pdl else "-nopdl")
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 
@@ -63,15 +65,16 @@ class KernelConfig:
 
 
 # (heads, bs, ctx) -> config; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep`` on 2026-12-03, the
-# 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now pay; the time of each
-# shape's winner in the comment; docs/PERFORMANCE.md has the peers' times).
+# 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now pay), programmatic
+# dependent launch A/B-tested per shape on 2026-12-04 (on at 16 heads, off at 128: docs/PERFORMANCE.md). The time of
+# each shape's winner in the comment; docs/PERFORMANCE.md has the peers' times.
 CONFIG_TABLE: dict = {
-    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 32.1 us
-    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 84.5 us
-    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False),  # 50.0 us
-    (128, 1, 16384): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False),  # 34.5 us
-    (128, 2, 32768): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False),  # 91.9 us
-    (128, 4, 65536): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=True),  # 306.8 us
+    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 30.7 us
+    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 84.2 us
+    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 48.9 us
+    (128, 1, 16384): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False, pdl=False),  # 34.3 us
+    (128, 2, 32768): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False, pdl=False),  # 91.9 us
+    (128, 4, 65536): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=True, pdl=False),  # 306.6 us
 }
 
 

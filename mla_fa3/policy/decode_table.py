@@ -7,10 +7,11 @@ per-layer decode times of three H200 sweeps (page 64, bf16, CUDA-graph replay), 
   1k-128k, equal and skewed lengths (168 rows: its 180 shapes less the 12 that a later sweep measured again);
 - ``docs/perf/2026-12-03/decode_small_batch.csv`` — FA3, FlashMLA and the split-KV Triton kernel
   (``splitkv_ms``) alone, heads 16 / 128, bs 1, 2, 4, 8, context 16k-128k, equal lengths (32 rows, all replaced);
-- ``docs/perf/2026-12-04/decode_whole_step.csv`` — the same 32 shapes as the backend's WHOLE step with each kernel
-  forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph): the 16-head
-  rows from 2026-12-04 (``decode_whole_step_16.csv``, after the split-KV kernel's loads became multi-buffered), the
-  128-head rows from ``2026-12-03/session5/decode_whole_step.csv`` (that path of the kernel is unchanged).
+- ``docs/perf/2026-12-04/decode_whole_step_pdl.csv`` — the same 32 shapes as the backend's WHOLE step with each
+  kernel forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph): the
+  16-head rows measured last (``decode_whole_step_16_pdl.csv``: multi-buffered loads, programmatic dependent
+  launch, one-pass combine), the 128-head rows from ``2026-12-03/session5/decode_whole_step.csv`` (there the
+  kernel launches in order and measured within 1 % of that session's: ``splitkv_pdl_ab_final_bf16.md``).
 
 A shape measured by several keeps the latest sweep's row whole (its three times come from one run; see
 ``policy.decode_csv``); split-KV times exist only for the second sweep's shapes, ``None`` elsewhere (the
@@ -74,7 +75,7 @@ class Measured:
 # The measured table (H200, sgl-kernel 0.4.5, bf16, page 64, CUDA-graph replay, per layer), from
 # ``python -m mla_fa3.policy.decode_kernel --from-csv docs/perf/decode_2026-12-02_run1.csv \
 #       --from-csv docs/perf/2026-12-03/decode_small_batch.csv \
-#       --from-csv docs/perf/2026-12-03/session5/decode_whole_step.csv``
+#       --from-csv docs/perf/2026-12-04/decode_whole_step_pdl.csv``
 # The last CSV's rows (heads 16 / 128, bs 1-8, 16k-128k, equal lengths) are WHOLE backend steps with each kernel
 # forced (``bench decode --whole-step``), split-KV's schedule re-planned on the device inside the graph: at small
 # batch the kernels' surroundings differ (FlashMLA's q concatenation, split-KV's planning), and the kernel alone
@@ -171,16 +172,16 @@ MEASURED: tuple[Measured, ...] = (
         (128, 128, 131072, 0.3397, 3.57616, 2.78243), (128, 128, 131072, 1.0, 8.57704, 8.01699),
     )),
     *(Measured(h, b, ctx, fa3_ms=fa3, flashmla_ms=mla, splitkv_ms=skv, skew=skew,
-               source='bench CSV docs/perf/2026-12-04/decode_whole_step.csv')
+               source='bench CSV docs/perf/2026-12-04/decode_whole_step_pdl.csv')
       for h, b, ctx, skew, fa3, mla, skv in (  # heads, batch, context, skew, FA3 / FlashMLA / split-KV ms
-        (16, 1, 16384, 1.0, 0.037446, 0.0552259, 0.0304163), (16, 1, 32768, 1.0, 0.0451937, 0.0596927, 0.0346599),
-        (16, 1, 65536, 1.0, 0.0553648, 0.0682894, 0.0455405), (16, 1, 131072, 1.0, 0.073983, 0.0855691, 0.0634481),
-        (16, 2, 16384, 1.0, 0.0429872, 0.0489618, 0.0356659), (16, 2, 32768, 1.0, 0.0522352, 0.0583239, 0.0458213),
-        (16, 2, 65536, 1.0, 0.0707957, 0.0733423, 0.0634413), (16, 2, 131072, 1.0, 0.105062, 0.110398, 0.0999725),
-        (16, 4, 16384, 1.0, 0.0509312, 0.0502125, 0.046378), (16, 4, 32768, 1.0, 0.0700409, 0.0665759, 0.0643431),
-        (16, 4, 65536, 1.0, 0.107554, 0.102519, 0.100531), (16, 4, 131072, 1.0, 0.176141, 0.17141, 0.171487),
-        (16, 8, 16384, 1.0, 0.0691818, 0.0645065, 0.0652235), (16, 8, 32768, 1.0, 0.108528, 0.0998696, 0.101611),
-        (16, 8, 65536, 1.0, 0.175481, 0.168315, 0.172315), (16, 8, 131072, 1.0, 0.312492, 0.307597, 0.304661),
+        (16, 1, 16384, 1.0, 0.0365697, 0.054487, 0.0291975), (16, 1, 32768, 1.0, 0.0444921, 0.0601768, 0.0330513),
+        (16, 1, 65536, 1.0, 0.0566634, 0.0689257, 0.0451656), (16, 1, 131072, 1.0, 0.0736763, 0.0868685, 0.0617226),
+        (16, 2, 16384, 1.0, 0.0424788, 0.0474543, 0.0341596), (16, 2, 32768, 1.0, 0.0518857, 0.0552024, 0.0438764),
+        (16, 2, 65536, 1.0, 0.0709923, 0.0743849, 0.061114), (16, 2, 131072, 1.0, 0.107666, 0.110598, 0.0999349),
+        (16, 4, 16384, 1.0, 0.051015, 0.0510329, 0.0451101), (16, 4, 32768, 1.0, 0.0710224, 0.0679189, 0.0625582),
+        (16, 4, 65536, 1.0, 0.10522, 0.104073, 0.0980595), (16, 4, 131072, 1.0, 0.174785, 0.173779, 0.169325),
+        (16, 8, 16384, 1.0, 0.0699999, 0.0650399, 0.0644051), (16, 8, 32768, 1.0, 0.107294, 0.100489, 0.100348),
+        (16, 8, 65536, 1.0, 0.17656, 0.168904, 0.170668), (16, 8, 131072, 1.0, 0.314705, 0.309312, 0.308101),
         (128, 1, 16384, 1.0, 0.0570143, 0.0714617, 0.0580894), (128, 1, 32768, 1.0, 0.0683062, 0.0789179, 0.0755448),
         (128, 1, 65536, 1.0, 0.0827657, 0.0949086, 0.110328), (128, 1, 131072, 1.0, 0.112946, 0.121568, 0.177447),
         (128, 2, 16384, 1.0, 0.0654941, 0.0855512, 0.0792389), (128, 2, 32768, 1.0, 0.0804039, 0.0985472, 0.112092),
