@@ -351,7 +351,8 @@ def test_impl_choice_on_cpu():
 
 def test_import_does_not_need_triton():
     code = ("import sys; sys.modules['triton'] = None; import mla_fa3.ops.triton_ops as o; "
-            "assert isinstance(o._splitkv_kernels(), str); print('ok')")
+            "assert isinstance(o._splitkv_kernels(), str) and isinstance(o._triton_module('replan'), str); "
+            "print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 

@@ -292,7 +292,7 @@ def _cdiv(a: Tensor, b) -> Tensor:
 
 def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSchedule:
     """``plan_splits`` of the device lengths written into ``schedule`` by tensor ops on fixed shapes (no host value
-    read: graph-legal on a GPU); the torch form of the Triton planner (``splitkv_triton.replan_schedule``).
+    read: graph-legal on a GPU); the torch form of the Triton planner (``splitkv_replan_triton.replan_schedule``).
     Negative lengths plan as 0. Checked by :func:`check_replan` first (the op does it)."""
     dev, cap, mb = schedule.device, schedule.capacity, schedule.max_batch
     lens = seqlens.to(torch.int64).clamp(min=0)

@@ -1,4 +1,5 @@
-"""Split-KV absorbed-MLA decode in Triton (``triton`` is imported only here and in ``fp8_triton.py``).
+"""Split-KV absorbed-MLA decode in Triton (``triton`` is imported only by the kernel modules: this one,
+``splitkv_replan_triton.py`` and ``fp8_triton.py``).
 
 Contract of ``ops.flash_mla_with_kvcache`` (its torch reference is ``reference.flash_mla_with_kvcache``):
 q ``[bs, sq, H, D]`` (D = r + d_rope: q_lat | q_rope; or q_lat ``[bs, sq, H, r]`` with q_rope apart — the
@@ -22,8 +23,8 @@ Inside, scores are kept in base 2 (``s2 = s · log2 e``, ``exp2``); the partial 
 are base 2 (``part_lse2``), and the combine returns ``lse = lse2 · ln 2`` — natural log, the
 library's convention (``types.LSE_BASE``).
 
-The step, two launches (programmatic dependent launches, see below; schedule from ``splitkv_plan.py``, planned on the host once per step, or on the device by
-``_splitkv_plan_kernel`` — one program — inside a CUDA graph):
+The step, two launches (programmatic dependent launches, see below; the schedule from ``splitkv_plan.py``, planned
+on the host once per step, or on the device inside a CUDA graph by ``splitkv_replan_triton.py``, one program):
 
     # phase 1: one program per (head tile, work row); rows past num_work exit at once
     for (tile, w) in grid(head_tiles, capacity):
@@ -329,55 +330,6 @@ def _splitkv_combine_kernel(
     if vb == 0:
         lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
-
-
-@triton.jit
-def _splitkv_plan_kernel(
-    SeqLens, Work, NumWork, SplitOffsets, bs, capacity, max_batch, target, granule, min_split,
-    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """One program: ``plan_splits`` of the device lengths into the schedule's buffers (``replan_reference``'s math)."""
-    offs_b = tl.arange(0, BS_PAD)
-    lens = tl.maximum(tl.load(SeqLens + offs_b, mask=offs_b < bs, other=0), 0).to(tl.int64)  # rows >= bs: no split
-    total = tl.sum(lens, 0)
-    chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
-    chunk = (chunk + granule - 1) // granule * granule
-    n = ((lens + chunk - 1) // chunk).to(tl.int32)
-    size = ((lens + tl.maximum(n, 1) - 1) // tl.maximum(n, 1) + granule - 1) // granule * granule
-    incl = tl.cumsum(n, 0)
-    excl = incl - n
-    num = tl.sum(n, 0)
-    tl.store(NumWork, num)
-    tl.store(SplitOffsets, 0)
-    tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
-    for w0 in range(0, capacity, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)  # off[b] <= w < off[b + 1]
-        pick = offs_b[None, :] == owner[:, None]
-        first = tl.sum(tl.where(pick, excl[None, :], 0), 1)
-        size_w = tl.sum(tl.where(pick, size[None, :], 0), 1)
-        len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
-        start = (w - first).to(tl.int64) * size_w
-        end = tl.minimum(len_w, start + size_w)
-        live = w < num
-        row = Work + w.to(tl.int64) * 4
-        ok = w < capacity
-        tl.store(row, tl.where(live, owner, 0), mask=ok)
-        tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
-        tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
-        tl.store(row + 3, w, mask=ok)
-
-
-def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
-    """Re-plan ``schedule`` from the device ``seqlens`` (checked by ``splitkv_plan.check_replan``): one launch, no
-    host value read, capturable. The host records become the device plan's (``chunk`` / ``planned_work`` None)."""
-    bs_pad = max(16, _next_pow2(max(schedule.max_batch, seqlens.shape[0], 1)))
-    _splitkv_plan_kernel[(1,)](
-        seqlens, schedule.work, schedule.num_work, schedule.split_offsets, seqlens.shape[0], schedule.capacity,
-        schedule.max_batch, schedule.target, schedule.granule, schedule.min_split_tokens,
-        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), num_warps=4,
-    )
-    schedule.chunk, schedule.planned_work, schedule.planned_batch = None, None, seqlens.shape[0]
 
 
 def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out: Tensor, lse: Tensor,

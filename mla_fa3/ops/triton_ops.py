@@ -2,7 +2,8 @@
 
 Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
 TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
-imported only by the kernel modules (``splitkv_triton.py``, ``fp8_triton.py``) and only when available.
+imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``) and
+only when available.
 Re-exported by ``mla_fa3.ops``.
 """
 
@@ -27,17 +28,19 @@ Tensor = torch.Tensor
 
 
 # ------------------------------------------------------------------ split-KV decode (our Triton kernel)
-# TRITON (``splitkv_triton.py``; triton is imported only there and in ``fp8_triton.py``) on CUDA — or on CPU under
+# TRITON (``splitkv_triton.py``, the device planner ``splitkv_replan_triton.py``) on CUDA — or on CPU under
 # TRITON_INTERPRET=1 (tests) — else REFERENCE (the FlashMLA reference). FA3 ("the compiled kernels",
 # e.g. set_impl('fa3')) means TRITON here.
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_module(which: str):
-    """The Triton kernel module ``which`` ("splitkv" | "fp8"), or why it does not import (str)."""
+    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8"), or why it does not import (str)."""
     try:
         if which == "splitkv":
             from . import splitkv_triton as module
+        elif which == "replan":
+            from . import splitkv_replan_triton as module
         else:
             from . import fp8_triton as module
     except Exception as exc:  # ImportError (no triton) or a broken triton install
@@ -117,9 +120,10 @@ def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
     split count then lives on the device only (``planned_work`` / ``chunk`` become None). Returns ``schedule``.
     """
     splitkv_plan.check_replan(cache_seqlens, schedule)
-    chosen = _resolve_splitkv(impl, schedule.device)
+    planner = _triton_module("replan")
+    chosen = _resolve_triton(impl, schedule.device, planner, "split-KV planner")
     if chosen is Impl.TRITON:
-        _splitkv_kernels().replan_schedule(cache_seqlens, schedule)
+        planner.replan_schedule(cache_seqlens, schedule)
     else:
         splitkv_plan.replan_reference(cache_seqlens, schedule)
     ran(chosen)

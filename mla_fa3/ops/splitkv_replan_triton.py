@@ -1,0 +1,67 @@
+"""The split-KV schedule planned on the device: one Triton program (``triton`` is imported only by the kernel modules).
+
+``replan_schedule`` writes ``splitkv_plan.plan_splits`` of the DEVICE lengths into a schedule's buffers — the work
+rows ``(request, start, end, slot)``, their count and the per-request split offsets — reading no host value, so a
+captured CUDA graph plans each replay's splits from the lengths it is replayed with. Its torch form (the same math in
+fixed-shape tensor ops) is ``splitkv_plan.replan_reference``; ``ops.replan_splitkv_schedule`` checks the arguments
+(``splitkv_plan.check_replan``) and picks one of the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .splitkv_plan import SplitKVSchedule, _next_pow2
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _splitkv_plan_kernel(
+    SeqLens, Work, NumWork, SplitOffsets, bs, capacity, max_batch, target, granule, min_split,
+    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """One program: ``plan_splits`` of the device lengths into the schedule's buffers (``replan_reference``'s math)."""
+    offs_b = tl.arange(0, BS_PAD)
+    lens = tl.maximum(tl.load(SeqLens + offs_b, mask=offs_b < bs, other=0), 0).to(tl.int64)  # rows >= bs: no split
+    total = tl.sum(lens, 0)
+    chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
+    chunk = (chunk + granule - 1) // granule * granule
+    n = ((lens + chunk - 1) // chunk).to(tl.int32)
+    size = ((lens + tl.maximum(n, 1) - 1) // tl.maximum(n, 1) + granule - 1) // granule * granule
+    incl = tl.cumsum(n, 0)
+    excl = incl - n
+    num = tl.sum(n, 0)
+    tl.store(NumWork, num)
+    tl.store(SplitOffsets, 0)
+    tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
+    for w0 in range(0, capacity, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)  # off[b] <= w < off[b + 1]
+        pick = offs_b[None, :] == owner[:, None]
+        first = tl.sum(tl.where(pick, excl[None, :], 0), 1)
+        size_w = tl.sum(tl.where(pick, size[None, :], 0), 1)
+        len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
+        start = (w - first).to(tl.int64) * size_w
+        end = tl.minimum(len_w, start + size_w)
+        live = w < num
+        row = Work + w.to(tl.int64) * 4
+        ok = w < capacity
+        tl.store(row, tl.where(live, owner, 0), mask=ok)
+        tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
+        tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
+        tl.store(row + 3, w, mask=ok)
+
+
+def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
+    """Re-plan ``schedule`` from the device ``seqlens`` (checked by ``splitkv_plan.check_replan``): one launch, no
+    host value read, capturable. The host records become the device plan's (``chunk`` / ``planned_work`` None)."""
+    bs_pad = max(16, _next_pow2(max(schedule.max_batch, seqlens.shape[0], 1)))
+    _splitkv_plan_kernel[(1,)](
+        seqlens, schedule.work, schedule.num_work, schedule.split_offsets, seqlens.shape[0], schedule.capacity,
+        schedule.max_batch, schedule.target, schedule.granule, schedule.min_split_tokens,
+        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), num_warps=4,
+    )
+    schedule.chunk, schedule.planned_work, schedule.planned_batch = None, None, seqlens.shape[0]
