@@ -199,6 +199,20 @@ def test_splitkv_fp8_cache_bf16_query(heads, page):
                                        causal=True, impl="fa3", **extra)
 
 
+def capture(step):
+    """``(graph, step())`` — ``step`` run once on a side stream first (Triton compiles outside the capture), then
+    captured in a CUDA graph on the current stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def test_graph_replay_follows_new_lengths_and_schedules():
     """Capture once with a max_batch schedule; replay with new lengths (and a shorter plan) copied in place."""
     max_lens, heads, page = (9000, 4097, 700), 16, 64
@@ -206,14 +220,7 @@ def test_graph_replay_follows_new_lengths_and_schedules():
     seqlens = torch.tensor(max_lens, dtype=torch.int32, device=DEV)
     sched = ops.get_splitkv_schedule(list(max_lens), num_heads=heads, page_size=page, device=DEV, max_batch=3)
     graph_kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, impl="triton")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)
+    graph, (out, lse) = capture(lambda: ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw))
     for lens, planned in [((9000, 1, 65), 3), ((1, 1, 1), 3), ((0, 4097, 64), 3), ((8000, 64, 700), 2),
                           ((9000, 4097, 700), 3)]:
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -245,14 +252,7 @@ def test_device_planner_in_a_graph_follows_new_lengths():
         ops.replan_splitkv_schedule(seqlens, sched, impl="triton")
         return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture(step)
     for lens in [(9000, 1, 65), (1, 1, 1), (0, 4097, 64), (8000, 64, 700), (9000, 4097, 700)]:
         seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
@@ -286,14 +286,7 @@ def test_programmatic_dependent_launch_changes_nothing(fp8):
         torch.mul(q_src, factor, out=q)  # the kernel before phase 1 writes its q
         return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=on, **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture(step)
     for f in (1.0, -0.5, 2.0, 1.0):
         factor.fill_(f)
         graph.replay()
