@@ -4,7 +4,8 @@ Oracles, read with ``csv`` alone (``test_decode_kernel.small_batch``): ``docs/pe
 (``SMALL_KERNEL``: heads 16 / 128 × bs 1, 2, 4, 8 × context 16k-128k, page 64, equal lengths — FA3, FlashMLA and
 split-KV *alone* per layer) and ``2026-12-04/decode_whole_step_pdl.csv`` (``SMALL``: the same shapes as the backend's
 *whole step* with each kernel forced, split-KV's schedule re-planned on the device in the graph). The built-in
-table holds the whole-step rows: there split-KV wins at 16 heads, bs 1-4 (16k-128k), nowhere at 128 heads. The kernel-alone table (the table of two sessions ago) keeps the machinery checked on a second data set.
+table holds the whole-step rows: there split-KV wins at 16 heads, bs 1-4 (16k-128k), nowhere at 128 heads. The
+kernel-alone table (the table of two sessions ago) keeps the machinery checked on a second data set.
 The winners and margins come from the CSVs, never from the table under test.
 """
 

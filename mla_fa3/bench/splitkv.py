@@ -298,8 +298,8 @@ def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], qu
     known = {c.label(): c for c in SWEEP_NARROW + SWEEP_WIDE}
     table = config_table(best, known)
     print(table)
-    winners = [run([key], lambda h, bs, ctx, c=known[r.variant]: [c], device=device, iters=iters, peers=True, quiet=True)[0]
-               for key, r in best.items()]
+    winners = [run([key], lambda h, bs, ctx, c=known[r.variant]: [c], device=device, iters=iters, peers=True,
+                   quiet=True)[0] for key, r in best.items()]
     print("best per shape vs the peers:\n" + markdown(winners))
     if out:
         write(rows, out, "splitkv_sweep")
