@@ -179,6 +179,30 @@ def test_splitkv_fp8_latent_with_descales(heads):
     assert cosine(out, fm) >= 0.999  # FlashMLA runs P·V in e4m3
 
 
+# an e4m3 cache under < 64 rows (its tile converted to fp16 per dot operand): key blocks of 16 / 32 / 64 over 4 or 8
+# warps, e4m3 or bf16 q, one query token or verify with two
+E4M3_READS = {
+    "n32_w4_bf16q": (KernelConfig(block_n=32, num_stages=3, half_partials=True), "kv", 1),
+    "n32_w8_bf16q": (KernelConfig(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True), "kv", 1),
+    "n16_w4_e4m3q": (KernelConfig(block_n=16, num_stages=4), True, 1),
+    "n16_w8_e4m3q_verify_sq2": (KernelConfig(block_n=16, num_warps=8, num_stages=4), True, 2),
+    "n16_w4_e4m3q_verify_sq2": (KernelConfig(block_n=16, num_warps=4, num_stages=4), True, 2),
+    "n64_w8_bf16q_verify_sq2": (KernelConfig(block_n=64, num_warps=8, num_stages=2, waves=1.0), "kv", 2),
+}
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("name", list(E4M3_READS))
+def test_splitkv_e4m3_cache_configs(name, page):
+    config, fp8, sq = E4M3_READS[name]
+    lens = (sq, page + 1, max(page - 1, sq), 2049, 5000)
+    q, kv, table, seqlens, dense, extra = build(lens, sq, 16, page, fp8=fp8, seed=12)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, config=config, **extra)
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_splitkv_fp8_cache_bf16_query(heads, page):

@@ -11,12 +11,13 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
     flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
 
-``--pdl-ab``: every shape twice, the table's config with and without programmatic dependent launch
-(``KernelConfig.pdl``), side by side.
+``--ab FIELD``: every shape twice, the table's config with a boolean ``KernelConfig`` field on and off, side by side
+(``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``).
 
 ``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
 registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
-step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roofline's bytes are halved.
+step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roofline's bytes are halved. With
+``--sweep``: the e4m3 candidates (``SWEEP_NARROW_E4M3``) at <= 32 heads.
 
 Each kernel runs R times per replay over R disjoint copies of the cache (R·bytes > 3x the 50 MiB L2,
 ``timing.rotating_inputs``); times are per copy, median of replays (``timing.time_graph``). Pages are
@@ -65,6 +66,22 @@ SWEEP_NARROW = (
     _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, half_partials=True),
     _C(block_n=32, num_warps=4, num_stages=2, waves=2.0, half_partials=True, reload_kv=True),
     _C(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True),
+)
+# <= 32 heads over an e4m3 cache (its tile converted in registers, per dot: more instructions per key than bf16 for
+# half the bytes, so latency rather than bandwidth bounds it): the same axes, and 8 warps (fewer registers per thread,
+# more warps per SM).
+SWEEP_NARROW_E4M3 = (
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=3.0, half_partials=True),
+    _C(block_n=16, num_warps=4, num_stages=4, waves=3.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=4, waves=2.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=4, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=6, waves=4.0, half_partials=True),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
 )
 # > 32 heads, compute-bound: 64 rows per program (acc 64 x 512 fp32 over 8 or 16 warps); the latent tile
 # loaded once for both dots, or twice (each load then pipelined into shared memory for one dot).
@@ -81,9 +98,12 @@ SWEEP_WIDE = (
 )
 
 
-def sweep_candidates(heads: int) -> Sequence[KernelConfig]:
-    """The sweep's configs for ``heads`` (its head class)."""
-    return SWEEP_WIDE if heads > WIDE_HEADS else SWEEP_NARROW
+AB_FIELDS = ("pdl", "half_partials", "reload_kv")  # KernelConfig's switches (--ab)
+
+
+def sweep_candidates(heads: int, fp8: bool = False) -> Sequence[KernelConfig]:
+    """The sweep's configs for ``heads`` (its head class; ``fp8``: over an e4m3 cache)."""
+    return SWEEP_WIDE if heads > WIDE_HEADS else SWEEP_NARROW_E4M3 if fp8 else SWEEP_NARROW
 
 
 @dataclass
@@ -290,21 +310,23 @@ def config_table(best: dict, configs: dict) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool) -> None:
+def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool, fp8: bool = False) -> None:
     """Every candidate of each shape's head class (split-KV only), then each shape's best against the peers."""
-    rows = run(shapes, lambda h, bs, ctx: sweep_candidates(h), device=device, iters=iters, peers=False, quiet=quiet)
+    rows = run(shapes, lambda h, bs, ctx: sweep_candidates(h, fp8), device=device, iters=iters, peers=False,
+               quiet=quiet, fp8=fp8)
     print(markdown(rows))
     best = best_per_shape(rows)
-    known = {c.label(): c for c in SWEEP_NARROW + SWEEP_WIDE}
+    known = {c.label(): c for c in SWEEP_NARROW + SWEEP_NARROW_E4M3 + SWEEP_WIDE}
     table = config_table(best, known)
     print(table)
     winners = [run([key], lambda h, bs, ctx, c=known[r.variant]: [c], device=device, iters=iters, peers=True,
-                   quiet=True)[0] for key, r in best.items()]
+                   quiet=True, fp8=fp8)[0] for key, r in best.items()]
     print("best per shape vs the peers:\n" + markdown(winners))
     if out:
-        write(rows, out, "splitkv_sweep")
-        write(winners, out, "splitkv_best")
-        with open(os.path.join(out, "splitkv_table.txt"), "w") as fh:
+        stem = "splitkv_fp8" if fp8 else "splitkv"
+        write(rows, out, f"{stem}_sweep")
+        write(winners, out, f"{stem}_best")
+        with open(os.path.join(out, f"{stem}_table.txt"), "w") as fh:
             fh.write(table)
 
 
@@ -324,17 +346,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-rows", type=int)
     p.add_argument("--half-partials", action="store_true")
     p.add_argument("--reload-kv", action="store_true")
-    p.add_argument("--pdl-ab", action="store_true",
-                   help="each shape twice, the table's config with and without programmatic dependent launch")
+    p.add_argument("--ab", choices=AB_FIELDS,
+                   help="each shape twice, the table's config with this KernelConfig switch on and off")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    if a.sweep and a.fp8:
-        print("splitkv bench: --sweep times the bf16 configs only; --fp8 takes the table's or the flags' config",
-              file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         print("splitkv bench: needs a CUDA GPU (the Triton kernel and FA3 run only there)", file=sys.stderr)
         return 2
@@ -342,19 +360,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(0)
     checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv] + [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] \
         if a.sweep else []
+    if a.sweep and a.fp8:
+        checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2]
+    if a.ab:  # both sides of the switch checked before either is timed
+        checks += [(h, choose_config(h, 1, 65536).with_(**{a.ab: v})) for h in (16, 128) for v in (True, False)]
     if not a.no_check and check_correctness(device, checks, a.fp8) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
         return 1
     if a.sweep:
-        sweep(SWEEP_SHAPES, device=device, iters=a.iters, out=a.out, quiet=a.quiet)
+        sweep(SWEEP_SHAPES, device=device, iters=a.iters, out=a.out, quiet=a.quiet, fp8=a.fp8)
         return 0
     shapes = list(QUICK_SHAPES) if a.quick else [(h, bs, ctx) for h in a.heads for bs in a.batch for ctx in a.context]
     flags = dict(block_n=a.block_n, num_warps=a.num_warps, num_stages=a.num_stages, waves=a.waves,
                  max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None)
     flags = {k: v for k, v in flags.items() if v is not None}
     fixed = [KernelConfig(**flags)] if flags else [None]  # None: the table's choice per shape
+
     def configs(h, bs, ctx):
-        return [choose_config(h, bs, ctx), choose_config(h, bs, ctx).with_(pdl=False)] if a.pdl_ab else fixed
+        if not a.ab:
+            return fixed
+        return [choose_config(h, bs, ctx).with_(**{a.ab: True}), choose_config(h, bs, ctx).with_(**{a.ab: False})]
 
     rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
     print(markdown(rows))
