@@ -58,7 +58,9 @@ asynchronous copies into shared memory only if (1) their addresses depend on no 
 iteration — so the next block's page id is read one iteration ahead — and (2) every use of a load goes
 through one shared-memory layout. A bf16 tile meets (2) as it is (the transposed use is a view of the
 staged tile); an e4m3 tile under mma.sync (< 64 rows) does not — it must be converted in registers, and
-the transposed conversion is a register shuffle — so the launcher sets ``RELOAD`` for it. Without (1),
+the transposed conversion is a register shuffle — so the launcher sets ``RELOAD`` for it (converting the
+tile once instead, staged as fp16 for both dots, was measured 1.1-1.4x slower: a block-wide barrier per key
+block; docs/PERFORMANCE.md, "The e4m3 split-KV kernel"). Without (1),
 the compiler kept one buffer and every iteration waited out the load's full latency (fifth session and
 before: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now).
 
