@@ -152,6 +152,10 @@ def test_config_table_nearest_row_of_the_head_class_and_the_schedule_carries_it(
     assert auto.config == choose_config(16, 1, 65536)
     with pytest.raises(ValueError, match="^block_n must be"):
         KernelConfig(block_n=128)
+    for regs in (100, 48, 256, 128.0):  # not a multiple of 8 in [64, 255] (ptxas' range), or not an int
+        with pytest.raises(ValueError, match="^max_registers must be None or a multiple of 8"):
+            KernelConfig(max_registers=regs)
+    assert KernelConfig(max_registers=128).label().endswith("-reg128") and "reg" not in KernelConfig().label()
     with pytest.raises(TypeError, match="^config must be a KernelConfig"):
         ops.get_splitkv_schedule([5], num_heads=16, page_size=64, config="fast")
 

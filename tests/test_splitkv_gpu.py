@@ -144,12 +144,14 @@ def test_splitkv_matches_oracle_reference_fa3_flashmla(name):
 
 
 # every kernel switch: one page id per block (page >= block_n) or per key, half-precision partials, the tile
-# loaded once or twice, 16-key blocks, 16 warps; blocks spanning a request's end
+# loaded once or twice, 16-key blocks, 16 warps, registers capped; blocks spanning a request's end
 SWITCHES = {
     "n16_half_reload": KernelConfig(block_n=16, num_warps=4, num_stages=4, half_partials=True, reload_kv=True),
     "n32_w2_half": KernelConfig(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
     "n64_w16_reload": KernelConfig(block_n=64, num_warps=16, num_stages=2, reload_kv=True),
     "n32_w8_m32_half": KernelConfig(block_n=32, num_warps=8, num_stages=3, max_rows=32, half_partials=True),
+    "n32_s2_reg128_half": KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True,
+                                       max_registers=128),
 }
 
 
@@ -188,6 +190,8 @@ E4M3_READS = {
     "n16_w8_e4m3q_verify_sq2": (KernelConfig(block_n=16, num_warps=8, num_stages=4), True, 2),
     "n16_w4_e4m3q_verify_sq2": (KernelConfig(block_n=16, num_warps=4, num_stages=4), True, 2),
     "n64_w8_bf16q_verify_sq2": (KernelConfig(block_n=64, num_warps=8, num_stages=2, waves=1.0), "kv", 2),
+    "n32_s2_reg168_bf16q": (KernelConfig(block_n=32, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
+                            "kv", 1),
 }
 
 

@@ -68,6 +68,11 @@ SWEEP_NARROW = (
     _C(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
     _C(block_n=32, num_warps=8, num_stages=3, waves=2.0, half_partials=True),
     _C(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True),
+    # one tile in flight per program (2 stages: 56 KB of shared memory) and registers capped so that 3 or 4 programs
+    # share an SM (the 3-stage config: 2 programs, 8 warps per SM, bound by latency)
+    _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=128),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
 )
 # <= 32 heads over an e4m3 cache (its tile converted in registers, per dot: more instructions per key than bf16 for
 # half the bytes, so latency rather than bandwidth bounds it): the same axes, and 8 warps (fewer registers per thread,
@@ -82,6 +87,8 @@ SWEEP_NARROW_E4M3 = (
     _C(block_n=16, num_warps=8, num_stages=4, waves=4.0, half_partials=True),
     _C(block_n=16, num_warps=8, num_stages=6, waves=4.0, half_partials=True),
     _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
 )
 # > 32 heads, compute-bound: 64 rows per program (acc 64 x 512 fp32 over 8 or 16 warps); the latent tile
 # loaded once for both dots, or twice (each load then pipelined into shared memory for one dot).
@@ -306,7 +313,7 @@ def config_table(best: dict, configs: dict) -> str:
         c = configs[row.variant]
         lines.append(f"    {key}: KernelConfig(block_n={c.block_n}, num_warps={c.num_warps}, num_stages={c.num_stages}, "
                      f"max_rows={c.max_rows}, waves={c.waves}, half_partials={c.half_partials}, "
-                     f"reload_kv={c.reload_kv}, pdl={c.pdl}),  # {row.splitkv_us:.1f} us")
+                     f"reload_kv={c.reload_kv}, pdl={c.pdl}, max_registers={c.max_registers}),  # {row.splitkv_us:.1f} us")
     return "\n".join(lines + ["}"]) + "\n"
 
 

@@ -36,6 +36,8 @@ class KernelConfig:
     half_partials partial outputs stored in the output dtype (bf16/fp16) instead of float32
     reload_kv     load the latent tile a second time for P·V (each load then feeds one dot)
     pdl           programmatic dependent launch of both phases (CUDA sm_90+; elsewhere they launch in order)
+    max_registers registers per thread phase 1 is compiled to (``maxnreg``; None: the compiler's choice): fewer
+                  registers fit more programs on an SM (with few stages, shared memory allows up to 4)
     """
 
     block_n: int = 32
@@ -46,17 +48,22 @@ class KernelConfig:
     half_partials: bool = False
     reload_kv: bool = False
     pdl: bool = True
+    max_registers: Optional[int] = None
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
             raise ValueError(f"block_n must be 16, 32 or {MAX_BLOCK_N}, got {self.block_n}")
         if self.max_rows not in (16, 32, 64, 128):
             raise ValueError(f"max_rows must be 16, 32, 64 or 128, got {self.max_rows}")
+        if self.max_registers is not None and not (isinstance(self.max_registers, int) and 64 <= self.max_registers
+                                                   <= 255 and self.max_registers % 8 == 0):
+            raise ValueError(f"max_registers must be None or a multiple of 8 in [64, 255], got {self.max_registers}")
         if self.num_warps not in (None, 2, 4, 8, 16) or self.num_stages < 1 or not self.waves > 0:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
 
     def label(self) -> str:
-        extra = ("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "") + ("" if self.pdl else "-nopdl")
+        extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "") + ("" if self.pdl else "-nopdl")
+                 + (f"-reg{self.max_registers}" if self.max_registers else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

@@ -47,10 +47,11 @@ on the host once per step, or on the device inside a CUDA graph by ``splitkv_rep
         out = Σ_s w_s · part_o[s] / W;  lse = (M + log2 W) · ln 2   (no split / W = 0: 0, -inf)
 
 Launch switches (``KernelConfig``, ``splitkv_config.py``; the schedule carries the one it was planned
-with): ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows``; ``half_partials`` stores ``part_o``
-in the output dtype (half the workspace traffic; one extra rounding per split); ``reload_kv`` loads
-the latent tile a second time for P·V (an L2 hit: the first load is marked evict-last), so that each
-load feeds a single dot — the compiler can then stage each in shared memory for its one consumer. The
+with): ``block_n`` / ``num_warps`` / ``num_stages`` / ``max_rows`` / ``max_registers`` (phase 1's ``maxnreg``);
+``half_partials`` stores ``part_o`` in the output dtype (half the workspace traffic; one extra rounding per
+split); ``reload_kv`` loads the latent tile a second time for P·V (an L2 hit: the first load is marked
+evict-last), so that each load feeds a single dot — the compiler can then stage each in shared memory for its
+one consumer. The
 c_kv tile otherwise serves both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
 
 Pipelining (Triton 3.6, sm_90; read off the compiled TTGIR): ``num_stages`` buffers the tile loads as
@@ -392,6 +393,8 @@ def splitkv_mla_with_kvcache(
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
     pdl = config.pdl and _pdl_capable(q.device)
     launch = dict(launch_pdl=True) if pdl else {}
+    if config.max_registers is not None:
+        launch["maxnreg"] = config.max_registers
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
