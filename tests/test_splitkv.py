@@ -437,6 +437,22 @@ def _apart(q: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q[..., :r].contiguous(), wide[..., 3: 3 + d_rope]
 
 
+
+def test_sweep_prints_a_config_table_that_pastes_back_to_the_same_configs():
+    """``bench.splitkv.config_table`` writes the ``CONFIG_TABLE`` literal to paste into splitkv_config.py: every field
+    of each winner, so a field added later (as ``max_registers`` was) cannot be dropped on the way."""
+    from types import SimpleNamespace
+
+    from mla_fa3.bench.splitkv import config_table
+
+    winners = {"a": KernelConfig(block_n=16, num_warps=8, num_stages=4, waves=3.0, half_partials=True, pdl=False),
+               "b": KernelConfig(block_n=64, max_rows=128, reload_kv=True, max_registers=168)}
+    best = {(16, 1, 65536): SimpleNamespace(variant="a", splitkv_us=30.5),
+            (128, 4, 32768): SimpleNamespace(variant="b", splitkv_us=91.0)}
+    ns = {"KernelConfig": KernelConfig}
+    exec(config_table(best, winners), ns)
+    assert ns["CONFIG_TABLE"] == {(16, 1, 65536): winners["a"], (128, 4, 32768): winners["b"]}
+
 def test_op_with_the_rope_part_apart_matches_the_oracle():
     c, args, kw, dense = _op_args(heads=4, sq=2, lens=(1, 17, 33), page=1)
     q_lat, q_rope = _apart(args[0], c["r"])

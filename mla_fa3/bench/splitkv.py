@@ -34,7 +34,7 @@ import argparse
 import csv
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -311,13 +311,13 @@ def config_table(best: dict, configs: dict) -> str:
     lines = ["CONFIG_TABLE: dict = {"]
     for key, row in sorted(best.items()):
         c = configs[row.variant]
-        lines.append(f"    {key}: KernelConfig(block_n={c.block_n}, num_warps={c.num_warps}, num_stages={c.num_stages}, "
-                     f"max_rows={c.max_rows}, waves={c.waves}, half_partials={c.half_partials}, "
-                     f"reload_kv={c.reload_kv}, pdl={c.pdl}, max_registers={c.max_registers}),  # {row.splitkv_us:.1f} us")
+        args = ", ".join(f"{f.name}={getattr(c, f.name)!r}" for f in fields(c))
+        lines.append(f"    {key}: KernelConfig({args}),  # {row.splitkv_us:.1f} us")
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool, fp8: bool = False) -> None:
+def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], quiet: bool,
+          fp8: bool = False) -> None:
     """Every candidate of each shape's head class (split-KV only), then each shape's best against the peers."""
     rows = run(shapes, lambda h, bs, ctx: sweep_candidates(h, fp8), device=device, iters=iters, peers=False,
                quiet=quiet, fp8=fp8)
@@ -386,7 +386,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def configs(h, bs, ctx):
         if not a.ab:
             return fixed
-        return [choose_config(h, bs, ctx).with_(**{a.ab: True}), choose_config(h, bs, ctx).with_(**{a.ab: False})]
+        table = choose_config(h, bs, ctx)
+        return [table.with_(**{a.ab: True}), table.with_(**{a.ab: False})]
 
     rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
     print(markdown(rows))

@@ -62,8 +62,8 @@ class KernelConfig:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
 
     def label(self) -> str:
-        extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "") + ("" if self.pdl else "-nopdl")
-                 + (f"-reg{self.max_registers}" if self.max_registers else ""))
+        extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
+                 + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 
