@@ -117,7 +117,7 @@ def _kernel_tables(layer: AttentionLayer, metadata):
 
 def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata, kv_paged: torch.Tensor, *,
                      kernel: DecodeKernel = DecodeKernel.FA3,
-                     schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | None = None,
+                     schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | ops.FA3Schedule | None = None,
                      kv_scale: torch.Tensor | None = None, impl=None, validate: bool = True) -> torch.Tensor:
     """Absorbed MLA attention of one layer for one step: q [T, H, d_nope + d_rope] -> o [T, H, d_v].
 
@@ -126,7 +126,9 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     ``metadata``: the step's ``AttentionMetadata`` (cu_seqlens_q / max_seqlen_q / cache_seqlens /
     page_table). ``schedule``: the step's kernel schedule — FlashMLA's tile schedule for ``kernel=FLASHMLA`` (page
     size 64), the ``SplitKVSchedule`` for ``kernel=SPLITKV`` (any page size); both need equal q lengths
-    per request (T = batch_size · max_seqlen_q) — the step plan decides when they apply. An e4m3
+    per request (T = batch_size · max_seqlen_q) — the step plan decides when they apply. For ``kernel=FA3`` an
+    ``FA3Schedule`` planned for this layer's calls (``ops.get_fa3_schedule``: the step plan's, for its plain
+    layers), or None (FA3 plans per call); any other schedule is ignored by FA3. An e4m3
     ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule planned with ``is_fp8=True``; q quantized to e4m3) or
     ``kernel=SPLITKV`` (q kept in its dtype, the cache dequantized in registers), and ``kv_scale``, the
     layer's [1] float32 scale (``MLATokenPool.layer_scale``).
@@ -154,7 +156,7 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
         page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         softmax_scale=layer.scaling, causal=True, window_size=layer.window_size,
-        softcap=layer.logit_cap, impl=impl,
+        softcap=layer.logit_cap, schedule=schedule if isinstance(schedule, ops.FA3Schedule) else None, impl=impl,
     )
     return project_output(o_lat, w)
 

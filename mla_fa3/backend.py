@@ -9,7 +9,7 @@ The step, as the engine and the model drive it:
         o = backend.forward(q, latent, None, layer, batch)
             plan.check_batch(batch); checks of shapes and dtypes (no tensor value read: no sync)
             store the new latent rows at batch.out_cache_loc                 (kv/pools.py)
-            path, kernel = plan.route(layer)
+            path, kernel = plan.route(layer); schedule = plan.schedule_for(layer, kernel)
             ABSORBED     -> absorb.forward_absorbed(q, layer, metadata, pool, kernel, schedule)
             MHA_ONESHOT / MHA_CHUNKED -> chunked_prefix.forward_mha_prefill(q, latent, layer, metadata,
                                                                              pool, plan.prefill)
@@ -43,7 +43,7 @@ any kernel runs); layers with softcap, a window, local attention or another head
 CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE): ``init_cuda_graph_state`` allocates the builder's
 capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of them and
 records the kernel baked into the graph; ``init_forward_metadata_replay_cuda_graph`` rewrites the
-buffers in place (``MetadataBuilder.replay``) and re-plans the FlashMLA or split-KV schedule into the
+buffers in place (``MetadataBuilder.replay``) and re-plans the FlashMLA, split-KV or FA3 schedule into the
 captured schedule tensors from the live device lengths — in the replay update, or inside the graph itself
 (``graph_prologue``) when ``init_cuda_graph_state(device_metadata=True)``.
 """
@@ -202,7 +202,7 @@ class MLABackend:
         kv_paged = self.mla_pool.paged(layer.layer_id)
         kv_scale = self.mla_pool.layer_scale(layer.layer_id)  # None for a floating pool
         path, kernel = plan.route(layer)
-        schedule = plan.splitkv_schedule if kernel is DecodeKernel.SPLITKV else plan.flashmla_schedule
+        schedule = plan.schedule_for(layer, kernel)
         if path.is_mha_prefill:
             latent_new = k if (save_kv_cache and k is not None and v is None) else None
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
@@ -290,7 +290,7 @@ class MLABackend:
     def graph_prologue(self) -> None:
         """Device work of the captured / replayed step that runs inside its CUDA graph, before the layers
         (with ``init_cuda_graph_state(device_metadata=True)``): the page table from ``req_to_token`` and
-        the FlashMLA or split-KV schedule from the live lengths. Fixed shapes, no host value read."""
+        the FlashMLA, split-KV or FA3 schedule from the live lengths. Fixed shapes, no host value read."""
         plan = self.step_plan
         if plan is None or plan.graph_bs is None:
             raise RuntimeError("graph_prologue runs on a captured or replayed step (init_forward_metadata_"
@@ -302,6 +302,8 @@ class MLABackend:
             self.planner.replan_flashmla(plan.metadata, plan.flashmla_schedule)
         if plan.splitkv_schedule is not None:
             self.planner.replan_splitkv(plan.metadata, plan.splitkv_schedule)
+        if plan.fa3_schedule is not None:
+            self.planner.replan_fa3(plan.metadata, plan.fa3_schedule)
         plan.prologue_pending = False
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
@@ -379,6 +381,10 @@ class MLABackend:
             schedule = entry.plan.splitkv_schedule
             if not self.device_metadata:  # else in the graph (graph_prologue)
                 self.planner.replan_splitkv(md, schedule)
+        if entry.plan.fa3_schedule is not None:  # FA3's tile schedule from the live lengths
+            schedule = entry.plan.fa3_schedule
+            if not self.device_metadata:  # else in the graph (graph_prologue)
+                self.planner.replan_fa3(md, schedule)
         self.graph_kernel = kernel
         plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                         graph=True, schedule=schedule, static_batch=entry.plan.batch)

@@ -8,6 +8,8 @@
         DECODE / DRAFT_DECODE / TARGET_VERIFY  -> path ABSORBED, kernel = decode_kernel setting, or per step
                                                   from policy.decode_kernel (host lengths, page 64 only);
                                                   FLASHMLA -> its tile schedule planned here (ops);
+                                                  FA3 at bs <= FA3_STEP_SCHEDULE_MAX_BATCH -> FA3's
+                                                  tile schedule planned here, once for every layer;
                                                   SPLITKV -> its split schedule planned here from
                                                   batch.seq_lens_cpu (host, no sync)
         EXTEND / MIXED / DRAFT_EXTEND          -> policy.prefill_cost picks ABSORBED / MHA_ONESHOT /
@@ -47,7 +49,8 @@ from mla_fa3.batch import ForwardBatch, queries_per_request
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
-from mla_fa3.ops import FlashMLASchedule, SplitKVSchedule
+from mla_fa3.ops import FA3Schedule, FlashMLASchedule, SplitKVSchedule
+from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH
 from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
@@ -98,6 +101,7 @@ class StepPlan:
     record: PathRecord
     flashmla_schedule: FlashMLASchedule | None = None  # when kernel is FLASHMLA (of the split rows on an MHA path)
     splitkv_schedule: SplitKVSchedule | None = None  # when kernel is SPLITKV
+    fa3_schedule: FA3Schedule | None = None  # kernel FA3 on a small decode-like step: its plain layers read it
     prefill: PrefillPlan | None = None  # when path is an MHA prefill
     graph_bs: int | None = None  # a CUDA-graph step: its captured size
     static_batch: ForwardBatch | None = None  # a replayed graph step: the static batch it was captured with
@@ -114,6 +118,16 @@ class StepPlan:
         if self.kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV) and layer.num_heads != self.num_heads:
             return AttentionPath.ABSORBED, DecodeKernel.FA3
         return AttentionPath.ABSORBED, self.kernel
+
+    def schedule_for(self, layer: AttentionLayer, kernel: DecodeKernel
+                     ) -> FlashMLASchedule | SplitKVSchedule | FA3Schedule | None:
+        """The planned schedule ``layer`` reads with ``kernel`` (its :meth:`route`), or None (FA3 plans its own)."""
+        if kernel is DecodeKernel.SPLITKV:
+            return self.splitkv_schedule
+        if kernel is DecodeKernel.FLASHMLA:
+            return self.flashmla_schedule
+        plain = layer.logit_cap == 0 and layer.sliding_window < 0 and not layer.use_local_attention
+        return self.fa3_schedule if plain and layer.num_heads == self.num_heads else None
 
     def check_batch(self, batch: ForwardBatch) -> None:
         """Raise ValueError unless ``batch`` is the batch this plan was made for (host values only)."""
@@ -190,6 +204,7 @@ class StepPlanner:
         self._kv_dtype_name = None if kv_dtype is None else str(kv_dtype).replace("torch.", "")
         # W_UK [H, d_nope, r] and W_UV [H, r, d_v]: read by every MLA layer (absorption / projection, or
         # the MHA prefill's decompression), in the compute dtype
+        self._weight_dtype = weight_dtype  # the compute dtype: q's (FA3's schedule is planned for it)
         self._weight_bytes = None if num_heads is None or mla_dims is None or weight_dtype is None else (
             num_heads * mla_dims.kv_lora_rank * (mla_dims.qk_nope_head_dim + mla_dims.v_head_dim)
             * weight_dtype.itemsize)
@@ -203,6 +218,26 @@ class StepPlanner:
     def replan_flashmla(self, metadata: AttentionMetadata, into: FlashMLASchedule) -> FlashMLASchedule:
         """A replay's FlashMLA re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""
         return into.copy_(self.flashmla_schedule(metadata))
+
+    def fa3_schedule(self, metadata: AttentionMetadata) -> FA3Schedule | None:
+        """FA3's tile schedule for the step's plain MLA layers (a device kernel: eager, or in a graph's prologue),
+        or None where FA3 is better left to plan per call: more than ``FA3_STEP_SCHEDULE_MAX_BATCH`` requests
+        (measured slower there), an FP8 pool (FA3 cannot read it), or heads / dims / dtype not given."""
+        dims = self.mla_dims
+        if self.kv_fp8 or self.num_heads is None or dims is None or self._weight_dtype is None \
+                or not 0 < metadata.batch_size <= FA3_STEP_SCHEDULE_MAX_BATCH:
+            return None
+        return ops.get_fa3_schedule(
+            metadata.cache_seqlens, metadata.page_table, page_size=self.page_size, num_heads=self.num_heads,
+            num_heads_k=1, head_dim=dims.qk_rope_head_dim, head_dim_v=dims.kv_lora_rank, dtype=self._weight_dtype,
+            max_seqlen_q=metadata.max_seqlen_q, cu_seqlens_q=metadata.cu_seqlens_q, causal=True, impl=self.impl)
+
+    def replan_fa3(self, metadata: AttentionMetadata, into: FA3Schedule) -> FA3Schedule:
+        """A replay's FA3 re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""
+        fresh = self.fa3_schedule(metadata)
+        if fresh is None:
+            raise ValueError("the captured step planned an FA3 schedule that this metadata does not admit")
+        return into.copy_(fresh)
 
     # ------------------------------------------------------------------------------ plans
     def plan(self, batch: ForwardBatch, metadata: AttentionMetadata) -> StepPlan:
@@ -236,13 +271,15 @@ class StepPlanner:
         return ops.replan_splitkv_schedule(metadata.cache_seqlens, into, impl=self.impl)
 
     def decode_plan(self, batch: ForwardBatch | None, metadata: AttentionMetadata, kernel: DecodeKernel,
-                    reason: str, *, graph: bool, schedule: FlashMLASchedule | SplitKVSchedule | None = None,
+                    reason: str, *, graph: bool,
+                    schedule: FlashMLASchedule | SplitKVSchedule | FA3Schedule | None = None,
                     static_batch: ForwardBatch | None = None) -> StepPlan:
         """The plan of a decode-like / verify step on ``kernel`` (eager, captured or replayed).
 
         ``schedule``: the kernel's schedule already planned for this step (a replay's captured one, its new
         plan copied in); planned here when the kernel is FLASHMLA / SPLITKV and none is given (a captured
-        SPLITKV graph: sized for any lengths of its batch size). ``static_batch``: a replay's capture batch."""
+        SPLITKV graph: sized for any lengths of its batch size); FA3's own on a small step (:meth:`fa3_schedule`).
+        ``static_batch``: a replay's capture batch."""
         splits = None
         if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
             reason += (f"; FA3 for layers with softcap / window / local attention or other than "
@@ -256,12 +293,18 @@ class StepPlanner:
                 reason += "; splits planned on the device from the live lengths"
             else:
                 splits = schedule.planned_work
+        if kernel is DecodeKernel.FA3:
+            if schedule is None:
+                schedule = self.fa3_schedule(metadata)
+            if schedule is not None:
+                reason += "; FA3's tile schedule planned once for the step's layers"
         record = self._record(metadata.mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=graph,
                               kv_bytes=self._kv_bytes(batch), num_splits=splits)
         flashmla = schedule if kernel is DecodeKernel.FLASHMLA else None
         splitkv = schedule if kernel is DecodeKernel.SPLITKV else None
+        fa3 = schedule if kernel is DecodeKernel.FA3 else None
         return StepPlan(batch, metadata, AttentionPath.ABSORBED, kernel, self.num_heads, record, flashmla,
-                        splitkv_schedule=splitkv, graph_bs=metadata.batch_size if graph else None,
+                        splitkv_schedule=splitkv, fa3_schedule=fa3, graph_bs=metadata.batch_size if graph else None,
                         static_batch=static_batch)
 
     def _plan_extend(self, batch: ForwardBatch, md: AttentionMetadata) -> StepPlan:

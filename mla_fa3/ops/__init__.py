@@ -26,7 +26,8 @@ Returns are fixed: ``out``, or ``(out, lse)`` with ``return_lse=True``; lse is f
 
 CUDA graphs: validation and dispatch are host-only, and the FA3 paths of flash_attn_with_kvcache,
 flash_attn_varlen_func, merge_state and flash_mla_with_kvcache never sync, so they can be captured.
-get_mla_decode_metadata cannot (plan outside, ``FlashMLASchedule.copy_`` into the captured plan).
+get_mla_decode_metadata and get_fa3_schedule are device kernels too (plan inside the graph, or outside and
+``copy_`` into the captured schedule).
 The reference reads lengths on the host and is never capturable. ``set_impl`` / ``last_impl`` are
 process-wide state (not per thread).
 """
@@ -52,6 +53,8 @@ from .types import (
     FLASHMLA_PAGE_SIZE,
     LN2,
     LSE_BASE,
+    FA3Schedule,
+    FA3ScheduleKey,
     FlashMLASchedule,
     Impl,
     KernelUnavailableError,
@@ -64,6 +67,8 @@ __all__ = [
     "KernelUnavailableError",
     "FA3UnavailableError",
     "FlashMLASchedule",
+    "FA3Schedule",
+    "FA3ScheduleKey",
     "LSE_BASE",
     "FLASHMLA_PAGE_SIZE",
     "FLASHMLA_HEAD_DIM",
@@ -79,6 +84,7 @@ __all__ = [
     "resolve_impl",
     "fa3_available",
     "flash_attn_with_kvcache",
+    "get_fa3_schedule",
     "flash_attn_varlen_func",
     "merge_state",
     "prepare_flash_attn_varlen",
@@ -128,6 +134,7 @@ def flash_attn_with_kvcache(
     v_descale: Optional[Tensor] = None,
     q_descale: Optional[Tensor] = None,
     num_splits: int = 0,
+    schedule: Optional[FA3Schedule] = None,
     return_lse: bool = False,
     impl: Optional[ImplLike] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -140,7 +147,10 @@ def flash_attn_with_kvcache(
     qv: like q with head dim d_v (absorbed MLA: score adds qv·v). softmax_scale defaults to
     ``(d + d_v if qv else d) ** -0.5``. window_size (left, right), -1 = unbounded. softcap > 0 caps
     scores after scaling. k/v/q_descale ``[bs, H_kv] float32`` dequantize an e4m3 cache / q.
-    num_splits is a kernel hint (0 = heuristic), ignored by the reference.
+    num_splits is a kernel hint (0 = heuristic), ignored by the reference. ``schedule``: FA3's tile schedule
+    planned once for a step's calls (:func:`get_fa3_schedule`) instead of FA3's scheduler kernel in every call;
+    refused (ValueError) unless planned for this very call (implementation, shape key, length tensors); the
+    reference checks it the same way and computes as without it.
     Returns out (q's shape with d_v; q's dtype, bf16 for fp8 inputs), or (out, lse) — lse float32,
     natural log, ``out.shape[:-1]``.
     """
@@ -149,9 +159,47 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, qv=qv, page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, k_descale=k_descale,
-        v_descale=v_descale, q_descale=q_descale, num_splits=num_splits, impl=chosen,
+        v_descale=v_descale, q_descale=q_descale, num_splits=num_splits, impl=chosen, schedule=schedule,
     )
     return _run_attention(chosen, "flash_attn_with_kvcache", args, return_lse)
+
+
+def get_fa3_schedule(
+    cache_seqlens: Tensor,
+    page_table: Tensor,
+    *,
+    page_size: int,
+    num_heads: int,
+    num_heads_k: int,
+    head_dim: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    max_seqlen_q: int,
+    cu_seqlens_q: Optional[Tensor] = None,
+    causal: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    num_splits: int = 0,
+    impl: Optional[ImplLike] = None,
+) -> FA3Schedule:
+    """Plan FA3's tile schedule once for the ``flash_attn_with_kvcache`` calls of one step (every layer).
+
+    FA3 otherwise launches its scheduler kernel (per-request split counts from the live lengths) in every
+    call. The arguments describe those calls: ``page_table`` (its width; FA3's paged max_seqlen_k is width x
+    ``page_size``), q's heads / head dims / dtype, ``max_seqlen_q`` (q's dim 1 when batched) with
+    ``cu_seqlens_q`` for varlen q, ``num_heads_k`` (1 for MLA's latent head), causal / window / softcap and
+    ``num_splits`` as the calls pass them. One kernel reading ``cache_seqlens`` on the device (no host read):
+    legal inside a CUDA graph. The reference returns an empty marker schedule with the same key.
+    """
+    chosen = resolve(impl, validate.device_of(cache_seqlens, "cache_seqlens"))
+    key = validate.check_fa3_schedule_plan(
+        cache_seqlens, page_table, cu_seqlens_q, page_size=page_size, num_heads=num_heads, num_heads_k=num_heads_k,
+        head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype, max_seqlen_q=max_seqlen_q, causal=causal,
+        window_size=window_size, softcap=softcap, num_splits=num_splits)
+    meta = fa3.get_fa3_schedule(key, cache_seqlens, cu_seqlens_q) if chosen is Impl.FA3 else None
+    ran(chosen)
+    return FA3Schedule(impl=chosen, key=key, cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q,
+                       scheduler_metadata=meta)
 
 
 def flash_attn_varlen_func(

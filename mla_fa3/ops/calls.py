@@ -39,6 +39,7 @@ class KVCacheCall:
     batch_size: int
     varlen: bool  # True: q [T, H, d] with cu_seqlens_q
     out_dtype: torch.dtype  # q's dtype, bf16 for fp8 inputs
+    scheduler_metadata: Optional[Tensor] = None  # FA3's tile schedule planned for this call (FA3Schedule), or None
 
 
 @dataclass(frozen=True)

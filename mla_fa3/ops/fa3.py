@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .types import FlashMLASchedule, Impl, KernelUnavailableError
+from .types import FA3ScheduleKey, FlashMLASchedule, Impl, KernelUnavailableError
 from .calls import FlashMLACall, KVCacheCall, VarlenCall
 
 Tensor = torch.Tensor
@@ -199,6 +199,7 @@ def flash_attn_with_kvcache(call: KVCacheCall, *, return_lse: bool) -> Tuple[Ten
         cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q, q_descale=call.q_descale,
         k_descale=call.k_descale, v_descale=call.v_descale, softmax_scale=call.softmax_scale, causal=call.causal,
         window_size=call.window_size, softcap=call.softcap, num_splits=call.num_splits, return_softmax_lse=True,
+        scheduler_metadata=call.scheduler_metadata,
     )
     out, lse = res[0], res[1]
     if not return_lse:
@@ -257,6 +258,20 @@ def _fp8_flashmla_guard():
             f"this sgl-kernel build has no dense FP8 FlashMLA ({exc}); sglang-kernel 0.4.5 has it — "
             "or use a bf16 latent cache, or impl='reference'"
         ) from exc
+
+
+def get_fa3_schedule(key: FA3ScheduleKey, cache_seqlens: Tensor, cu_seqlens_q: Optional[Tensor]) -> Tensor:
+    """FA3's tile-scheduler metadata for the calls of ``key`` (one device kernel reading the lengths: capturable).
+
+    The arguments are the ones ``flash_attn_with_kvcache`` derives for such a call (its paged max_seqlen_k is
+    the page-table width times the page size), so both size the same splits."""
+    fa = _module("sgl_kernel.flash_attn")
+    return fa.get_scheduler_metadata(
+        key.batch_size, key.max_seqlen_q, key.page_table_width * key.page_size, key.num_heads, key.num_heads_k,
+        key.head_dim, cache_seqlens, qkv_dtype=key.dtype, headdim_v=key.head_dim_v, cu_seqlens_q=cu_seqlens_q,
+        page_size=key.page_size, causal=key.causal, window_size=key.window_size, has_softcap=key.softcap,
+        num_splits=key.num_splits,
+    )
 
 
 def get_mla_decode_metadata(cache_seqlens: Tensor, num_q_heads_per_kv: int, *, is_fp8: bool) -> FlashMLASchedule:

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fp8, reference, splitkv_plan, validate
+from . import fp8, reference, splitkv_plan, validate, validate_fp8
 from .selection import ImplLike, coerce, get_impl, ran
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
@@ -192,7 +192,7 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Opti
     overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
     """
     chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
-    validate.check_store_e4m3(out, loc, x, scale)
+    validate_fp8.check_store_e4m3(out, loc, x, scale)
     if chosen is Impl.TRITON:
         _fp8_kernels().store_e4m3(out, loc, x, scale)
     elif x.shape[0]:
@@ -210,7 +210,7 @@ def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = 
     and q is never concatenated in its own dtype.
     """
     chosen = _resolve_triton(impl, validate.device_of(q_a, "q_a"), _fp8_kernels(), "FP8 quantization")
-    validate.check_quantize_query(q_a, q_b)
+    validate_fp8.check_quantize_query(q_a, q_b)
     if chosen is Impl.TRITON:
         out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
     else:

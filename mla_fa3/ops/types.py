@@ -1,4 +1,4 @@
-"""Shared types of the kernel layer: implementation enum, errors, the FlashMLA schedule, LSE base.
+"""Shared types of the kernel layer: implementation enum, errors, the FlashMLA and FA3 schedules, LSE base.
 
 LSE convention (every op of ``mla_fa3.ops``): the log-sum-exp of the scaled (and soft-capped) scores
 of a query row, ``lse = ln(sum_j exp(s_j))`` — **natural log** (``LSE_BASE == "e"``), float32, laid out
@@ -78,5 +78,60 @@ class FlashMLASchedule:
                 continue
             if dst.shape != src.shape:
                 raise ValueError(f"other.{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+        return self
+
+
+@dataclass(frozen=True)
+class FA3ScheduleKey:
+    """The host-side shape of the ``flash_attn_with_kvcache`` calls an :class:`FA3Schedule` serves.
+
+    FA3 checks only the size of the scheduler metadata it is given; a schedule planned for another head
+    count, page-table width, query length or window would be read as if it fitted. The ops layer compares
+    every call's key with its schedule's before any kernel runs."""
+
+    batch_size: int
+    max_seqlen_q: int  # new query tokens per request (q's dim 1 batched; max_seqlen_q varlen)
+    varlen: bool  # q [T, H, d] with cu_seqlens_q
+    page_table_width: int  # pages per request row; FA3's max_seqlen_k = page_table_width * page_size
+    page_size: int
+    num_heads: int
+    num_heads_k: int
+    head_dim: int  # q / k head dim (d_rope for absorbed MLA)
+    head_dim_v: int  # v head dim (r for absorbed MLA)
+    dtype: torch.dtype  # q / cache dtype
+    causal: bool
+    window_size: tuple  # (left, right), -1 = unbounded
+    softcap: bool  # softcap > 0
+    num_splits: int  # the split count asked of FA3 (0 = its heuristic); calls must ask the same
+
+
+@dataclass
+class FA3Schedule:
+    """FA3's tile-scheduler metadata for one step, built by ``get_fa3_schedule``: planned once, read by every
+    layer's ``flash_attn_with_kvcache`` in place of the scheduler kernel FA3 otherwise launches per call.
+
+    It holds the ``cache_seqlens`` (and ``cu_seqlens_q``) it was planned from: a call must pass those very
+    tensors. CUDA graphs: keep the captured schedule and :meth:`copy_` a fresh plan into it before each replay
+    (or plan inside the graph). The reference plans an empty marker (``scheduler_metadata`` None) and checks
+    the same key."""
+
+    impl: Impl  # FA3 or REFERENCE (empty marker)
+    key: FA3ScheduleKey
+    cache_seqlens: torch.Tensor  # [bs] int32: the lengths planned from
+    cu_seqlens_q: Optional[torch.Tensor] = None  # [bs + 1] int32 with varlen q
+    scheduler_metadata: Optional[torch.Tensor] = None  # int32, cuda (FA3 only)
+
+    def copy_(self, other: "FA3Schedule") -> "FA3Schedule":
+        """Write ``other``'s plan into this schedule's tensor in place (graph-safe replay update)."""
+        if not isinstance(other, FA3Schedule):
+            raise TypeError(f"other must be an FA3Schedule, got {type(other).__name__}")
+        if other.impl != self.impl or other.key != self.key:
+            raise ValueError(f"other was planned for {other.impl.value} {other.key}; this schedule is "
+                             f"{self.impl.value} {self.key}")
+        dst, src = self.scheduler_metadata, other.scheduler_metadata
+        if dst is not None and src is not None:
+            if dst.shape != src.shape:
+                raise ValueError(f"other.scheduler_metadata has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(src)
         return self

@@ -26,7 +26,8 @@ from ._checks import (  # noqa: F401  (device_of is part of this module's interf
     device_of,
 )
 from .calls import FlashMLACall, KVCacheCall, VarlenCall
-from .types import FLASHMLA_HEAD_DIM, FLASHMLA_HEAD_DIM_V, FLASHMLA_PAGE_SIZE, FlashMLASchedule, Impl
+from .types import (FLASHMLA_HEAD_DIM, FLASHMLA_HEAD_DIM_V, FLASHMLA_PAGE_SIZE, FA3Schedule, FA3ScheduleKey,
+                    FlashMLASchedule, Impl)
 
 Tensor = torch.Tensor
 
@@ -36,7 +37,7 @@ Tensor = torch.Tensor
 
 def check_kvcache(
     q, k_cache, v_cache, *, qv, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale,
-    causal, window_size, softcap, k_descale, v_descale, q_descale, num_splits, impl: Impl,
+    causal, window_size, softcap, k_descale, v_descale, q_descale, num_splits, impl: Impl, schedule=None,
 ) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache`` arguments for implementation ``impl`` (FA3 or REFERENCE)."""
     for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -120,12 +121,59 @@ def check_kvcache(
         for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (qv, "qv"), (page_table, "page_table")):
             if x is not None:
                 chk.last_dim_contiguous(x, name)
+    if schedule is not None:
+        key = FA3ScheduleKey(
+            batch_size=bs, max_seqlen_q=max_seqlen_q if varlen else q.shape[1], varlen=varlen,
+            page_table_width=page_table.shape[1], page_size=k_cache.shape[1], num_heads=H, num_heads_k=h_kv,
+            head_dim=d, head_dim_v=dv, dtype=q.dtype, causal=causal, window_size=window, softcap=cap > 0,
+            num_splits=num_splits)
+        _check_fa3_schedule(schedule, key, cache_seqlens, cu_seqlens_q, impl)
     return KVCacheCall(
         q=q, k_cache=k_cache, v_cache=v_cache, qv=qv, page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=causal,
         window_size=window, softcap=cap, k_descale=k_descale, v_descale=v_descale, q_descale=q_descale,
         num_splits=num_splits, batch_size=bs, varlen=varlen, out_dtype=chk.out_dtype(q.dtype),
+        scheduler_metadata=None if schedule is None else schedule.scheduler_metadata,
     )
+
+
+def _check_fa3_schedule(schedule, key: FA3ScheduleKey, cache_seqlens, cu_seqlens_q, impl: Impl) -> None:
+    """``schedule`` was planned for exactly this call: its implementation, key and length tensors."""
+    if not isinstance(schedule, FA3Schedule):
+        raise TypeError(f"schedule must be an FA3Schedule (from get_fa3_schedule), got {type(schedule).__name__}")
+    if schedule.impl is not impl:
+        raise ValueError(f"schedule was planned by {schedule.impl.value}, but this call runs {impl.value}")
+    if schedule.key != key:
+        diff = [f"{name}={getattr(key, name)!r} (schedule: {getattr(schedule.key, name)!r})"
+                for name in FA3ScheduleKey.__dataclass_fields__ if getattr(key, name) != getattr(schedule.key, name)]
+        raise ValueError("schedule was planned for another call: " + ", ".join(diff))
+    for name, got, planned in (("cache_seqlens", cache_seqlens, schedule.cache_seqlens),
+                               ("cu_seqlens_q", cu_seqlens_q, schedule.cu_seqlens_q)):
+        if (got is None) != (planned is None) or (got is not None and got.data_ptr() != planned.data_ptr()):
+            raise ValueError(f"{name} is not the tensor the schedule was planned from: a schedule is read with "
+                             "the lengths it was planned for (plan it again for these)")
+
+
+def check_fa3_schedule_plan(cache_seqlens, page_table, cu_seqlens_q, *, page_size, num_heads, num_heads_k, head_dim,
+                            head_dim_v, dtype, max_seqlen_q, causal, window_size, softcap, num_splits) -> FA3ScheduleKey:
+    """Validate ``get_fa3_schedule`` arguments; the key of the calls the schedule will serve."""
+    device = device_of(cache_seqlens, "cache_seqlens")
+    bs, width = chk.seqlens_and_table(page_table, cache_seqlens, device)
+    if cu_seqlens_q is not None:
+        chk.index_tensor(cu_seqlens_q, "cu_seqlens_q", 1, "[bs + 1]", device)
+        if cu_seqlens_q.shape[0] != bs + 1:
+            raise ValueError(f"cu_seqlens_q must have bs + 1 = {bs + 1} entries, got {cu_seqlens_q.shape[0]}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (q's), got {dtype!r}")
+    return FA3ScheduleKey(
+        batch_size=bs, max_seqlen_q=chk.host_int(max_seqlen_q, "max_seqlen_q", minimum=1),
+        varlen=cu_seqlens_q is not None, page_table_width=width,
+        page_size=chk.host_int(page_size, "page_size", minimum=1),
+        num_heads=chk.host_int(num_heads, "num_heads", minimum=1),
+        num_heads_k=chk.host_int(num_heads_k, "num_heads_k", minimum=1),
+        head_dim=chk.host_int(head_dim, "head_dim", minimum=1), head_dim_v=chk.host_int(head_dim_v, "head_dim_v", minimum=1),
+        dtype=dtype, causal=chk.flag(causal, "causal"), window_size=chk.window(window_size),
+        softcap=chk.softcap(softcap) > 0, num_splits=chk.host_int(num_splits, "num_splits"))
 
 
 def check_varlen(
@@ -346,56 +394,3 @@ def check_splitkv(
         if q.shape[0] > schedule.max_batch:
             raise ValueError(f"schedule holds at most max_batch={schedule.max_batch} requests, q has {q.shape[0]}")
     return call
-
-
-# ------------------------------------------------------------------------------------------ FP8 quantization
-
-FP8_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _row_contiguous(x: Tensor, name: str) -> None:
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
-
-
-def check_store_e4m3(out, loc, x, scale) -> None:
-    """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float, scale [1] float32, one device."""
-    chk.tensor(out, "out")
-    chk.tensor(loc, "loc")
-    chk.tensor(x, "x")
-    chk.tensor(scale, "scale")
-    if out.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
-    chk.rank(out, "out", 2, "[S, W]")
-    chk.rank(x, "x", 2, "[T, W]")
-    if x.dtype not in FP8_SOURCE_DTYPES:
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    if x.shape[1] != out.shape[1]:
-        raise ValueError(f"x must have out's width {out.shape[1]}, got shape {tuple(x.shape)}")
-    if loc.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"loc must be int64 or int32, got {loc.dtype}")
-    if tuple(loc.shape) != (x.shape[0],):
-        raise ValueError(f"loc must be [T] = [{x.shape[0]}] (one slot per row of x), got shape {tuple(loc.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (1,):
-        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
-    for t, name in ((loc, "loc"), (x, "x"), (scale, "scale")):
-        chk.same_device(t, name, out.device, "out")
-    _row_contiguous(out, "out")
-    _row_contiguous(x, "x")
-
-
-def check_quantize_query(q_a, q_b) -> None:
-    """Validate ``quantize_query_e4m3``: q_a [T, H, DA], q_b [T, H, DB], one float dtype and device."""
-    chk.tensor(q_a, "q_a")
-    chk.tensor(q_b, "q_b")
-    chk.rank(q_a, "q_a", 3, "[T, H, DA]")
-    chk.rank(q_b, "q_b", 3, "[T, H, DB]")
-    if q_a.dtype not in FP8_SOURCE_DTYPES:
-        raise ValueError(f"q_a must be float32, float16 or bfloat16, got {q_a.dtype}")
-    if q_b.dtype != q_a.dtype:
-        raise ValueError(f"q_b dtype must match q_a's {q_a.dtype}, got {q_b.dtype}")
-    if tuple(q_b.shape[:2]) != tuple(q_a.shape[:2]):
-        raise ValueError(f"q_b must be [T, H, DB] with q_a's T, H = {tuple(q_a.shape[:2])}, got {tuple(q_b.shape)}")
-    chk.same_device(q_b, "q_b", q_a.device, "q_a")
-    _row_contiguous(q_a, "q_a")
-    _row_contiguous(q_b, "q_b")

@@ -81,7 +81,7 @@ from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["KernelChoice", "explain_decode_kernel", "choose_decode_kernels", "splitkv_measured", "splitkv_possible",
-           "evaluate_on_csv", "Evaluation", "RuleStats", "main",
+           "evaluate_on_csv", "Evaluation", "RuleStats", "main", "FA3_STEP_SCHEDULE_MAX_BATCH",
            # re-exported: the table (decode_table) and its CSV reader / literal printer (decode_csv)
            "Measured", "MEASURED", "table_from_rows", "table_from_csv", "table_from_csvs", "format_table"]
 
@@ -91,6 +91,11 @@ SKEW_WEIGHT = 2.0  # per log2 unit of mean/max length: equal vs skewed outweighs
 MAX_DISTANCE = 3.0  # farther than this (log2 units) from every measured shape: no evidence -> FA3
 TIE_DISTANCE = 0.05  # shapes this close to the nearest distance are equally near (gains averaged)
 MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 mean of equal lengths)
+# FA3 decode steps of at most this many requests plan FA3's tile schedule once per step (ops.get_fa3_schedule)
+# instead of FA3's scheduler kernel in every layer: measured 1.4-4.6 us faster per layer at bs 1-8 and 1.9-3.4 us
+# at bs 16 (but 2.0 us slower at 128 heads, bs 16, 64k), and 24-65 us SLOWER per layer at bs 64 (H200, page 64,
+# heads 16 / 128, 16k-128k; docs/perf/2026-12-04/session4/fa3_scheduler_metadata.txt)
+FA3_STEP_SCHEDULE_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""Boundary checks of the FP8 quantization ops (``ops.store_e4m3``, ``ops.quantize_query_e4m3``).
+
+As ``validate.py`` for the attention ops: shapes, dtypes and devices only (no tensor value read, no sync,
+legal during CUDA-graph capture); every error a ``ValueError`` / ``TypeError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as chk
+
+Tensor = torch.Tensor
+
+FP8_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _row_contiguous(x: Tensor, name: str) -> None:
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
+
+
+def check_store_e4m3(out, loc, x, scale) -> None:
+    """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float, scale [1] float32, one device."""
+    chk.tensor(out, "out")
+    chk.tensor(loc, "loc")
+    chk.tensor(x, "x")
+    chk.tensor(scale, "scale")
+    if out.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
+    chk.rank(out, "out", 2, "[S, W]")
+    chk.rank(x, "x", 2, "[T, W]")
+    if x.dtype not in FP8_SOURCE_DTYPES:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.shape[1] != out.shape[1]:
+        raise ValueError(f"x must have out's width {out.shape[1]}, got shape {tuple(x.shape)}")
+    if loc.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"loc must be int64 or int32, got {loc.dtype}")
+    if tuple(loc.shape) != (x.shape[0],):
+        raise ValueError(f"loc must be [T] = [{x.shape[0]}] (one slot per row of x), got shape {tuple(loc.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (1,):
+        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
+    for t, name in ((loc, "loc"), (x, "x"), (scale, "scale")):
+        chk.same_device(t, name, out.device, "out")
+    _row_contiguous(out, "out")
+    _row_contiguous(x, "x")
+
+
+def check_quantize_query(q_a, q_b) -> None:
+    """Validate ``quantize_query_e4m3``: q_a [T, H, DA], q_b [T, H, DB], one float dtype and device."""
+    chk.tensor(q_a, "q_a")
+    chk.tensor(q_b, "q_b")
+    chk.rank(q_a, "q_a", 3, "[T, H, DA]")
+    chk.rank(q_b, "q_b", 3, "[T, H, DB]")
+    if q_a.dtype not in FP8_SOURCE_DTYPES:
+        raise ValueError(f"q_a must be float32, float16 or bfloat16, got {q_a.dtype}")
+    if q_b.dtype != q_a.dtype:
+        raise ValueError(f"q_b dtype must match q_a's {q_a.dtype}, got {q_b.dtype}")
+    if tuple(q_b.shape[:2]) != tuple(q_a.shape[:2]):
+        raise ValueError(f"q_b must be [T, H, DB] with q_a's T, H = {tuple(q_a.shape[:2])}, got {tuple(q_b.shape)}")
+    chk.same_device(q_b, "q_b", q_a.device, "q_a")
+    _row_contiguous(q_a, "q_a")
+    _row_contiguous(q_b, "q_b")
