@@ -128,7 +128,8 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     size 64), the ``SplitKVSchedule`` for ``kernel=SPLITKV`` (any page size); both need equal q lengths
     per request (T = batch_size · max_seqlen_q) — the step plan decides when they apply. For ``kernel=FA3`` an
     ``FA3Schedule`` planned for this layer's calls (``ops.get_fa3_schedule``: the step plan's, for its plain
-    layers), or None (FA3 plans per call); any other schedule is ignored by FA3. An e4m3
+    layers; FA3 is asked for the split count it was planned with), or None (FA3 plans per call); any other schedule
+    is ignored by FA3. An e4m3
     ``kv_paged`` needs ``kernel=FLASHMLA`` (a schedule planned with ``is_fp8=True``; q quantized to e4m3) or
     ``kernel=SPLITKV`` (q kept in its dtype, the cache dequantized in registers), and ``kv_scale``, the
     layer's [1] float32 scale (``MLATokenPool.layer_scale``).
@@ -151,12 +152,14 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
         return project_output(o_lat, w)
     q_lat = absorb_query(q_nope, w)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
+    schedule = schedule if isinstance(schedule, ops.FA3Schedule) else None
     o_lat = ops.flash_attn_with_kvcache(
         q_rope, kv_paged[..., r:], kv_paged[..., :r], qv=q_lat,
         page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         softmax_scale=layer.scaling, causal=True, window_size=layer.window_size,
-        softcap=layer.logit_cap, schedule=schedule if isinstance(schedule, ops.FA3Schedule) else None, impl=impl,
+        softcap=layer.logit_cap, num_splits=0 if schedule is None else schedule.key.num_splits, schedule=schedule,
+        impl=impl,
     )
     return project_output(o_lat, w)
 

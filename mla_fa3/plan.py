@@ -50,7 +50,7 @@ from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FA3Schedule, FlashMLASchedule, SplitKVSchedule
-from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH
+from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH, fa3_num_splits
 from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
@@ -222,7 +222,8 @@ class StepPlanner:
     def fa3_schedule(self, metadata: AttentionMetadata) -> FA3Schedule | None:
         """FA3's tile schedule for the step's plain MLA layers (a device kernel: eager, or in a graph's prologue),
         or None where FA3 is better left to plan per call: more than ``FA3_STEP_SCHEDULE_MAX_BATCH`` requests
-        (measured slower there), an FP8 pool (FA3 cannot read it), or heads / dims / dtype not given."""
+        (measured slower there), an FP8 pool (FA3 cannot read it), or heads / dims / dtype not given. Its split
+        count is the policy's (``fa3_num_splits``); the layers ask FA3 for the same."""
         dims = self.mla_dims
         if self.kv_fp8 or self.num_heads is None or dims is None or self._weight_dtype is None \
                 or not 0 < metadata.batch_size <= FA3_STEP_SCHEDULE_MAX_BATCH:
@@ -230,7 +231,8 @@ class StepPlanner:
         return ops.get_fa3_schedule(
             metadata.cache_seqlens, metadata.page_table, page_size=self.page_size, num_heads=self.num_heads,
             num_heads_k=1, head_dim=dims.qk_rope_head_dim, head_dim_v=dims.kv_lora_rank, dtype=self._weight_dtype,
-            max_seqlen_q=metadata.max_seqlen_q, cu_seqlens_q=metadata.cu_seqlens_q, causal=True, impl=self.impl)
+            max_seqlen_q=metadata.max_seqlen_q, cu_seqlens_q=metadata.cu_seqlens_q, causal=True,
+            num_splits=fa3_num_splits(self.num_heads, metadata.batch_size), impl=self.impl)
 
     def replan_fa3(self, metadata: AttentionMetadata, into: FA3Schedule) -> FA3Schedule:
         """A replay's FA3 re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""

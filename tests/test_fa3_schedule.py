@@ -12,13 +12,13 @@ import torch
 
 from mla_cases import follow_up, make_mla_case, mla_oracle, padded, rel_err
 from ops_cases import OP_SPECS, build_case, oracle
-from specs import BatchSpec
+from specs import MLA_CONFIGS, BatchSpec, MLAConfig
 
 from mla_fa3 import ops
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 from mla_fa3.ops import FA3Schedule, Impl
-from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH
+from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH, fa3_num_splits
 from mla_fa3.policy.paths import DecodeKernel
 
 
@@ -159,6 +159,19 @@ def test_layers_with_softcap_or_window_plan_their_own(layer_kw):
     backend.init_forward_metadata(case.batch)
     assert backend.step_plan.fa3_schedule is not None
     assert backend.step_plan.schedule_for(case.layer, DecodeKernel.FA3) is None
+    out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
+    assert rel_err(out, mla_oracle(case)) <= 1e-5
+
+
+@pytest.mark.parametrize("heads, bs, splits", [(128, 1, 48), (128, 2, 48), (128, 3, 0), (16, 1, 0), (256, 2, 48)])
+def test_split_count_follows_the_policy_and_reaches_the_kernel(heads, bs, splits):
+    """Many heads at one or two requests ask FA3 for few splits; the layers pass the count the schedule was planned
+    with (a call asking another count is refused by the ops layer, so the step would fail if they did not)."""
+    cfg = MLAConfig(heads, MLA_CONFIGS["tiny"].dims)
+    case = make_mla_case(_decode_spec(bs), cfg, seed=heads + bs)
+    backend = _backend(case, decode_kernel="fa3")
+    backend.init_forward_metadata(case.batch)
+    assert backend.step_plan.fa3_schedule.key.num_splits == fa3_num_splits(heads, bs) == splits
     out = backend.forward(case.q, case.new_latent, None, case.layer, case.batch)
     assert rel_err(out, mla_oracle(case)) <= 1e-5
 

@@ -24,22 +24,23 @@ DEV = "cuda"
 BF16 = torch.bfloat16
 
 
-def _schedule(case, impl="fa3") -> ops.FA3Schedule:
+def _schedule(case, impl="fa3", num_splits=0) -> ops.FA3Schedule:
     kw, q = case.kwargs, case.q
     return ops.get_fa3_schedule(
         kw["cache_seqlens"], kw["page_table"], page_size=case.k_cache.shape[1], num_heads=q.shape[-2],
         num_heads_k=case.k_cache.shape[2], head_dim=q.shape[-1], head_dim_v=case.v_cache.shape[-1], dtype=q.dtype,
         max_seqlen_q=kw.get("max_seqlen_q") or q.shape[1], cu_seqlens_q=kw.get("cu_seqlens_q"), causal=kw["causal"],
-        window_size=kw["window_size"], softcap=kw["softcap"], impl=impl)
+        window_size=kw["window_size"], softcap=kw["softcap"], num_splits=num_splits, impl=impl)
 
 
-def _same_with_and_without(case, calls: int = 3):
+def _same_with_and_without(case, calls: int = 3, num_splits: int = 0):
     args = (case.q, case.k_cache, case.v_cache)
-    out0, lse0 = ops.flash_attn_with_kvcache(*args, **case.kwargs, return_lse=True, impl="fa3")
-    sched = _schedule(case)
+    kw = dict(case.kwargs, num_splits=num_splits, return_lse=True, impl="fa3")
+    out0, lse0 = ops.flash_attn_with_kvcache(*args, **kw)
+    sched = _schedule(case, num_splits=num_splits)
     assert sched.impl is Impl.FA3 and sched.scheduler_metadata is not None and sched.scheduler_metadata.is_cuda
     for _ in range(calls):
-        out, lse = ops.flash_attn_with_kvcache(*args, **case.kwargs, schedule=sched, return_lse=True, impl="fa3")
+        out, lse = ops.flash_attn_with_kvcache(*args, **kw, schedule=sched)
         assert torch.equal(out, out0) and torch.equal(lse, lse0), "a planned schedule changed FA3's result"
     return out, lse
 
@@ -65,6 +66,20 @@ def test_deepseek_latent_with_schedule_equals_without_and_the_oracle(heads, page
     lens = (k, page + 1, max(page - 1, k), 5000, 2049)[: 5 if heads == 16 else 3]
     case = build_case(_latent_spec(heads, page, k, lens), device=DEV, dtype=BF16, seed=heads + page + k)
     out, lse = _same_with_and_without(case)
+    ref_impl, _ = ops.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs, return_lse=True,
+                                              impl="reference")
+    check(out, lse, *oracle(case), _lowp_case(case), ref_impl)
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+def test_split_cap_with_schedule_equals_without_and_the_oracle(bs):
+    """The backend's split count at 128 heads, bs <= 2 (policy.decode_kernel.fa3_num_splits), planned and asked."""
+    from mla_fa3.policy.decode_kernel import fa3_num_splits
+
+    splits = fa3_num_splits(128, bs)
+    assert splits > 0
+    case = build_case(_latent_spec(128, 64, 1, (5000, 64)[:bs]), device=DEV, dtype=BF16, seed=bs)
+    out, lse = _same_with_and_without(case, num_splits=splits)
     ref_impl, _ = ops.flash_attn_with_kvcache(case.q, case.k_cache, case.v_cache, **case.kwargs, return_lse=True,
                                               impl="reference")
     check(out, lse, *oracle(case), _lowp_case(case), ref_impl)

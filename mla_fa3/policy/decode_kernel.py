@@ -81,7 +81,7 @@ from mla_fa3.policy.decode_table import MEASURED, Measured
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["KernelChoice", "explain_decode_kernel", "choose_decode_kernels", "splitkv_measured", "splitkv_possible",
-           "evaluate_on_csv", "Evaluation", "RuleStats", "main", "FA3_STEP_SCHEDULE_MAX_BATCH",
+           "evaluate_on_csv", "Evaluation", "RuleStats", "main", "FA3_STEP_SCHEDULE_MAX_BATCH", "fa3_num_splits",
            # re-exported: the table (decode_table) and its CSV reader / literal printer (decode_csv)
            "Measured", "MEASURED", "table_from_rows", "table_from_csv", "table_from_csvs", "format_table"]
 
@@ -96,6 +96,21 @@ MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 
 # at bs 16 (but 2.0 us slower at 128 heads, bs 16, 64k), and 24-65 us SLOWER per layer at bs 64 (H200, page 64,
 # heads 16 / 128, 16k-128k; docs/perf/2026-12-04/session4/fa3_scheduler_metadata.txt)
 FA3_STEP_SCHEDULE_MAX_BATCH = 16
+# ... and ask FA3 for at most this many KV splits at >= FA3_FEW_SPLITS_HEADS heads and <= FA3_FEW_SPLITS_BATCH
+# requests: its heuristic fills the SMs (~60 splits at 128 heads, bs 1), but every split writes an [H, 512] fp32
+# partial that its combine reads back (256 KiB per split at 128 heads). 48 measured 2.1-4.6 us per layer faster at
+# 128 heads, bs 1, 16k-64k (2.1 us slower at 128k), within -1.2 / +0.1 us at bs 2; never better at 16 heads or at
+# bs >= 4 (same file)
+FA3_FEW_SPLITS = 48
+FA3_FEW_SPLITS_HEADS = 128
+FA3_FEW_SPLITS_BATCH = 2
+
+
+def fa3_num_splits(num_heads: int, batch_size: int) -> int:
+    """``num_splits`` the backend asks of FA3 (with its step schedule): 0 = FA3's heuristic, except many heads at
+    one or two requests (``FA3_FEW_SPLITS``)."""
+    few = num_heads >= FA3_FEW_SPLITS_HEADS and 0 < batch_size <= FA3_FEW_SPLITS_BATCH
+    return FA3_FEW_SPLITS if few else 0
 
 
 @dataclass(frozen=True)
