@@ -15,6 +15,7 @@ import torch
 
 from ops_cases import OP_SPECS, Spec, build_case, check, oracle
 from test_ops_gpu import GPU_SPECS, _lowp_case
+from test_splitkv_gpu import capture
 
 from mla_fa3 import ops
 from mla_fa3.ops import Impl
@@ -97,14 +98,7 @@ def test_schedule_planned_inside_a_graph_follows_new_lengths():
         sched = _schedule(case)
         return [ops.flash_attn_with_kvcache(*args, **case.kwargs, schedule=sched, impl="fa3") for _ in range(3)]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)
     for new in ([1, 64, 65, 4096], [4000, 3, 129, 2], [2048] * 4):
         lens.copy_(torch.tensor(new, dtype=torch.int32))  # the cache holds valid rows up to cap for every request
         graph.replay()
