@@ -95,7 +95,7 @@ MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 
 # instead of FA3's scheduler kernel in every layer: measured 1.4-4.6 us faster per layer at bs 1-8 and 1.9-3.4 us
 # at bs 16 (but 2.0 us slower at 128 heads, bs 16, 64k), and 24-65 us SLOWER per layer at bs 64 (H200, page 64,
 # heads 16 / 128, 16k-128k; docs/perf/2026-12-04/session4/fa3_scheduler_metadata.txt)
-FA3_STEP_SCHEDULE_MAX_BATCH = 16
+FA3_STEP_SCHEDULE_MAX_BATCH = 8
 # ... and ask FA3 for at most this many KV splits at >= FA3_FEW_SPLITS_HEADS heads and <= FA3_FEW_SPLITS_BATCH
 # requests: its heuristic fills the SMs (~60 splits at 128 heads, bs 1), but every split writes an [H, 512] fp32
 # partial that its combine reads back (256 KiB per split at 128 heads). 48 measured 2.1-4.6 us per layer faster at
