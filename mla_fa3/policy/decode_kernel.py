@@ -42,8 +42,10 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
   out, and the reason says so (split-KV is picked on evidence only; a missing time is never a gain).
 
 Offline check on the recorded sweeps (``evaluate_on_csv``; slowdown = picked kernel time / fastest
-measured kernel time, page-64 rows). session5/decode_whole_step: 32/32 within 5 % (worst 1.017x), split-KV picked
-at 16 heads bs 1 16k / 32k / 64k and bs 2 16k; leave-one-out over its own 32 rows: 32/32, worst 1.046x.
+measured kernel time, page-64 rows). 2026-12-04/session4/final/decode_whole_step (the table's small-batch rows:
+FA3 with its step schedule and split cap): 32/32 within 5 % (worst 1.011x), split-KV picked at 16 heads, bs 1-2
+(16k-128k) and bs 4 (16k-32k); leave-one-out over its own 32 rows: 32/32, worst 1.035x. (session5/decode_whole_step,
+the table before: 32/32, worst 1.017x; leave-one-out worst 1.046x.)
 decode_2026-12-02_run1 (kernels alone): 174/178 scored rows within 5 %, worst 1.159x — the misses are shapes the
 whole-step sweep re-measured, where the table follows the whole step by design; the 2 rows where split-KV is picked
 have no split-KV time there (not scored); leave-one-out over its 180 rows: 172/180 within 5 %, 177/180 within
