@@ -2,7 +2,7 @@
 
 ``python -m mla_fa3.bench.fa3_schedule``. FA3 launches a scheduler kernel
 (per-request split counts from the live lengths) in front of every ``flash_attn_with_kvcache`` call unless it
-is handed that schedule (``ops.get_fa3_schedule``, which the backend plans once per step at <= 16 requests).
+is handed that schedule (``ops.get_fa3_schedule``, which the backend plans once per step at <= 8 requests).
 Per shape (heads H, batch bs, context L, page 64, equal lengths, DeepSeek-V3 latent 512 + 64, bf16, one query
 token, varlen q as the backend passes it), the same R layer copies of the cache run in one CUDA graph:
 

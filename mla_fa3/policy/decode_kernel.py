@@ -94,15 +94,15 @@ MAX_DISTANCE = 3.0  # farther than this (log2 units) from every measured shape: 
 TIE_DISTANCE = 0.05  # shapes this close to the nearest distance are equally near (gains averaged)
 MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 mean of equal lengths)
 # FA3 decode steps of at most this many requests plan FA3's tile schedule once per step (ops.get_fa3_schedule)
-# instead of FA3's scheduler kernel in every layer: measured 1.4-4.6 us faster per layer at bs 1-8 and 1.9-3.4 us
-# at bs 16 (but 2.0 us slower at 128 heads, bs 16, 64k), and 24-65 us SLOWER per layer at bs 64 (H200, page 64,
-# heads 16 / 128, 16k-128k; docs/perf/2026-12-04/session4/fa3_scheduler_metadata.txt)
+# instead of FA3's scheduler kernel in every layer: measured 0.7-3.9 us faster per layer at bs 1-8, +2.7 / +3.4 us
+# at bs 16, 16k but -3.4 / -9.4 us at bs 16, 64k, and 21-66 us SLOWER per layer at bs 64 (H200, page 64, heads
+# 16 / 128; python -m mla_fa3.bench.fa3_schedule, docs/perf/2026-12-04/session4/final/fa3_schedule.md)
 FA3_STEP_SCHEDULE_MAX_BATCH = 8
 # ... and ask FA3 for at most this many KV splits at >= FA3_FEW_SPLITS_HEADS heads and <= FA3_FEW_SPLITS_BATCH
 # requests: its heuristic fills the SMs (~60 splits at 128 heads, bs 1), but every split writes an [H, 512] fp32
 # partial that its combine reads back (256 KiB per split at 128 heads). 48 measured 2.1-4.6 us per layer faster at
-# 128 heads, bs 1, 16k-64k (2.1 us slower at 128k), within -1.2 / +0.1 us at bs 2; never better at 16 heads or at
-# bs >= 4 (same file)
+# 128 heads, bs 1, 16k-64k (2.1 us slower at 128k), within -1.2 / +0.2 us at bs 2; never better at 16 heads or at
+# bs >= 4 (same file, and session4/fa3_scheduler_metadata.txt)
 FA3_FEW_SPLITS = 48
 FA3_FEW_SPLITS_HEADS = 128
 FA3_FEW_SPLITS_BATCH = 2
