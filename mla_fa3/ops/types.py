@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -82,13 +82,12 @@ class FlashMLASchedule:
         return self
 
 
-@dataclass(frozen=True)
-class FA3ScheduleKey:
+class FA3ScheduleKey(NamedTuple):
     """The host-side shape of the ``flash_attn_with_kvcache`` calls an :class:`FA3Schedule` serves.
 
     FA3 checks only the size of the scheduler metadata it is given; a schedule planned for another head
     count, page-table width, query length or window would be read as if it fitted. The ops layer compares
-    every call's key with its schedule's before any kernel runs."""
+    every call's key with its schedule's before any kernel runs (a tuple: cheap to build and compare per call)."""
 
     batch_size: int
     max_seqlen_q: int  # new query tokens per request (q's dim 1 batched; max_seqlen_q varlen)

@@ -145,7 +145,7 @@ def _check_fa3_schedule(schedule, key: FA3ScheduleKey, cache_seqlens, cu_seqlens
         raise ValueError(f"schedule was planned by {schedule.impl.value}, but this call runs {impl.value}")
     if schedule.key != key:
         diff = [f"{name}={getattr(key, name)!r} (schedule: {getattr(schedule.key, name)!r})"
-                for name in FA3ScheduleKey.__dataclass_fields__ if getattr(key, name) != getattr(schedule.key, name)]
+                for name in FA3ScheduleKey._fields if getattr(key, name) != getattr(schedule.key, name)]
         raise ValueError("schedule was planned for another call: " + ", ".join(diff))
     for name, got, planned in (("cache_seqlens", cache_seqlens, schedule.cache_seqlens),
                                ("cu_seqlens_q", cu_seqlens_q, schedule.cu_seqlens_q)):
