@@ -177,7 +177,7 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     if schedule is None:
         raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
                          f"before running the {name} decode kernel")
-    if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
+    if not layer.is_plain:
         raise ValueError(f"layer {layer.layer_id}: {name} has no softcap / window / local attention; use FA3")
     T, H = q_nope.shape[0], layer.num_heads
     r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim

@@ -402,7 +402,7 @@ def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int],
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:
     """The layers the FP8 readers (FlashMLA FP8, split-KV, the MHA prefill) cannot serve raise (before anything
     is stored)."""
-    if layer.logit_cap > 0 or layer.sliding_window >= 0 or layer.use_local_attention:
+    if not layer.is_plain:
         raise ValueError(f"layer {layer.layer_id}: an FP8 latent pool is read by FlashMLA FP8, split-KV and the MHA "
                          "prefill only, which have no softcap / sliding window / local attention")
     if plan.num_heads is not None and layer.num_heads != plan.num_heads:

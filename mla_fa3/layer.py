@@ -239,6 +239,12 @@ class AttentionLayer:
         return self.kind is LayerKind.CROSS
 
     @property
+    def is_plain(self) -> bool:
+        """No softcap, sliding window or local attention: what FlashMLA, split-KV, the FP8 readers and FA3's step
+        schedule serve (other layers run the absorbed path on FA3, planning per call)."""
+        return self.logit_cap == 0 and self.sliding_window < 0 and not self.use_local_attention
+
+    @property
     def window_size(self) -> tuple[int, int]:
         """The kernels' (left, right) window: (sliding_window, 0) or (-1, -1) when there is none."""
         return (self.sliding_window, 0) if self.sliding_window >= 0 else (-1, -1)

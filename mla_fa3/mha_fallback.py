@@ -134,7 +134,7 @@ def select_region(layer: AttentionLayer, metadata: AttentionMetadata) -> KVRegio
                              "step from a batch with encoder_lens")
         return KVRegion(enc.page_table, enc.cache_seqlens, metadata.cu_seqlens_q, metadata.max_seqlen_q,
                         causal=False, window_size=(-1, -1))
-    window = (layer.sliding_window, 0) if layer.sliding_window >= 0 else (-1, -1)
+    window = layer.window_size
     if layer.use_local_attention:
         local = metadata.local
         if local is None:

@@ -110,8 +110,7 @@ class StepPlan:
 
     def route(self, layer: AttentionLayer) -> tuple[AttentionPath, DecodeKernel]:
         """(path, kernel) of ``layer`` in this step: the plan's, unless the layer needs what they lack."""
-        plain = layer.logit_cap == 0 and layer.sliding_window < 0 and not layer.use_local_attention
-        if not plain:
+        if not layer.is_plain:
             return AttentionPath.ABSORBED, DecodeKernel.FA3
         if self.prefill is not None:
             return self.path, self.kernel
@@ -126,8 +125,7 @@ class StepPlan:
             return self.splitkv_schedule
         if kernel is DecodeKernel.FLASHMLA:
             return self.flashmla_schedule
-        plain = layer.logit_cap == 0 and layer.sliding_window < 0 and not layer.use_local_attention
-        return self.fa3_schedule if plain and layer.num_heads == self.num_heads else None
+        return self.fa3_schedule if layer.is_plain and layer.num_heads == self.num_heads else None
 
     def check_batch(self, batch: ForwardBatch) -> None:
         """Raise ValueError unless ``batch`` is the batch this plan was made for (host values only)."""
