@@ -258,7 +258,7 @@ class StepPlanner:
         ``lens_cpu`` None (a capture): every request at ``max_seqlen_k``, sized for any plan of this batch
         size (a replay re-plans it on the device: :meth:`replan_splitkv`)."""
         sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
-        kw = dict(num_heads=self.num_heads, num_q_tokens=sq, page_size=self.page_size)
+        kw = dict(num_heads=self.num_heads, num_q_tokens=sq, page_size=self.page_size, kv_fp8=self.kv_fp8)
         if lens_cpu is None:
             bs = metadata.batch_size
             return ops.get_splitkv_schedule([max(metadata.max_seqlen_k, 1)] * bs, **kw, device=self.device,

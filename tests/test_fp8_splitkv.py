@@ -22,6 +22,7 @@ from mla_fa3 import ops
 from mla_fa3.backend import MLABackend
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool
+from mla_fa3.ops.splitkv_config import E4M3_CONFIG_TABLE
 from mla_fa3.policy import fp8_decode, kernel_choice
 from mla_fa3.policy.fp8_decode import MeasuredFP8, choose_fp8_decode_kernels, explain_fp8_decode_kernel
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel
@@ -49,6 +50,7 @@ def test_every_mode_on_split_kv_matches_the_oracle_with_an_exact_query(name, pag
     plan = backend.step_plan
     if rec.path is AttentionPath.ABSORBED:  # decode-like steps, and an extend whose rows are all decode rows
         assert rec.kernel == "splitkv" and plan.kernel is SKV and plan.splitkv_schedule is not None
+        assert plan.splitkv_schedule.config in E4M3_CONFIG_TABLE.values()  # planned with the e4m3 table
     elif plan.prefill.split is not None:  # the decode rows of a mixed step: split-KV too
         assert plan.kernel is SKV and plan.splitkv_schedule is not None and plan.flashmla_schedule is None
         assert "decode rows: " in rec.reason and ("splitkv" in rec.reason or "split-KV" in rec.reason)

@@ -160,6 +160,47 @@ def test_config_table_nearest_row_of_the_head_class_and_the_schedule_carries_it(
         ops.get_splitkv_schedule([5], num_heads=16, page_size=64, config="fast")
 
 
+def test_an_e4m3_cache_plans_with_the_e4m3_table():
+    """``kv_fp8``: the schedule carries E4M3_CONFIG_TABLE's row (the two tables differ in the latent chunks)."""
+    from mla_fa3.ops.splitkv_config import CONFIG_TABLE, E4M3_CONFIG_TABLE
+
+    for heads, bs, ctx in [(16, 1, 65536), (16, 4, 16384), (128, 2, 32768)]:
+        e4m3 = ops.get_splitkv_schedule([ctx] * bs, num_heads=heads, page_size=64, kv_fp8=True).config
+        plain = ops.get_splitkv_schedule([ctx] * bs, num_heads=heads, page_size=64).config
+        assert e4m3 == choose_config(heads, bs, ctx, E4M3_CONFIG_TABLE)
+        assert plain == choose_config(heads, bs, ctx, CONFIG_TABLE)
+    with pytest.raises(TypeError, match="^kv_fp8 must be a bool"):
+        ops.get_splitkv_schedule([5], num_heads=16, page_size=64, kv_fp8=1)
+
+
+@pytest.mark.parametrize("dv,rows,chunks,expect", [
+    (512, 16, 4, 4), (512, 16, 2, 2), (512, 32, 4, 4),
+    (512, 64, 4, 1),  # wgmma (>= 64 rows): one dot
+    (64, 16, 4, 1),  # 16 columns per chunk: too narrow
+    (64, 16, 2, 2), (96, 16, 2, 1),  # not a power of two: the tile is padded, chunks would split the padding
+    (512, 16, 1, 1)])
+def test_latent_chunks_apply_to_whole_narrow_chunks_only(dv, rows, chunks, expect):
+    from mla_fa3.ops.splitkv_config import latent_chunks
+
+    assert latent_chunks(KernelConfig(latent_chunks=chunks), dv, rows) == expect
+    for bad in (3, 8, 0):
+        with pytest.raises(ValueError, match="^latent_chunks must be 1, 2 or 4"):
+            KernelConfig(latent_chunks=bad)
+    assert KernelConfig(latent_chunks=4).label().endswith("-c4") and "-c" not in KernelConfig().label()
+
+
+def test_bench_ab_spec_parses_each_field_and_refuses_bad_ones():
+    from mla_fa3.bench.splitkv import parse_ab
+
+    assert parse_ab("latent_chunks") == ("latent_chunks", (1, 2, 4))
+    assert parse_ab("latent_chunks=1,2") == ("latent_chunks", (1, 2))
+    assert parse_ab("pdl") == ("pdl", (True, False)) and parse_ab("pdl=off") == ("pdl", (False,))
+    with pytest.raises(ValueError, match="latent_chunks must be 1, 2 or 4"):
+        parse_ab("latent_chunks=3")
+    with pytest.raises(ValueError, match="is not one of"):
+        parse_ab("block_n=16")
+
+
 def test_schedule_copy_refuses_what_does_not_fit():
     dst = SplitKVSchedule.empty(max_batch=2, capacity=4)
     with pytest.raises(ValueError, match="^other has 6 splits"):
@@ -418,7 +459,14 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp8kv_bf16_page16": ((33, 5, 64), 1, 4, 16, "bfloat16", "kv", False),
     "fp8kv_bf16_q_times_1e5": ((33, 5, 64), 1, 4, 16, "bfloat16", "kv", False),
     "fp8kv_bf16_q_times_1e-6": ((33, 5, 64), 2, 4, 16, "bfloat16", "kv", False),
+    # q·kᵀ over latent chunks (KernelConfig.latent_chunks; a wider latent so that each chunk holds >= 32 columns)
+    "fp32_r128_chunks4_verify_sq2": ((40, 97, 1), 2, 4, 16, "float32", False, False),
+    "fp16_r64_chunks2_padded": ((63, 65, 129), 1, 4, 64, "float16", False, True),
+    "fp8_r128_chunks4": ((33, 70), 1, 4, 16, "float32", True, False),
+    "fp8kv_bf16_r128_chunks2_reload": ((33, 70, 5), 1, 4, 16, "bfloat16", "kv", False),
 }
+LATENT_WIDTH = {"fp32_r128_chunks4_verify_sq2": 128, "fp16_r64_chunks2_padded": 64, "fp8_r128_chunks4": 128,
+                "fp8kv_bf16_r128_chunks2_reload": 128}  # r of the case (default 32)
 Q_SCALE = {"fp8kv_bf16_q_times_1e5": 1e5, "fp8kv_bf16_q_times_1e-6": 1e-6}  # q multiplied by this (oracle too)
 INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choice)
     "fp32_page64_block64_spans_end": dict(block_n=64),
@@ -426,6 +474,10 @@ INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choi
     "fp8_page64_block16_reload": dict(block_n=16, reload_kv=True),
     "fp8kv_fp16_page64_padded_reload": dict(block_n=16, reload_kv=True, half_partials=True),
     "fp32_page16_block64_gather": dict(block_n=64, num_stages=3),
+    "fp32_r128_chunks4_verify_sq2": dict(latent_chunks=4),
+    "fp16_r64_chunks2_padded": dict(latent_chunks=2, half_partials=True),
+    "fp8_r128_chunks4": dict(latent_chunks=4, block_n=16),
+    "fp8kv_bf16_r128_chunks2_reload": dict(latent_chunks=2, reload_kv=True),
 }
 
 
@@ -452,6 +504,8 @@ def test_sweep_prints_a_config_table_that_pastes_back_to_the_same_configs():
     ns = {"KernelConfig": KernelConfig}
     exec(config_table(best, winners), ns)
     assert ns["CONFIG_TABLE"] == {(16, 1, 65536): winners["a"], (128, 4, 32768): winners["b"]}
+    exec(config_table(best, winners, fp8=True), ns)  # the e4m3 sweep prints the e4m3 table
+    assert ns["E4M3_CONFIG_TABLE"] == ns["CONFIG_TABLE"]
 
 def test_op_with_the_rope_part_apart_matches_the_oracle():
     c, args, kw, dense = _op_args(heads=4, sq=2, lens=(1, 17, 33), page=1)
@@ -496,7 +550,7 @@ def _interpreter_run() -> dict:
         dt = getattr(torch, dtype)
         cfg = KernelConfig(**INTERPRETER_CONFIGS[name]) if name in INTERPRETER_CONFIGS else None
         c, args, kw, dense = _op_args(heads=heads, sq=sq, lens=lens, page=page, dtype=dt, fp8=fp8,
-                                      num_sms=(sms or [4])[0], config=cfg)
+                                      num_sms=(sms or [4])[0], config=cfg, r=LATENT_WIDTH.get(name, 32))
         if name in Q_SCALE:  # a q far outside fp16's range (or deep in its subnormals): the rescale keeps it exact
             args[0] = (args[0].double() * Q_SCALE[name]).to(dt)
             dense = [(args[0][b].double(), kv_b) for b, (_, kv_b) in enumerate(dense)]

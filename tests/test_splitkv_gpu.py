@@ -152,6 +152,10 @@ SWITCHES = {
     "n32_w8_m32_half": KernelConfig(block_n=32, num_warps=8, num_stages=3, max_rows=32, half_partials=True),
     "n32_s2_reg128_half": KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True,
                                        max_registers=128),
+    # q·kᵀ as 2 or 4 independent dots over latent chunks (P·V and the output chunked alike)
+    "n32_s3_half_chunks2": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=2),
+    "n32_s3_half_chunks4": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=4),
+    "n16_w8_reload_chunks4": KernelConfig(block_n=16, num_warps=8, num_stages=4, reload_kv=True, latent_chunks=4),
 }
 
 
@@ -192,6 +196,9 @@ E4M3_READS = {
     "n64_w8_bf16q_verify_sq2": (KernelConfig(block_n=64, num_warps=8, num_stages=2, waves=1.0), "kv", 2),
     "n32_s2_reg168_bf16q": (KernelConfig(block_n=32, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
                             "kv", 1),
+    "n32_w4_bf16q_chunks2": (KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=2), "kv", 1),
+    "n32_w4_bf16q_chunks4_verify_sq2": (KernelConfig(block_n=32, num_stages=3, latent_chunks=4), "kv", 2),
+    "n16_w4_e4m3q_chunks4": (KernelConfig(block_n=16, num_stages=4, latent_chunks=4), True, 1),
 }
 
 

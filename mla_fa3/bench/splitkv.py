@@ -11,8 +11,8 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
     flashmla  ops.flash_mla_with_kvcache (tile schedule planned once, outside the graph)
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
 
-``--ab FIELD``: every shape twice, the table's config with a boolean ``KernelConfig`` field on and off, side by side
-(``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``).
+``--ab FIELD[=V1,V2,...]``: every shape once per value of a ``KernelConfig`` field on the table's config, side by side
+(``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``: on and off; ``latent_chunks``: 1, 2, 4).
 
 ``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
 registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
@@ -105,7 +105,23 @@ SWEEP_WIDE = (
 )
 
 
-AB_FIELDS = ("pdl", "half_partials", "reload_kv")  # KernelConfig's switches (--ab)
+# KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
+AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
+             "latent_chunks": (1, 2, 4)}
+
+
+def parse_ab(spec: str) -> tuple[str, tuple]:
+    """``FIELD`` (its default values) or ``FIELD=V1,V2,...`` -> (field, values); a bad spec raises ValueError."""
+    field, _, values = spec.partition("=")
+    if field not in AB_FIELDS:
+        raise ValueError(f"--ab: {field!r} is not one of {sorted(AB_FIELDS)}")
+    if not values:
+        return field, AB_FIELDS[field]
+    kind = type(AB_FIELDS[field][0])
+    parsed = tuple((v.strip().lower() in ("1", "true", "on")) if kind is bool else kind(v) for v in values.split(","))
+    for v in parsed:
+        KernelConfig().with_(**{field: v})  # each value a valid config (KernelConfig checks it)
+    return field, parsed
 
 
 def sweep_candidates(heads: int, fp8: bool = False) -> Sequence[KernelConfig]:
@@ -160,7 +176,7 @@ def splitkv_fn(shape: Shape, q: torch.Tensor, config: Optional[KernelConfig]):
     from mla_fa3.ops import splitkv_triton as kt
 
     sched = ops.get_splitkv_schedule([shape.ctx] * shape.bs, num_heads=q.shape[2], page_size=PAGE,
-                                     device=shape.device, config=config)
+                                     device=shape.device, config=config, kv_fp8=shape.fp8)
     calls = [validate.check_splitkv(q, kv, table, shape.seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
                                     causal=True, descale_q=None, descale_k=shape.descale_k, impl=ops.Impl.TRITON)
              for kv, table in shape.copies]
@@ -205,7 +221,8 @@ def check_correctness(device: torch.device, configs: Sequence[tuple] = (), fp8: 
     worst = 1.0
     for heads, cfg in [(16, None), (128, None), *configs]:
         q = shape.queries(heads)
-        sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=PAGE, device=device, config=cfg)
+        sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=PAGE, device=device, config=cfg,
+                                         kv_fp8=fp8)
         kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, descale_k=shape.descale_k)
         out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="triton")
         ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, shape.seqlens, **kw, impl="reference")
@@ -306,9 +323,10 @@ def best_per_shape(rows: Sequence[Row]) -> dict:
     return best
 
 
-def config_table(best: dict, configs: dict) -> str:
-    """The ``CONFIG_TABLE`` literal of ``ops/splitkv_config.py`` holding the best config of each shape."""
-    lines = ["CONFIG_TABLE: dict = {"]
+def config_table(best: dict, configs: dict, fp8: bool = False) -> str:
+    """The ``CONFIG_TABLE`` (``fp8``: ``E4M3_CONFIG_TABLE``) literal of ``ops/splitkv_config.py`` holding the best
+    config of each shape."""
+    lines = [f"{'E4M3_CONFIG_TABLE' if fp8 else 'CONFIG_TABLE'}: dict = {{"]
     for key, row in sorted(best.items()):
         c = configs[row.variant]
         args = ", ".join(f"{f.name}={getattr(c, f.name)!r}" for f in fields(c))
@@ -324,7 +342,7 @@ def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], qu
     print(markdown(rows))
     best = best_per_shape(rows)
     known = {c.label(): c for c in SWEEP_NARROW + SWEEP_NARROW_E4M3 + SWEEP_WIDE}
-    table = config_table(best, known)
+    table = config_table(best, known, fp8)
     print(table)
     winners = [run([key], lambda h, bs, ctx, c=known[r.variant]: [c], device=device, iters=iters, peers=True,
                    quiet=True, fp8=fp8)[0] for key, r in best.items()]
@@ -353,13 +371,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-rows", type=int)
     p.add_argument("--half-partials", action="store_true")
     p.add_argument("--reload-kv", action="store_true")
-    p.add_argument("--ab", choices=AB_FIELDS,
-                   help="each shape twice, the table's config with this KernelConfig switch on and off")
+    p.add_argument("--latent-chunks", type=int, choices=(1, 2, 4))
+    p.add_argument("--ab", metavar="FIELD[=V1,V2]",
+                   help=f"each shape once per value of a KernelConfig field on the table's config ({sorted(AB_FIELDS)})")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    try:
+        ab = parse_ab(a.ab) if a.ab else None
+    except ValueError as exc:
+        p.error(str(exc))
     if not torch.cuda.is_available():
         print("splitkv bench: needs a CUDA GPU (the Triton kernel and FA3 run only there)", file=sys.stderr)
         return 2
@@ -369,8 +392,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.sweep else []
     if a.sweep and a.fp8:
         checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2]
-    if a.ab:  # both sides of the switch checked before either is timed
-        checks += [(h, choose_config(h, 1, 65536).with_(**{a.ab: v})) for h in (16, 128) for v in (True, False)]
+    if ab:  # every side of the switch checked before any is timed
+        checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**{ab[0]: v})) for h in (16, 128)
+                   for v in ab[1]]
     if not a.no_check and check_correctness(device, checks, a.fp8) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
         return 1
@@ -379,15 +403,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     shapes = list(QUICK_SHAPES) if a.quick else [(h, bs, ctx) for h in a.heads for bs in a.batch for ctx in a.context]
     flags = dict(block_n=a.block_n, num_warps=a.num_warps, num_stages=a.num_stages, waves=a.waves,
-                 max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None)
+                 max_rows=a.max_rows, half_partials=a.half_partials or None, reload_kv=a.reload_kv or None,
+                 latent_chunks=a.latent_chunks)
     flags = {k: v for k, v in flags.items() if v is not None}
     fixed = [KernelConfig(**flags)] if flags else [None]  # None: the table's choice per shape
 
     def configs(h, bs, ctx):
-        if not a.ab:
+        if not ab:
             return fixed
-        table = choose_config(h, bs, ctx)
-        return [table.with_(**{a.ab: True}), table.with_(**{a.ab: False})]
+        table = choose_config(h, bs, ctx, kv_fp8=a.fp8)
+        return [table.with_(**{ab[0]: v}) for v in ab[1]]
 
     rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
     print(markdown(rows))

@@ -6,10 +6,11 @@ twice) plus the planner's ``waves`` (programs per SM the split count aims for). 
 config it was planned with (``SplitKVSchedule.config``), so the kernel launch and the split count
 always agree; a CUDA graph keeps the config it was captured with.
 
-``choose_config(heads, bs, ctx)`` reads :data:`CONFIG_TABLE`: measured rows ``(heads, bs, ctx) ->
-config`` (``python -m mla_fa3.bench.splitkv --sweep`` prints a fresh table to paste here). The row of
-the same head class (<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx)
-wins. Pure host code: no triton import.
+``choose_config(heads, bs, ctx, kv_fp8=)`` reads :data:`CONFIG_TABLE` (a bf16 / fp16 cache) or
+:data:`E4M3_CONFIG_TABLE` (an e4m3 cache): measured rows ``(heads, bs, ctx) -> config`` (``python -m
+mla_fa3.bench.splitkv --sweep [--fp8]`` prints a fresh table to paste here). The row of the same head class
+(<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx) wins. Pure host code: no
+triton import.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-__all__ = ["KernelConfig", "CONFIG_TABLE", "choose_config", "MAX_BLOCK_N"]
+__all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS", "latent_chunks"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
+NARROW_ROWS = 64  # fewer rows (heads x query tokens) per program than this: the dots run as mma.sync, else wgmma
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class KernelConfig:
     pdl           programmatic dependent launch of both phases (CUDA sm_90+; elsewhere they launch in order)
     max_registers registers per thread phase 1 is compiled to (``maxnreg``; None: the compiler's choice): fewer
                   registers fit more programs on an SM (with few stages, shared memory allows up to 4)
+    latent_chunks q·kᵀ over the latent as this many column chunks (1, 2 or 4), each its own dot: under mma.sync
+                  (< 64 rows) one dot is a chain of dependent mma per warp (36 for DeepSeek's 512 + 64 columns),
+                  chunks make independent chains; P·V and the output are chunked alike. Applies when the latent
+                  width is a power of two of at least 32 columns per chunk, at < 64 rows; else 1
     """
 
     block_n: int = 32
@@ -49,6 +55,7 @@ class KernelConfig:
     reload_kv: bool = False
     pdl: bool = True
     max_registers: Optional[int] = None
+    latent_chunks: int = 1
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -58,12 +65,15 @@ class KernelConfig:
         if self.max_registers is not None and not (isinstance(self.max_registers, int) and 64 <= self.max_registers
                                                    <= 255 and self.max_registers % 8 == 0):
             raise ValueError(f"max_registers must be None or a multiple of 8 in [64, 255], got {self.max_registers}")
+        if self.latent_chunks not in (1, 2, 4):
+            raise ValueError(f"latent_chunks must be 1, 2 or 4, got {self.latent_chunks}")
         if self.num_warps not in (None, 2, 4, 8, 16) or self.num_stages < 1 or not self.waves > 0:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
 
     def label(self) -> str:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
-                 + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else ""))
+                 + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
+                 + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 
@@ -71,23 +81,44 @@ class KernelConfig:
         return replace(self, **kw)
 
 
-# (heads, bs, ctx) -> config; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep`` on 2026-12-03, the
-# 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now pay), programmatic
-# dependent launch A/B-tested per shape on 2026-12-04 (on at 16 heads, off at 128: docs/PERFORMANCE.md). The time of
-# each shape's winner in the comment; docs/PERFORMANCE.md has the peers' times.
+# (heads, bs, ctx) -> config for a bf16 / fp16 cache; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep``
+# on 2026-12-03, the 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now
+# pay), programmatic dependent launch A/B-tested per shape on 2026-12-04 (on at 16 heads, off at 128), the latent
+# chunks on 2026-12-05 (``--ab latent_chunks``: 4 at 16 heads; docs/PERFORMANCE.md). The time of each shape's winner
+# in the comment; docs/PERFORMANCE.md has the peers' times.
 CONFIG_TABLE: dict = {
-    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 30.7 us
-    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 84.2 us
-    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True),  # 48.9 us
+    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=4),  # 30.4 us
+    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=4),  # 82.8 us
+    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=4),  # 48.1 us
     (128, 1, 16384): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False, pdl=False),  # 34.3 us
     (128, 2, 32768): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=1.0, half_partials=False, reload_kv=False, pdl=False),  # 91.9 us
     (128, 4, 65536): KernelConfig(block_n=64, num_warps=8, num_stages=2, max_rows=64, waves=2.0, half_partials=False, reload_kv=True, pdl=False),  # 306.6 us
 }
+# (heads, bs, ctx) -> config for an e4m3 cache: the sweeps over e4m3 (``bench.splitkv --sweep --fp8``, 2026-12-04) chose
+# the bf16 rows' configs; the latent chunks A/B on e4m3 (``--fp8 --ab latent_chunks``, 2026-12-05) 2 at 16 heads (4 is
+# slower there: each chunk's tile is converted apart). The 128-head rows are CONFIG_TABLE's (wgmma: no chunks).
+E4M3_CONFIG_TABLE: dict = {
+    (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=2),  # 33.5 us
+    (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=2),  # 100.4 us
+    (16, 4, 32768): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=2),  # 33.8 / 101.0 us at bs 4, 16k / 64k
+    **{key: config for key, config in CONFIG_TABLE.items() if key[0] > WIDE_HEADS},
+}
 
 
-def choose_config(heads: int, bs: int, ctx: int, table: Optional[dict] = None) -> KernelConfig:
-    """The table's config for (heads, bs, ctx): same head class, nearest in (log2 bs, log2 ctx)."""
-    table = CONFIG_TABLE if table is None else table
+def latent_chunks(config: KernelConfig, head_dim_v: int, rows: int) -> int:
+    """The latent chunks phase 1 runs with: ``config.latent_chunks`` where each chunk is a whole power-of-two
+    block of >= 32 columns and the dots run as mma.sync (``rows`` < NARROW_ROWS), else 1 (wgmma chains itself)."""
+    whole = head_dim_v >= 16 and head_dim_v & (head_dim_v - 1) == 0
+    if rows < NARROW_ROWS and whole and head_dim_v // config.latent_chunks >= 32:
+        return config.latent_chunks
+    return 1
+
+
+def choose_config(heads: int, bs: int, ctx: int, table: Optional[dict] = None, *, kv_fp8: bool = False) -> KernelConfig:
+    """The table's config for (heads, bs, ctx): same head class, nearest in (log2 bs, log2 ctx). ``table`` None:
+    :data:`E4M3_CONFIG_TABLE` for an e4m3 cache (``kv_fp8``), else :data:`CONFIG_TABLE`."""
+    if table is None:
+        table = E4M3_CONFIG_TABLE if kv_fp8 else CONFIG_TABLE
     wide = heads > WIDE_HEADS
     rows = [(k, v) for k, v in table.items() if (k[0] > WIDE_HEADS) == wide] or list(table.items())
     if not rows:

@@ -219,11 +219,12 @@ class SplitKVSchedule:
 def plan_schedule(
     seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
     num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = MIN_SPLIT_TOKENS,
-    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
+    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None, kv_fp8: bool = False,
 ) -> SplitKVSchedule:
     """Validate the host arguments, plan (``plan_splits``) and build the schedule (``ops.get_splitkv_schedule``).
 
-    ``config`` None: ``choose_config(num_heads, len(seqlens), max(seqlens))``; ``waves`` None: the config's."""
+    ``config`` None: ``choose_config(num_heads, len(seqlens), max(seqlens), kv_fp8=kv_fp8)``; ``waves`` None: the
+    config's."""
     from . import _checks as chk
 
     if isinstance(seqlens, torch.Tensor):
@@ -242,8 +243,10 @@ def plan_schedule(
         raise ValueError(f"max_batch must be >= len(seqlens) = {len(seqlens)}, got {max_batch}")
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
+    if not isinstance(kv_fp8, bool):
+        raise TypeError(f"kv_fp8 must be a bool, got {type(kv_fp8).__name__}")
     if config is None:
-        config = choose_config(num_heads, max(1, len(seqlens)), max(list(seqlens) + [1]))
+        config = choose_config(num_heads, max(1, len(seqlens)), max(list(seqlens) + [1]), kv_fp8=kv_fp8)
     if waves is not None:
         if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not waves > 0:
             raise ValueError(f"waves must be a positive number, got {waves!r}")

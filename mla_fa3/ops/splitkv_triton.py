@@ -53,6 +53,11 @@ split); ``reload_kv`` loads the latent tile a second time for P·V (an L2 hit: t
 evict-last), so that each load feeds a single dot — the compiler can then stage each in shared memory for its
 one consumer. The
 c_kv tile otherwise serves both ``q_lat @ c_kvᵀ`` and ``p @ c_kv`` (the absorbed trick: V = the same rows).
+``latent_chunks`` (2 or 4, at < 64 rows) loads the latent tile as that many column chunks and runs q·kᵀ as one
+dot per chunk, summed after scaling: under mma.sync each warp's share of one dot is a single chain of dependent
+mma (32 + 4 for DeepSeek's 512 + 64 columns, read off the SASS), chunks make 2 or 4 independent chains the
+scheduler interleaves (a plain sum of dots would be folded back into one chain by the compiler, hence the scaling
+first). P·V and the partial output are chunked alike (the chunks of ``acc`` are independent already).
 
 Pipelining (Triton 3.6, sm_90; read off the compiled TTGIR): ``num_stages`` buffers the tile loads as
 asynchronous copies into shared memory only if (1) their addresses depend on no load of the same
@@ -94,7 +99,7 @@ import triton
 import triton.language as tl
 
 from .calls import FlashMLACall
-from .splitkv_config import KernelConfig
+from .splitkv_config import NARROW_ROWS, KernelConfig, latent_chunks
 from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
 
 Tensor = torch.Tensor
@@ -155,7 +160,7 @@ def _splitkv_partial_kernel(
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
-    CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PDL: tl.constexpr,
+    CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PDL: tl.constexpr, CHUNKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
@@ -173,11 +178,12 @@ def _splitkv_partial_kernel(
         BLOCK_M: tl.constexpr = BLOCK_H * SQ_PAD
         EXACT_V: tl.constexpr = BLOCK_DV == DV
         EXACT_R: tl.constexpr = BLOCK_DR == DR
+        CW: tl.constexpr = BLOCK_DV // CHUNKS  # latent columns per chunk (CHUNKS > 1 only when EXACT_V)
         rows = tl.arange(0, BLOCK_M)
         qi = rows // BLOCK_H  # query token of the row
         hh = tile * BLOCK_H + rows % BLOCK_H  # head of the row
         row_ok = (qi < SQ) & (hh < H)
-        offs_v = tl.arange(0, BLOCK_DV)
+        offs_v = tl.arange(0, CW)
         offs_r = tl.arange(0, BLOCK_DR)
         offs_n = tl.arange(0, BLOCK_N)
         v_ok = offs_v < DV
@@ -186,10 +192,13 @@ def _splitkv_partial_kernel(
 
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
         qr_row = QR + b.to(tl.int64) * stride_qrb + qi * stride_qrs + hh * stride_qrh  # the rope part (may be apart)
-        q_lat = tl.load(q_row[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        q_lat = ()  # the latent part of q, CHUNKS column chunks (a tuple: one dot, and one dependent chain, each)
+        for c in tl.static_range(CHUNKS):
+            q_lat = q_lat + (tl.load(q_row[:, None] + c * CW + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :],
+                                     other=0.0),)
         q_pe = tl.load(qr_row[:, None] + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         if Q8:  # e4m3 q and cache (FlashMLA's FP8 contract): both exact in fp16
-            q_lat = q_lat.to(tl.float16)
+            q_lat = _chunks_to(q_lat, tl.float16, CHUNKS)
             q_pe = q_pe.to(tl.float16)
             scale_log2 = scale_log2 * tl.load(DescaleQ)
         elif KV8 and not IEEE:  # a bf16 / fp16 q over an e4m3 cache: the dots run in fp16 (e4m3 -> fp16 is one
@@ -197,13 +206,14 @@ def _splitkv_partial_kernel(
             # that the program's largest |q| lies in [2^13, 2^15) (a log2 rounded either way): no overflow, and
             # bf16's 8 significant bits fit fp16's 11 for every component within 2^27 of the largest; 2^k folds
             # into the score scale.
-            ql = q_lat.to(tl.float32)
             qp = q_pe.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.max(tl.abs(ql), 1), 0), tl.max(tl.max(tl.abs(qp), 1), 0))
+            amax = tl.max(tl.max(tl.abs(qp), 1), 0)
+            for c in tl.static_range(CHUNKS):
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q_lat[c].to(tl.float32)), 1), 0))
             big = amax > 0.0
             shift = tl.where(big, tl.floor(tl.log2(tl.where(big, amax, 1.0))) - 13.0, 0.0)
             pow2 = tl.exp2(shift)
-            q_lat = (ql / pow2).to(tl.float16)
+            q_lat = _chunks_over(q_lat, pow2, tl.float16, CHUNKS)
             q_pe = (qp / pow2).to(tl.float16)
             scale_log2 = scale_log2 * pow2
         if KV8:  # the cache's per-tensor scale folds into the scores (and into the output, in the combine)
@@ -212,7 +222,9 @@ def _splitkv_partial_kernel(
 
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        acc = ()
+        for c in tl.static_range(CHUNKS):
+            acc = acc + (tl.zeros([BLOCK_M, CW], tl.float32),)
         # the next block's page id is read one iteration ahead: the tile loads then depend on no load of their own
         # iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the page id
         # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
@@ -226,26 +238,19 @@ def _splitkv_partial_kernel(
                 page_next = _page_ids(PageTable, pt_row, n0 + BLOCK_N, end, offs_n, PAGE, CONTIG)
             else:
                 page = _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE, CONTIG)
-            c_kv = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
-                              0, PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else "")
+            c_kv = ()
+            for c in tl.static_range(CHUNKS):
+                c_kv = c_kv + (_load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
+                                          PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else ""),)
             k_pe = _load_tile(KV, page, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
                               DV, PAGE, BLOCK_N, CONTIG, EXACT_R, "")
-            # e4m3 -> fp16 in registers (exact; the scale is applied above). At < 64 rows transposed first: k_pe's
-            # load then keeps its asynchronous multi-buffered copy (converted first, its transpose is a register
-            # shuffle and the pipeliner leaves the load synchronous); c_kv, which P·V uses too, needs RELOAD as well
-            if NARROW:
-                c_kv_t = tl.trans(c_kv).to(q_lat.dtype)
-                k_pe_t = tl.trans(k_pe).to(q_lat.dtype)
-            else:  # wgmma stages the converted tile itself
-                c_kv_t = tl.trans(c_kv.to(q_lat.dtype))
-                k_pe_t = tl.trans(k_pe.to(q_lat.dtype))
-            if IEEE:
-                s = tl.dot(q_lat, c_kv_t, input_precision="ieee")
-                s = tl.dot(q_pe, k_pe_t, acc=s, input_precision="ieee")
-            else:
-                s = tl.dot(q_lat, c_kv_t)
-                s = tl.dot(q_pe, k_pe_t, acc=s)
+            # q·kᵀ: one dot per latent chunk, each its own chain of mma.sync (one chain of DV / 16 + DR / 16
+            # dependent mma per warp when CHUNKS = 1); the rope dot extends the last chunk's chain
+            s = _score_dot(q_lat[CHUNKS - 1], c_kv[CHUNKS - 1], q_lat[CHUNKS - 1].dtype, NARROW, IEEE)
+            s = _score_dot(q_pe, k_pe, q_pe.dtype, NARROW, IEEE, s)
             s = s * scale_log2
+            for c in tl.static_range(CHUNKS - 1):  # scaled before the sum: a sum of dots would fold into one chain
+                s += _score_dot(q_lat[c], c_kv[c], q_lat[c].dtype, NARROW, IEEE) * scale_log2
             keys = n0 + offs_n
             visible = (keys < end)[None, :]
             if CAUSAL:
@@ -256,27 +261,66 @@ def _splitkv_partial_kernel(
             alpha = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l = l * alpha + tl.sum(p, 1)
-            if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
-                v_blk = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs,
-                                   0, PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_first" if NARROW else "")
-            else:
-                v_blk = c_kv
-            v_blk = v_blk.to(q_lat.dtype)  # e4m3 -> q's dtype (no-op otherwise)
-            if IEEE:
-                acc = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc * alpha[:, None])
+            new_acc = ()
+            for c in tl.static_range(CHUNKS):
+                if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
+                    v_blk = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
+                                       PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_first" if NARROW else "")
+                else:
+                    v_blk = c_kv[c]
+                v_blk = v_blk.to(q_lat[c].dtype)  # e4m3 -> q's dtype (no-op otherwise)
+                if IEEE:
+                    a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None], input_precision="ieee")
+                else:
+                    a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None])
+                new_acc = new_acc + (a_c,)
+            acc = new_acc
             m = m_new
         if PDL:  # the keys are done: the combine may launch (its programs wait for this grid's writes); signalled at
             # the start instead, its waiting programs slowed phase 1 (docs/PERFORMANCE.md)
             tl.extra.cuda.gdc_launch_dependents()
 
         seen = l > 0.0
-        o = acc / tl.where(seen, l, 1.0)[:, None]
         lse2 = tl.where(seen, m + tl.log2(tl.where(seen, l, 1.0)), float("-inf"))
         o_ptr = PartO + slot.to(tl.int64) * stride_ow + qi * stride_os + hh * stride_oh
-        tl.store(o_ptr[:, None] + offs_v[None, :], o.to(PartO.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+        for c in tl.static_range(CHUNKS):
+            o = acc[c] / tl.where(seen, l, 1.0)[:, None]
+            tl.store(o_ptr[:, None] + c * CW + offs_v[None, :], o.to(PartO.dtype.element_ty),
+                     mask=row_ok[:, None] & v_ok[None, :])
         tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
+
+
+@triton.jit
+def _chunks_to(chunks, dtype: tl.constexpr, CHUNKS: tl.constexpr):
+    """Each tensor of a ``CHUNKS``-tuple converted to ``dtype``."""
+    out = ()
+    for c in tl.static_range(CHUNKS):
+        out = out + (chunks[c].to(dtype),)
+    return out
+
+
+@triton.jit
+def _chunks_over(chunks, divisor, dtype: tl.constexpr, CHUNKS: tl.constexpr):
+    """Each tensor of a ``CHUNKS``-tuple divided by ``divisor`` in fp32, then converted to ``dtype``."""
+    out = ()
+    for c in tl.static_range(CHUNKS):
+        out = out + ((chunks[c].to(tl.float32) / divisor).to(dtype),)
+    return out
+
+
+@triton.jit
+def _score_dot(q, k, dtype: tl.constexpr, NARROW: tl.constexpr, IEEE: tl.constexpr, acc=None):
+    """q · kᵀ (+ acc) for a key tile ``k [BLOCK_N, C]``, converted to q's ``dtype`` (e4m3 -> fp16 in registers;
+    exact). At < 64 rows transposed first: the load then keeps its asynchronous multi-buffered copy (converted
+    first, its transpose is a register shuffle and the pipeliner leaves the load synchronous); wgmma stages the
+    converted tile itself."""
+    if NARROW:
+        k_t = tl.trans(k).to(dtype)
+    else:
+        k_t = tl.trans(k.to(dtype))
+    if IEEE:
+        return tl.dot(q, k_t, acc=acc, input_precision="ieee")
+    return tl.dot(q, k_t, acc=acc)
 
 
 @triton.jit
@@ -391,6 +435,7 @@ def splitkv_mla_with_kvcache(
     # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
     # with page >= block_n every key block lies in one page
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
+    narrow = rows < NARROW_ROWS
     pdl = config.pdl and _pdl_capable(q.device)
     launch = dict(launch_pdl=True) if pdl else {}
     if config.max_registers is not None:
@@ -410,7 +455,8 @@ def splitkv_mla_with_kvcache(
         BLOCK_N=config.block_n, CAUSAL=call.causal, Q8=q8, KV8=kv8, IEEE=q.dtype == torch.float32,
         # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
-        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and rows < 64), NARROW=rows < 64, PDL=pdl,
+        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow, PDL=pdl,
+        CHUNKS=latent_chunks(config, dv, rows),
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None, pdl=pdl)

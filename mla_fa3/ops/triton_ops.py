@@ -87,7 +87,7 @@ def splitkv_available(device: Union[torch.device, str], impl: Optional[ImplLike]
 def get_splitkv_schedule(
     seqlens, *, num_heads: int, num_q_tokens: int = 1, page_size: int, device: Union[str, torch.device] = "cpu",
     num_sms: Optional[int] = None, waves: Optional[float] = None, min_split_tokens: int = 128,
-    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None,
+    max_batch: Optional[int] = None, config: Optional[KernelConfig] = None, kv_fp8: bool = False,
 ) -> SplitKVSchedule:
     """Plan the split-KV schedule of one decode step from the HOST lengths (``splitkv_plan.py``); no sync.
 
@@ -95,7 +95,8 @@ def get_splitkv_schedule(
     num_sms defaults to the SM count of ``device`` (of the current GPU for a host plan; 132 without CUDA). With ``max_batch`` the buffers fit
     any batch of <= max_batch requests planned with the same (num_heads, num_q_tokens, num_sms,
     waves). ``config``: the kernel's launch parameters (``KernelConfig``; None: the measured table's choice
-    for (num_heads, len(seqlens), max(seqlens))) — the schedule carries it to the kernel; ``waves``
+    for (num_heads, len(seqlens), max(seqlens)); the e4m3 table's when ``kv_fp8``, the cache being
+    ``float8_e4m3fn``) — the schedule carries it to the kernel; ``waves``
     overrides the config's. Not legal inside a CUDA graph: plan and ``SplitKVSchedule.copy_`` outside, then replay —
     or re-plan the captured schedule on the device with ``replan_splitkv_schedule`` (legal inside).
     """
@@ -105,6 +106,7 @@ def get_splitkv_schedule(
     return splitkv_plan.plan_schedule(
         seqlens, num_heads=num_heads, num_q_tokens=num_q_tokens, page_size=page_size, device=device,
         num_sms=num_sms, waves=waves, min_split_tokens=min_split_tokens, max_batch=max_batch, config=config,
+        kv_fp8=kv_fp8,
     )
 
 
