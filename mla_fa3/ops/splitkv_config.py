@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-__all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS", "latent_chunks"]
+__all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
+           "latent_chunks"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
