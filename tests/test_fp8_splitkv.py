@@ -207,3 +207,10 @@ def test_measured_fp8_rows_are_checked_and_read_from_a_bench_csv(tmp_path):
     table = fp8_decode.table_from_fp8_csv(str(path))
     assert len(table) == 1 and table[0].splitkv_gain == pytest.approx(50 / 30)
     assert "MeasuredFP8(16, 1, 65536, flashmla_ms=0.05, splitkv_ms=0.03" in fp8_decode.format_fp8_table(table)
+    newer = tmp_path / "fp8_new.csv"
+    newer.write_text("heads,batch,context,bf16_us,fp8_us,fp8_splitkv_us\n16,2,16384,40.0,42.0,36.0\n"
+                     "16,1,65536,60.0,52.0,26.0\n")
+    merged = fp8_decode.table_from_fp8_csvs([str(path), str(newer)])
+    assert [(m.batch_size, m.context, m.flashmla_ms, m.splitkv_ms) for m in merged] == \
+        [(1, 65536, 0.052, 0.026), (2, 16384, 0.042, 0.036)], "the later CSV's row replaces the shape, in its place"
+    assert merged[0].source.endswith("fp8_new.csv")

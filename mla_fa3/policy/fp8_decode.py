@@ -28,7 +28,9 @@ The choice (host arithmetic on host numbers, like ``policy.decode_kernel``):
 :data:`MEASURED_FP8` holds whole backend decode steps per layer (``mla-fa3 bench fp8 --out DIR``: the
 FP8 pool with FlashMLA FP8, q quantization included, against the FP8 pool with split-KV), not kernels
 alone: what the two paths cost differs outside the kernel. Regenerate it with
-``python -m mla_fa3.policy.fp8_decode --from-csv DIR/fp8.csv`` and paste the literal below.
+``python -m mla_fa3.policy.fp8_decode --from-csv OLD/fp8.csv --from-csv NEW/fp8.csv`` (oldest first: a shape that a
+later CSV measured replaces the earlier row whole, so both times of a row come from one run) and paste the
+literal below.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from mla_fa3.policy.decode_kernel import (HEADS_WEIGHT, MAX_DISTANCE, MIN_GAIN, 
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["MeasuredFP8", "MEASURED_FP8", "explain_fp8_decode_kernel", "choose_fp8_decode_kernels",
-           "fp8_splitkv_possible", "table_from_fp8_csv", "format_fp8_table", "main"]
+           "fp8_splitkv_possible", "table_from_fp8_csv", "table_from_fp8_csvs", "format_fp8_table", "main"]
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,16 @@ def table_from_fp8_csv(path: str) -> tuple[MeasuredFP8, ...]:
     return tuple(out)
 
 
+def table_from_fp8_csvs(paths: Sequence[str]) -> tuple[MeasuredFP8, ...]:
+    """Several bench CSVs merged, oldest first: a (heads, batch, context, skew) that a later CSV measured replaces
+    the earlier CSV's row (in its place: the order stays the first CSV's, new shapes appended)."""
+    merged: dict = {}
+    for path in paths:
+        for m in table_from_fp8_csv(path):
+            merged[(m.num_heads, m.batch_size, m.context, m.skew)] = m
+    return tuple(merged.values())
+
+
 def format_fp8_table(table: Sequence[MeasuredFP8]) -> str:
     """The ``MEASURED_FP8`` literal to paste into this module."""
     lines = ["MEASURED_FP8: tuple[MeasuredFP8, ...] = ("]
@@ -210,8 +222,9 @@ def format_fp8_table(table: Sequence[MeasuredFP8]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mla_fa3.policy.fp8_decode",
                                 description="Print the MEASURED_FP8 literal from a `mla-fa3 bench fp8 --out DIR` CSV")
-    p.add_argument("--from-csv", metavar="CSV", required=True)
-    print(format_fp8_table(table_from_fp8_csv(p.parse_args(argv).from_csv)))
+    p.add_argument("--from-csv", metavar="CSV", required=True, action="append",
+                   help="a bench CSV; repeat it, oldest first: a later CSV's shape replaces an earlier one's row")
+    print(format_fp8_table(table_from_fp8_csvs(p.parse_args(argv).from_csv)))
     return 0
 
 
