@@ -516,11 +516,11 @@ def test_op_with_the_rope_part_apart_matches_the_oracle():
 
 
 def combine_case() -> None:
-    """The combine alone (``splitkv_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150 splits, so
+    """The combine alone (``splitkv_combine_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150 splits, so
     three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
     2^-3 of it (the running maximum must rescale what it summed), empty splits (-inf) among them, all LSEs near 2^200
     (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits."""
-    from mla_fa3.ops import splitkv_triton as kt
+    from mla_fa3.ops.splitkv_combine_triton import combine_splits
 
     g = torch.Generator().manual_seed(11)
     sq, H, dv, counts = 2, 3, 40, (150, 0, 5)  # 3 * 2 * 3 = 18 output rows < 64: the narrow tile; 40 columns, masked
@@ -532,7 +532,7 @@ def combine_case() -> None:
     lse2[150:] = float("-inf")
     out = torch.full((len(counts), sq, H, dv), float("nan"))
     lse = torch.full((len(counts), sq, H), float("nan"))
-    kt.combine_splits(part_o, lse2, offsets, out, lse)
+    combine_splits(part_o, lse2, offsets, out, lse)
     for b in range(len(counts)):
         l, o = lse2[offsets[b]: offsets[b + 1]].double() * math.log(2.0), part_o[offsets[b]: offsets[b + 1]].double()
         if not torch.isfinite(l).any():
