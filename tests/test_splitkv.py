@@ -516,8 +516,8 @@ def test_op_with_the_rope_part_apart_matches_the_oracle():
 
 
 def combine_case() -> None:
-    """The combine alone (``splitkv_combine_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150 splits, so
-    three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
+    """The combine alone (``splitkv_combine_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150
+    splits, so three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
     2^-3 of it (the running maximum must rescale what it summed), empty splits (-inf) among them, all LSEs near 2^200
     (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits."""
     from mla_fa3.ops.splitkv_combine_triton import combine_splits

@@ -45,6 +45,7 @@ from typing import Sequence
 from mla_fa3.checks import check_int, is_real
 from mla_fa3.policy.decode_kernel import (HEADS_WEIGHT, MAX_DISTANCE, MIN_GAIN, TIE_DISTANCE, KernelChoice,
                                           _distances, _log_coords, _query_skew)
+from mla_fa3.policy.decode_csv import shape_key
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
 __all__ = ["MeasuredFP8", "MEASURED_FP8", "explain_fp8_decode_kernel", "choose_fp8_decode_kernels",
@@ -201,12 +202,12 @@ def table_from_fp8_csv(path: str) -> tuple[MeasuredFP8, ...]:
 
 
 def table_from_fp8_csvs(paths: Sequence[str]) -> tuple[MeasuredFP8, ...]:
-    """Several bench CSVs merged, oldest first: a (heads, batch, context, skew) that a later CSV measured replaces
+    """Several bench CSVs merged, oldest first: a shape (``decode_csv.shape_key``) that a later CSV measured replaces
     the earlier CSV's row (in its place: the order stays the first CSV's, new shapes appended)."""
     merged: dict = {}
     for path in paths:
         for m in table_from_fp8_csv(path):
-            merged[(m.num_heads, m.batch_size, m.context, m.skew)] = m
+            merged[shape_key(m)] = m
     return tuple(merged.values())
 
 
