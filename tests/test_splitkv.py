@@ -9,6 +9,7 @@ no split exceeds ``chunk`` and the count never exceeds ``target + bs`` (the grap
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -197,6 +198,9 @@ def test_bench_ab_spec_parses_each_field_and_refuses_bad_ones():
     assert parse_ab("pdl") == ("pdl", (True, False)) and parse_ab("pdl=off") == ("pdl", (False,))
     with pytest.raises(ValueError, match="latent_chunks must be 1, 2 or 4"):
         parse_ab("latent_chunks=3")
+    assert parse_ab("waves=1,1.5") == ("waves", (1.0, 1.5)) and parse_ab("num_stages") == ("num_stages", (2, 3, 4))
+    with pytest.raises(ValueError, match="bad num_warps / num_stages / waves"):
+        parse_ab("waves=0")
     with pytest.raises(ValueError, match="is not one of"):
         parse_ab("block_n=16")
 
@@ -543,6 +547,36 @@ def combine_case() -> None:
         torch.testing.assert_close(lse[b].double(), torch.logsumexp(l, dim=0), atol=1e-4, rtol=1e-6)
 
 
+def phases_case() -> None:
+    """Phase 1 alone (``splitkv_partials``) and then the combine, launched apart as ``bench.splitkv_phases`` times
+    them, give the op's output bit for bit; the partials of a split hold its keys' attention (the fp64 oracle over
+    the split's range) and the slots past ``num_work`` are never read (a NaN poured there changes nothing)."""
+    from mla_fa3.ops import splitkv_triton as kt
+    from mla_fa3.ops.splitkv_combine_triton import combine_splits
+
+    c, args, kw, dense = _op_args(heads=4, lens=(150, 40), page=16, dtype=torch.float32)
+    sched = kw["schedule"]
+    call = validate.check_splitkv(*args, head_dim_v=kw["head_dim_v"], schedule=sched, softmax_scale=0.2, causal=True,
+                                  descale_q=None, descale_k=None, impl=Impl.TRITON)
+    out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
+    part_o, part_lse2 = kt.splitkv_partials(call, sched)
+    n = sched.planned_work
+    assert n >= 3 and part_o.shape == (sched.capacity, 1, 4, 32) and part_lse2.shape == (sched.capacity, 1, 4)
+    for b, s0, s1, slot in sched.work[:n].tolist():  # each split: softmax over its own keys
+        q_b, kv_b = dense[b][0], dense[b][1][:, 0]  # [sq, H, D], [L, D]
+        scores = 0.2 * torch.einsum("ihd,jd->ihj", q_b, kv_b[s0:s1])
+        want = torch.einsum("ihj,jd->ihd", torch.softmax(scores, -1), kv_b[s0:s1, :32])
+        torch.testing.assert_close(part_o[slot].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(part_lse2[slot].double(), torch.logsumexp(scores, -1) / math.log(2.0),
+                                   atol=1e-5, rtol=1e-6)
+    part_o[n:], part_lse2[n:] = float("nan"), float("nan")
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    combine_splits(part_o, part_lse2, sched.split_offsets, out2, lse2)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    with pytest.raises(ValueError, match="splitkv_partials needs"):
+        kt.splitkv_partials(dataclasses.replace(call, q=call.q[:0]), sched)
+
+
 def _interpreter_run() -> dict:
     """Run every INTERPRETER_CASE through ops.splitkv_mla_with_kvcache(impl='triton'); returns failures (or {})."""
     failures = {}
@@ -574,10 +608,11 @@ def _interpreter_run() -> dict:
                 assert torch.equal(out2, out) and torch.equal(lse2, lse)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
-    try:
-        combine_case()
-    except Exception as exc:
-        failures["combine_running_maximum"] = f"{type(exc).__name__}: {exc}"
+    for name, case in (("combine_running_maximum", combine_case), ("phases_apart", phases_case)):
+        try:
+            case()
+        except Exception as exc:
+            failures[name] = f"{type(exc).__name__}: {exc}"
     for i, case in enumerate(_replan_cases(n_random=40)):  # the Triton planner against the host plan
         try:
             why = replan_mismatch(*case, "triton")

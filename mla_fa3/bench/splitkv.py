@@ -12,7 +12,8 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
     roofline  max(bs·L·576·2 B / 4.3 TB/s, 2·bs·H·L·(576 + 512) FLOP / 790 TFLOP/s)   (bench.roofline)
 
 ``--ab FIELD[=V1,V2,...]``: every shape once per value of a ``KernelConfig`` field on the table's config, side by side
-(``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``: on and off; ``latent_chunks``: 1, 2, 4).
+(``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``: on and off; ``latent_chunks``: 1, 2, 4;
+``waves``: 1, 2, 3 programs per SM, which sets the split count; ``num_stages``: 2, 3, 4).
 
 ``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
 registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
@@ -107,7 +108,7 @@ SWEEP_WIDE = (
 
 # KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
 AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
-             "latent_chunks": (1, 2, 4)}
+             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4)}
 
 
 def parse_ab(spec: str) -> tuple[str, tuple]:
@@ -392,8 +393,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.sweep else []
     if a.sweep and a.fp8:
         checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2]
-    if ab:  # every side of the switch checked before any is timed
-        checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**{ab[0]: v})) for h in (16, 128)
+    if ab:  # every side of the switch checked before any is timed, at the head counts timed
+        checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**{ab[0]: v})) for h in sorted(set(a.heads))
                    for v in ab[1]]
     if not a.no_check and check_correctness(device, checks, a.fp8) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)

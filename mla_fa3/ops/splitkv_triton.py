@@ -316,16 +316,36 @@ def splitkv_mla_with_kvcache(
 
     ``config``: the launch parameters; default the schedule's (the one its split count was planned with)."""
     config = schedule.config if config is None else config
+    q = call.q
+    bs, sq, H = q.shape[:3]
+    out = torch.empty(bs, sq, H, call.head_dim_v, dtype=call.out_dtype, device=q.device)
+    lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
+    if bs == 0 or sq == 0 or H == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    part_o, part_lse2 = splitkv_partials(call, schedule, config)
+    kv8 = call.kv_fp8 or call.is_fp8
+    combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
+                   pdl=config.pdl and _pdl_capable(q.device))
+    return out, lse
+
+
+def splitkv_partials(
+    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None
+) -> Tuple[Tensor, Tensor]:
+    """Phase 1 alone on a validated call of >= 1 request, query and head -> the workspace the combine reads:
+    (part_o [capacity, sq, H, r] float32 or, with ``half_partials``, the output dtype; part_lse2 [capacity, sq, H]
+    float32, base 2). Slot s holds split s's normalized partial output and LSE (rows past ``num_work``: unwritten).
+
+    ``splitkv_mla_with_kvcache`` runs it and the combine; ``bench.splitkv_phases`` times it alone."""
+    config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     dv = call.head_dim_v
     q_rope = q[..., dv:] if call.q_rope is None else call.q_rope  # q whole, or its rope part given apart
     bs, sq, H = q.shape[:3]
+    if bs == 0 or sq == 0 or H == 0:
+        raise ValueError(f"splitkv_partials needs >= 1 request, query token and head, got q of shape {tuple(q.shape)}")
     D = dv + q_rope.shape[3]
     page = kv.shape[1]
-    out = torch.empty(bs, sq, H, dv, dtype=call.out_dtype, device=q.device)
-    lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
-    if bs == 0 or sq == 0 or H == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
     cap = schedule.capacity
     half = config.half_partials and call.out_dtype in (torch.bfloat16, torch.float16)
     part_o = torch.empty(cap, sq, H, dv, dtype=call.out_dtype if half else torch.float32, device=q.device)
@@ -335,7 +355,7 @@ def splitkv_mla_with_kvcache(
     rows = block_h * sq_pad
     warps = config.num_warps or (4 if rows <= 32 else 8)
     q8, kv8 = call.is_fp8, call.kv_fp8 or call.is_fp8
-    one = lse  # any float32 pointer: read only under Q8 / KV8
+    one = part_lse2  # any float32 pointer: read only under Q8 / KV8
     # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
     # with page >= block_n every key block lies in one page
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
@@ -363,5 +383,4 @@ def splitkv_mla_with_kvcache(
         CHUNKS=latent_chunks(config, dv, rows),
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
-    combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None, pdl=pdl)
-    return out, lse
+    return part_o, part_lse2
