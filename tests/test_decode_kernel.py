@@ -331,6 +331,20 @@ def test_roofline_matches_the_readme_formula():
     assert row.roofline_ms == pytest.approx(row.flops / 790e12 * 1e3)
 
 
+def test_a_replay_holds_at_least_the_minimum_calls():
+    """Benches capture a fn of ``calls`` calls ``replay_repeats(calls)`` times per graph: >= 16 calls per replay,
+    never a capture more than needed; a count below 1 is refused."""
+    from mla_fa3.bench.timing import MIN_CALLS_PER_REPLAY, replay_repeats
+
+    for calls in range(1, 70):
+        n = replay_repeats(calls)
+        assert n * calls >= MIN_CALLS_PER_REPLAY and (n == 1 or (n - 1) * calls < MIN_CALLS_PER_REPLAY), calls
+    assert replay_repeats(3, minimum=4) == 2 and replay_repeats(5, minimum=4) == 1
+    for bad in ((0, 16), (3, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            replay_repeats(*bad)
+
+
 def test_far_from_every_measured_shape_falls_back_to_fa3():
     # 16 heads, bs 3, 64 tokens: > 3 log2 units from every measured shape (all have >= 1k context)
     choice = kc.explain_decode_kernel(16, 3, 64, 64)

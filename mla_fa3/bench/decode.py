@@ -24,7 +24,9 @@ steps' other work differs by kernel (small batches: FlashMLA's q concatenation, 
 in the replay update); the CSV feeds ``policy.decode_kernel --from-csv`` the same way.
 
 L2: a shape whose cache is smaller than 3x the 50 MiB L2 cycles through ``R`` copies (pool layers,
-R <= 64) inside one graph, and times are per copy. Pages are scattered (a random permutation), as in
+R <= 64) inside one graph, and times are per copy. A replay holds at least 16 layers or kernel calls (the copies
+cycled again, each backend layer with its own weights; ``timing.MIN_CALLS_PER_REPLAY``): with one or two, a replay
+also times the graph's own launch, which a model's 61 layers amortize. Pages are scattered (a random permutation), as in
 a long-running server. One latent pool per (page, bs, L) is shared by every H and both length
 patterns; shapes whose pool exceeds ``--mem-cap-gb`` are skipped.
 
@@ -48,7 +50,8 @@ from mla_fa3.layer import MLAWeights
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import roofline
-from mla_fa3.bench.timing import L2_BYTES_H200, Progress, h200_ceilings, time_cuda, time_graph
+from mla_fa3.bench.timing import (L2_BYTES_H200, MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, replay_repeats,
+                                  time_cuda, time_graph)
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
@@ -148,10 +151,12 @@ class BackendBench:
         scale = DIMS.qk_head_dim ** -0.5
         rows = heads * (DIMS.qk_nope_head_dim + DIMS.v_head_dim)
         self.layers = []
-        for i in range(cell.rotate):  # one layer per cache copy
+        # layer i reads cache copy i % R (R copies defeat the L2) with its own weights, and a replay runs at least
+        # MIN_CALLS_PER_REPLAY layers on a GPU (the graph's own launch amortized as over a model's layers)
+        for i in range(max(cell.rotate, MIN_CALLS_PER_REPLAY if dev.type == "cuda" else 1)):
             w = (torch.randn(rows, DIMS.kv_lora_rank, generator=gen) / math.sqrt(DIMS.kv_lora_rank))
             weights = MLAWeights.from_kv_b_proj(w.to(dev, torch.bfloat16), DIMS)
-            self.layers.append(AttentionLayer.mla_layer(i, heads, DIMS, scale, mla_weights=weights))
+            self.layers.append(AttentionLayer.mla_layer(i % cell.rotate, heads, DIMS, scale, mla_weights=weights))
         specs = {"q": InputSpec((heads, DIMS.qk_head_dim), torch.bfloat16),
                  "latent": InputSpec((DIMS.latent_dim,), torch.bfloat16)}
         self.runner = GraphRunner(self.backend, self._step, batch_sizes=[cell.bs], mode=ForwardMode.DECODE,
@@ -164,7 +169,7 @@ class BackendBench:
         return out
 
     def measure(self, lens: list[int], est_ms: float) -> tuple[float, float, str]:
-        """(per-layer ms: (replay - prologue) / R + (update + prologue) / 61, update ms per step, kernel the
+        """(per-layer ms: (replay - prologue) / layers + (update + prologue) / 61, update ms per step, kernel the
         backend chose)."""
         cell, dev = self.cell, self.cell.device
         batch = cell.batch(lens)
@@ -173,13 +178,16 @@ class BackendBench:
         warm, iters = _iters(self.cfg, 0.05)
         update_ms = time_cuda(lambda: self.runner.prepare(batch, inputs), warmup=warm, iters=iters)
         key = self.runner.prepare(batch, inputs)
-        warm, iters = _iters(self.cfg, est_ms * cell.rotate)
+        layers = len(self.layers)
+        warm, iters = _iters(self.cfg, est_ms * layers)
         graph_ms = time_cuda(lambda: self.runner.replay(key), warmup=warm, iters=iters)
         record = self.backend.explain()
         # the graph also runs the step's metadata prologue (page table, FlashMLA schedule) once: per-step
-        # work, amortized over a step's layers like the replay update — not over the R rotated layers
-        prologue_ms = time_graph(self.backend.graph_prologue, warmup=5, iters=50) if self.runner.device_metadata else 0.0
-        replay_ms = max(graph_ms - prologue_ms, 0.0) / cell.rotate
+        # work, amortized over a step's layers like the replay update — not over the replay's layers. Timed as
+        # MIN_CALLS_PER_REPLAY prologues per replay: one alone would also time a graph launch
+        prologue_ms = time_graph(self.backend.graph_prologue, warmup=5, iters=50,
+                                 calls_per_graph=MIN_CALLS_PER_REPLAY) if self.runner.device_metadata else 0.0
+        replay_ms = max(graph_ms - prologue_ms, 0.0) / layers
         per_layer = replay_ms + (update_ms + prologue_ms) / LAYERS_PER_STEP
         return per_layer, update_ms, (record.kernel if record else None) or "?"
 
@@ -199,7 +207,7 @@ def _time_layers(cfg: Config, cell: Cell, est_ms: float, kernel) -> float:
             kernel(layer)
 
     warm, iters = _iters(cfg, est_ms * cell.rotate)
-    return time_graph(fn, warmup=warm, iters=iters) / cell.rotate
+    return time_graph(fn, warmup=warm, iters=iters, calls_per_graph=replay_repeats(cell.rotate)) / cell.rotate
 
 
 def measure_fa3(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:

@@ -31,7 +31,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench.decode import _ints
-from mla_fa3.bench.timing import Progress, rotating_inputs, time_graph
+from mla_fa3.bench.timing import Progress, replay_repeats, rotating_inputs, time_graph
 
 R, D_ROPE, PAGE = 512, 64, 64
 SCALE = (128 + D_ROPE) ** -0.5
@@ -78,9 +78,10 @@ def measure(heads: int, bs: int, ctx: int, *, device, splits: Sequence[int], ite
     schedules = {n: plan(n) for n in (0, *splits)}
     if not all(torch.equal(a, b) for a, b in zip(layers(None), layers(schedules[0]))):
         raise RuntimeError(f"H {heads} bs {bs} ctx {ctx}: FA3 with a planned schedule differs from FA3 per call")
-    t = lambda fn: time_graph(fn, warmup=3, iters=iters) / len(kvs) * 1e3  # noqa: E731  (µs per layer copy)
-    row = Row(heads, bs, ctx, len(kvs), t(lambda: layers(None)), t(lambda: layers(schedules[0])),
-              time_graph(plan, warmup=3, iters=iters) * 1e3)
+    def t(fn, calls=len(kvs)):  # µs per call of a fn making ``calls`` calls (a layer copy each; the planner once)
+        return time_graph(fn, warmup=3, iters=iters, calls_per_graph=replay_repeats(calls)) / calls * 1e3
+
+    row = Row(heads, bs, ctx, len(kvs), t(lambda: layers(None)), t(lambda: layers(schedules[0])), t(plan, 1))
     row.splits_us = {n: t(lambda n=n: layers(schedules[n], n)) for n in splits}
     return row
 

@@ -10,7 +10,8 @@ page 64, equal lengths, DeepSeek-V3 latent dims, bf16, one query token per reque
   ``kv[out_cache_loc] = latent``; ``q_lat = bmm(q_nope, W_UK)``; FA3 ``flash_attn_with_kvcache(q_rope, k_rope,
   c_kv, qv=q_lat)`` on a static page table; ``bmm(o_lat, W_UV)`` — no metadata, no checks.
 
-Both cycle over the same rotated layer copies (> 3x the L2 per replay). Output: the markdown table (``--out
+Both cycle over the same rotated layer copies (> 3x the L2 per replay), at least 16 layers per replay
+(``timing.MIN_CALLS_PER_REPLAY``). Output: the markdown table (``--out
 DIR``: ``plain_step.csv`` / ``.md``); ``backend / plain`` > 1 is the backend's own overhead.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints
-from mla_fa3.bench.timing import Progress, time_graph
+from mla_fa3.bench.timing import Progress, replay_repeats, time_graph
 from mla_fa3.layer import MLAWeights
 
 PAGE = 64
@@ -94,7 +95,8 @@ def sweep(cfg: Config) -> list[Row]:
                 finally:
                     bench.close()
                 fn = plain_step_fn(cell, heads, gen, "fa3" if dev.type == "cuda" else "reference")
-                plain_ms = time_graph(fn, warmup=5 if dev.type == "cuda" else 1, iters=cfg.max_iters) / cell.rotate
+                plain_ms = time_graph(fn, warmup=5 if dev.type == "cuda" else 1, iters=cfg.max_iters,
+                                      calls_per_graph=replay_repeats(cell.rotate)) / cell.rotate
                 rows.append(Row(heads, bs, ctx, 1e3 * ms, kernel, 1e3 * plain_ms))
                 prog.step(f"H {heads} bs {bs} ctx {ctx}: backend {1e3 * ms:.1f} us ({kernel}), plain {1e3 * plain_ms:.1f} us")
             del cell

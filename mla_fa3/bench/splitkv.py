@@ -21,7 +21,9 @@ step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roof
 ``--sweep``: the e4m3 candidates (``SWEEP_NARROW_E4M3``) at <= 32 heads.
 
 Each kernel runs R times per replay over R disjoint copies of the cache (R·bytes > 3x the 50 MiB L2,
-``timing.rotating_inputs``); times are per copy, median of replays (``timing.time_graph``). Pages are
+``timing.rotating_inputs``), and a replay holds at least 16 calls (``timing.replay_repeats``: the copies captured again,
+so that the graph's own launch is amortized as over a model's layers); times are per call, median of replays
+(``timing.time_graph``). Pages are
 scattered (a random permutation). Before timing, the split-KV kernel is checked against the torch
 reference at one shape (cosine >= 0.9999, else exit 1), and every timed shape records its cosine
 against FA3. Outputs: the markdown table on stdout; with ``--out DIR`` ``splitkv.csv`` / ``splitkv.md``
@@ -42,7 +44,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
-from mla_fa3.bench.timing import Progress, h200_ceilings, rotating_inputs, time_graph
+from mla_fa3.bench.timing import Progress, h200_ceilings, replay_repeats, rotating_inputs, time_graph
 from mla_fa3.ops import validate
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
 from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig, choose_config
@@ -203,7 +205,8 @@ def flashmla_fn(shape: Shape, q: torch.Tensor):
 
 
 def _time_us(fn: Callable, copies: int, iters: int) -> float:
-    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters) / copies
+    """µs per call of ``fn`` (one call per copy), replays of at least MIN_CALLS_PER_REPLAY calls."""
+    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters, calls_per_graph=replay_repeats(copies)) / copies
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

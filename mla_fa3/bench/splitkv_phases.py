@@ -2,7 +2,8 @@
 
 ``python -m mla_fa3.bench.splitkv_phases --out DIR`` on the H200. Per shape (heads H, batch bs, context L, page 64,
 bf16 or ``--fp8`` e4m3 cache, DeepSeek-V3 latent 512 + rope 64, one query token, equal lengths, the table's config),
-each timed alone from CUDA-graph replays over disjoint copies of the cache (as ``bench.splitkv``):
+each timed alone from CUDA-graph replays over disjoint copies of the cache, at least 16 calls per replay (as
+``bench.splitkv``):
 
     both          ops.splitkv_mla_with_kvcache's two launches (phase 1, then the combine)
     phase1        phase 1 alone (``splitkv_triton.splitkv_partials``): the key loop and the partial stores
@@ -33,7 +34,7 @@ import torch
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
 from mla_fa3.bench.splitkv import D, PAGE, R, SCALE, Shape
-from mla_fa3.bench.timing import h200_ceilings, time_graph
+from mla_fa3.bench.timing import h200_ceilings, replay_repeats, time_graph
 from mla_fa3.ops import validate
 
 DEFAULT_SHAPES = dict(heads=(16,), batch=(1,), context=(4096, 8192, 16384, 32768, 65536, 131072))
@@ -92,7 +93,7 @@ def measure(shape: Shape, heads: int, iters: int) -> PhaseRow:
             torch.amax(v, dim=0, out=sink[i])
 
     def per_copy(fn) -> float:
-        return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters) / n
+        return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters, calls_per_graph=replay_repeats(n)) / n
 
     ceil = h200_ceilings()
     tokens = shape.bs * shape.ctx

@@ -38,9 +38,16 @@ __all__ = [
     "time_cuda",
     "time_graph",
     "L2_BYTES_H200",
+    "MIN_CALLS_PER_REPLAY",
+    "replay_repeats",
 ]
 
 L2_BYTES_H200 = 50 * 1024 * 1024  # H200 (GH100) L2 cache size
+# Calls of the timed op per CUDA-graph replay, at least: a replay of one or two calls also times the graph's own
+# launch (the GPU waits for the host to submit it, and for the graph to start), which a model step of 61 layers
+# amortizes. Measured on an H100 (docs/PERFORMANCE.md, "Split-KV: where the time goes"): an empty kernel
+# timed as 1 call per replay took 10 µs, as 34 calls per replay 0.9 µs per call.
+MIN_CALLS_PER_REPLAY = 16
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,14 @@ def time_graph(
         return time_cuda(graph.replay, warmup=warmup, iters=iters) / calls_per_graph
     finally:
         del graph
+
+
+def replay_repeats(calls: int, minimum: int = MIN_CALLS_PER_REPLAY) -> int:
+    """How many times to capture a fn of ``calls`` calls into one graph (``time_graph``'s ``calls_per_graph``) so
+    that a replay holds at least ``minimum`` calls: ``ceil(minimum / calls)``, at least 1."""
+    if calls < 1 or minimum < 1:
+        raise ValueError(f"calls and minimum must be >= 1, got {calls}, {minimum}")
+    return -(-minimum // calls)
 
 
 def rotating_inputs(
