@@ -22,7 +22,8 @@ step: ``bench.fp8`` times whole steps); FA3 cannot read it (no column); the roof
 
 Each kernel runs R times per replay over R disjoint copies of the cache (R·bytes > 3x the 50 MiB L2,
 ``timing.rotating_inputs``), and a replay holds at least 16 calls (``timing.replay_repeats``: the copies captured again,
-so that the graph's own launch is amortized as over a model's layers); times are per call, median of replays
+so that the graph's own launch is amortized as over a model's layers; ``--min-calls 1``: one pass over the copies, as
+before 2026-12-05); times are per call, median of replays
 (``timing.time_graph``). Pages are
 scattered (a random permutation). Before timing, the split-KV kernel is checked against the torch
 reference at one shape (cosine >= 0.9999, else exit 1), and every timed shape records its cosine
@@ -44,7 +45,8 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
-from mla_fa3.bench.timing import Progress, h200_ceilings, replay_repeats, rotating_inputs, time_graph
+from mla_fa3.bench.timing import (MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, replay_repeats, rotating_inputs,
+                                  time_graph)
 from mla_fa3.ops import validate
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
 from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig, choose_config
@@ -204,9 +206,10 @@ def flashmla_fn(shape: Shape, q: torch.Tensor):
                     for kv, table in shape.copies]
 
 
-def _time_us(fn: Callable, copies: int, iters: int) -> float:
-    """µs per call of ``fn`` (one call per copy), replays of at least MIN_CALLS_PER_REPLAY calls."""
-    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters, calls_per_graph=replay_repeats(copies)) / copies
+def _time_us(fn: Callable, copies: int, iters: int, min_calls: int = MIN_CALLS_PER_REPLAY) -> float:
+    """µs per call of ``fn`` (one call per copy), replays of at least ``min_calls`` calls."""
+    repeats = replay_repeats(copies, min_calls)
+    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters, calls_per_graph=repeats) / copies
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -238,7 +241,8 @@ def check_correctness(device: torch.device, configs: Sequence[tuple] = (), fp8: 
     return worst
 
 
-def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int, peers: bool) -> Row:
+def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int, peers: bool,
+            min_calls: int = MIN_CALLS_PER_REPLAY) -> Row:
     ceil = h200_ceilings()
     tokens = shape.bs * shape.ctx
     roof_us = 1e3 * ceil.time_ms(roofline.decode_bytes(tokens) // (2 if shape.fp8 else 1),
@@ -250,7 +254,7 @@ def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int
     try:
         fn, sched = splitkv_fn(shape, q, config)
         row.variant, row.splits = sched.config.label(), sched.planned_work
-        row.splitkv_us = _time_us(fn, n, iters)
+        row.splitkv_us = _time_us(fn, n, iters, min_calls)
         row.splitkv_over_roofline = row.splitkv_us / roof_us
     except Exception as exc:  # e.g. out of shared memory for a sweep config: record, go on
         row.error = f"splitkv: {type(exc).__name__}: {str(exc)[:120]}"
@@ -259,7 +263,7 @@ def measure(shape: Shape, heads: int, config: Optional[KernelConfig], iters: int
         return row
     for name, make in ((("flashmla", flashmla_fn),) if shape.fp8 else (("fa3", fa3_fn), ("flashmla", flashmla_fn))):
         try:
-            setattr(row, f"{name}_us", _time_us(make(shape, q), n, iters))
+            setattr(row, f"{name}_us", _time_us(make(shape, q), n, iters, min_calls))
         except Exception as exc:
             row.error += f" {name}: {type(exc).__name__}: {str(exc)[:80]}"
     peers_us = [t for t in (row.fa3_us, row.flashmla_us) if t]
@@ -297,7 +301,8 @@ def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
 
 
 def run(shapes: Sequence[tuple], configs: Callable[[int, int, int], Sequence[Optional[KernelConfig]]], *, device,
-        iters: int, peers: bool, quiet: bool = False, fp8: bool = False) -> list:
+        iters: int, peers: bool, quiet: bool = False, fp8: bool = False,
+        min_calls: int = MIN_CALLS_PER_REPLAY) -> list:
     """Time every (H, bs, L) of ``shapes`` with every config of ``configs(H, bs, L)``; pools built once per (bs, L)."""
     rows = []
     by_cell = {}
@@ -308,7 +313,7 @@ def run(shapes: Sequence[tuple], configs: Callable[[int, int, int], Sequence[Opt
             shape = Shape(bs, ctx, device, fp8)
             for h in heads:
                 for cfg in configs(h, bs, ctx):
-                    rows.append(measure(shape, h, cfg, iters, peers))
+                    rows.append(measure(shape, h, cfg, iters, peers, min_calls))
                     r = rows[-1]
                     prog.step(f"H {h} bs {bs} ctx {ctx} {r.variant}: splitkv {_f(r.splitkv_us)} µs, "
                               f"fa3 {_f(r.fa3_us)}, flashmla {_f(r.flashmla_us)} {r.error}")
@@ -379,10 +384,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ab", metavar="FIELD[=V1,V2]",
                    help=f"each shape once per value of a KernelConfig field on the table's config ({sorted(AB_FIELDS)})")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--min-calls", type=int, default=MIN_CALLS_PER_REPLAY,
+                   help="kernel calls per graph replay, at least (1: a replay of the rotated copies once)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache: split-KV (bf16 q) vs FlashMLA FP8 (e4m3 q)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.min_calls < 1:
+        p.error("--min-calls must be >= 1")
     try:
         ab = parse_ab(a.ab) if a.ab else None
     except ValueError as exc:
@@ -418,7 +427,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         table = choose_config(h, bs, ctx, kv_fp8=a.fp8)
         return [table.with_(**{ab[0]: v}) for v in ab[1]]
 
-    rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8)
+    rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8,
+               min_calls=a.min_calls)
     print(markdown(rows))
     if a.out:
         write(rows, a.out, "splitkv_fp8" if a.fp8 else "splitkv")
