@@ -191,7 +191,7 @@ def test_latent_chunks_apply_to_whole_narrow_chunks_only(dv, rows, chunks, expec
 
 
 def test_bench_ab_spec_parses_each_field_and_refuses_bad_ones():
-    from mla_fa3.bench.splitkv import parse_ab
+    from mla_fa3.bench.splitkv_candidates import parse_ab
 
     assert parse_ab("latent_chunks") == ("latent_chunks", (1, 2, 4))
     assert parse_ab("latent_chunks=1,2") == ("latent_chunks", (1, 2))
@@ -523,7 +523,9 @@ def combine_case() -> None:
     """The combine alone (``splitkv_combine_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150
     splits, so three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
     2^-3 of it (the running maximum must rescale what it summed), empty splits (-inf) among them, all LSEs near 2^200
-    (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits."""
+    (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits. The same
+    with the tiles ``bench.splitkv_phases --combine-tiles`` compares: all 150 splits in one load (8 warps), 16 x 16,
+    one split per load over 64 columns (24 of them masked); a tile that is not two powers of two is refused."""
     from mla_fa3.ops.splitkv_combine_triton import combine_splits
 
     g = torch.Generator().manual_seed(11)
@@ -534,17 +536,20 @@ def combine_case() -> None:
     lse2 = 200.0 + torch.randn(slots, sq, H, generator=g) + 3.0 * (torch.arange(slots) >= 128).view(-1, 1, 1)
     lse2[::7] = float("-inf")
     lse2[150:] = float("-inf")
-    out = torch.full((len(counts), sq, H, dv), float("nan"))
-    lse = torch.full((len(counts), sq, H), float("nan"))
-    combine_splits(part_o, lse2, offsets, out, lse)
-    for b in range(len(counts)):
-        l, o = lse2[offsets[b]: offsets[b + 1]].double() * math.log(2.0), part_o[offsets[b]: offsets[b + 1]].double()
-        if not torch.isfinite(l).any():
-            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all(), f"request {b}: no live split"
-            continue
-        want = (torch.softmax(l, dim=0)[..., None] * o).sum(0)
-        torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lse[b].double(), torch.logsumexp(l, dim=0), atol=1e-4, rtol=1e-6)
+    for tile in (None, (256, 32), (16, 16), (1, 64)):
+        out = torch.full((len(counts), sq, H, dv), float("nan"))
+        lse = torch.full((len(counts), sq, H), float("nan"))
+        combine_splits(part_o, lse2, offsets, out, lse, tile=tile)
+        for b in range(len(counts)):
+            l, o = lse2[offsets[b]: offsets[b + 1]].double() * math.log(2.0), part_o[offsets[b]: offsets[b + 1]].double()
+            if not torch.isfinite(l).any():
+                assert (out[b] == 0).all() and torch.isneginf(lse[b]).all(), f"tile {tile}, request {b}: no live split"
+                continue
+            want = (torch.softmax(l, dim=0)[..., None] * o).sum(0)
+            torch.testing.assert_close(out[b].double(), want, atol=1e-5, rtol=1e-5, msg=f"tile {tile}, request {b}")
+            torch.testing.assert_close(lse[b].double(), torch.logsumexp(l, dim=0), atol=1e-4, rtol=1e-6)
+    with pytest.raises(ValueError, match="two powers of two"):
+        combine_splits(part_o, lse2, offsets, out, lse, tile=(48, 32))
 
 
 def phases_case() -> None:

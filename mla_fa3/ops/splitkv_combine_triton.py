@@ -101,14 +101,19 @@ def _splitkv_combine_kernel(
 
 
 def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out: Tensor, lse: Tensor,
-                   descale_k: Optional[Tensor] = None, *, pdl: bool = False) -> None:
+                   descale_k: Optional[Tensor] = None, *, pdl: bool = False,
+                   tile: Optional[Tuple[int, int]] = None) -> None:
     """Phase 2 alone, into ``out [bs, sq, H, r]`` and ``lse [bs, sq, H]`` (natural log): request b's splits are the
     slots ``split_offsets[b] .. split_offsets[b + 1]`` of ``part_o [slots, sq, H, r]`` (float32 or the output
     dtype) and ``part_lse2 [slots, sq, H]`` (base 2; -inf: an empty split). ``descale_k``: an e4m3 cache's scale,
-    folded into ``out``. ``pdl``: launched as a programmatic dependent of the phase-1 launch just before it."""
+    folded into ``out``. ``pdl``: launched as a programmatic dependent of the phase-1 launch just before it.
+    ``tile``: (splits per load, columns), powers of two, instead of ``combine_tile``'s (``bench.splitkv_phases``
+    compares them)."""
     bs, sq, H, dv = out.shape
     one = lse  # any float32 pointer: read only with descale_k
-    block_s, cdv = combine_tile(bs * sq * H)
+    block_s, cdv = combine_tile(bs * sq * H) if tile is None else tile
+    if block_s < 1 or cdv < 1 or block_s & (block_s - 1) or cdv & (cdv - 1):
+        raise ValueError(f"combine tile must be two powers of two (splits per load, columns), got {tile}")
     cdv = min(cdv, _next_pow2(dv))
     _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
         part_o, part_lse2, split_offsets, out, lse, one if descale_k is None else descale_k,
@@ -117,5 +122,5 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         H=H, SQ=sq, DV=dv, BLOCK_S=block_s, BLOCK_DV=cdv, KV8=descale_k is not None, PDL=pdl,
-        num_warps=4, **(dict(launch_pdl=True) if pdl else {}),
+        num_warps=4 if block_s * cdv <= 4096 else 8, **(dict(launch_pdl=True) if pdl else {}),
     )

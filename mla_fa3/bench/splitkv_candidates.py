@@ -1,0 +1,88 @@
+"""What ``bench.splitkv`` tries: the candidate launch configs its ``--sweep`` times per head class, and the
+``KernelConfig`` switches its ``--ab`` compares side by side (the values each is timed at by default).
+
+A candidate is a hypothesis about the kernel (the comment above each list says which); the sweep keeps the best per
+shape and prints the ``CONFIG_TABLE`` of ``ops/splitkv_config.py`` to paste.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mla_fa3.ops.splitkv_config import WIDE_HEADS, KernelConfig
+
+_C = KernelConfig
+# Candidates per head class: few, each a hypothesis; ~9 compiles per class keep the sweep near 2 minutes.
+# <= 32 heads, memory-bound: small tiles so 2-3 programs share an SM (latency hiding), enough waves to keep
+# every SM streaming, half-precision partials (half the workspace traffic), one tile load vs two.
+SWEEP_NARROW = (
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=4, num_stages=4, waves=3.0, half_partials=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=2.0, half_partials=True, reload_kv=True),
+    _C(block_n=32, num_warps=2, num_stages=3, waves=3.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True),
+    # one tile in flight per program (2 stages: 56 KB of shared memory) and registers capped so that 3 or 4 programs
+    # share an SM (the 3-stage config: 2 programs, 8 warps per SM, bound by latency)
+    _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=128),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
+)
+# <= 32 heads over an e4m3 cache (its tile converted in registers, per dot: more instructions per key than bf16 for
+# half the bytes, so latency rather than bandwidth bounds it): the same axes, and 8 warps (fewer registers per thread,
+# more warps per SM).
+SWEEP_NARROW_E4M3 = (
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=3.0, half_partials=True),
+    _C(block_n=16, num_warps=4, num_stages=4, waves=3.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=4, waves=2.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=4, waves=4.0, half_partials=True),
+    _C(block_n=16, num_warps=8, num_stages=6, waves=4.0, half_partials=True),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
+    _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
+)
+# > 32 heads, compute-bound: 64 rows per program (acc 64 x 512 fp32 over 8 or 16 warps); the latent tile
+# loaded once for both dots, or twice (each load then pipelined into shared memory for one dot).
+SWEEP_WIDE = (
+    _C(block_n=64, num_warps=8, num_stages=2, waves=1.0),
+    _C(block_n=64, num_warps=8, num_stages=3, waves=2.0),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=2.0),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, reload_kv=True),
+    _C(block_n=32, num_warps=8, num_stages=2, waves=2.0, reload_kv=True),
+    _C(block_n=64, num_warps=16, num_stages=2, waves=2.0),
+    _C(block_n=32, num_warps=16, num_stages=3, waves=2.0, reload_kv=True),
+    _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
+    _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, max_rows=32),
+)
+
+
+# KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
+AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
+             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4)}
+
+
+def parse_ab(spec: str) -> tuple[str, tuple]:
+    """``FIELD`` (its default values) or ``FIELD=V1,V2,...`` -> (field, values); a bad spec raises ValueError."""
+    field, _, values = spec.partition("=")
+    if field not in AB_FIELDS:
+        raise ValueError(f"--ab: {field!r} is not one of {sorted(AB_FIELDS)}")
+    if not values:
+        return field, AB_FIELDS[field]
+    kind = type(AB_FIELDS[field][0])
+    parsed = tuple((v.strip().lower() in ("1", "true", "on")) if kind is bool else kind(v) for v in values.split(","))
+    for v in parsed:
+        KernelConfig().with_(**{field: v})  # each value a valid config (KernelConfig checks it)
+    return field, parsed
+
+
+def sweep_candidates(heads: int, fp8: bool = False) -> Sequence[KernelConfig]:
+    """The sweep's configs for ``heads`` (its head class; ``fp8``: over an e4m3 cache)."""
+    return SWEEP_WIDE if heads > WIDE_HEADS else SWEEP_NARROW_E4M3 if fp8 else SWEEP_NARROW
