@@ -333,6 +333,32 @@ def test_programmatic_dependent_launch_changes_nothing(fp8):
     check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+@pytest.mark.parametrize("fp8", [False, "kv"])
+def test_combine_tiles_agree_with_the_oracle(fp8):
+    """The combine with each tile ``bench.splitkv_phases --combine-tiles`` times (one split per load up to every split
+    in one load over 8 warps, 16 to 64 columns) over phase 1's partials of a 16-head step with uneven lengths: every
+    tile's out and LSE within the oracle tolerance (the tiles change only the order of the fp32 sums)."""
+    from mla_fa3.ops import splitkv_triton as kt
+    from mla_fa3.ops import validate
+    from mla_fa3.ops.splitkv_combine_triton import combine_splits
+
+    lens, heads, page = (70000, 1, 4097, 65), 16, 64
+    q, kv, table, seqlens, dense, extra = build(lens, 1, heads, page, fp8=fp8, seed=9)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV, kv_fp8=bool(fp8))
+    call = validate.check_splitkv(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                  causal=True, descale_q=extra.get("descale_q"), descale_k=extra.get("descale_k"),
+                                  impl=Impl.TRITON)
+    part_o, part_lse2 = kt.splitkv_partials(call, sched)
+    assert int(sched.split_offsets[1]) > 64  # request 0's splits take several loads of the rule's tile
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    for tile in ((1, 64), (16, 64), (64, 32), (256, 32), (256, 16), (64, 64)):
+        out = torch.full((len(lens), 1, heads, R), float("nan"), dtype=call.out_dtype, device=DEV)
+        lse = torch.full((len(lens), 1, heads), float("nan"), device=DEV)
+        combine_splits(part_o, part_lse2, sched.split_offsets, out, lse, call.descale_k if fp8 else None, tile=tile)
+        check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 # ------------------------------------------------------------------------------------------ through the backend
 
 @pytest.mark.parametrize("page", [16, 64])

@@ -10,15 +10,16 @@ each timed alone from CUDA-graph replays over disjoint copies of the cache, at l
     combine       the combine alone (``combine_splits``) over this schedule's partials, resident in L2 as they are
                   right after phase 1
     empty         phase 1 over the same grid with ``num_work`` = 0: every program exits at once (launch and drain)
-    stream        a row-wise torch.amax over the same bytes of cache ([tokens, 576] -> [tokens]: a plain streaming
-                  read, what this card's memory gives a generic kernel; its TB/s is printed beside it)
+    stream        a row-wise torch.amax over the same bytes of cache ([tokens, 576] -> [tokens]): what a generic
+                  torch kernel streams, its TB/s beside it — not a ceiling (phase 1 beats it on the H100)
     roofline      bench.roofline's bound (bytes at 4.3 TB/s, FLOPs at 790 TFLOP/s)
 
 Derived: ``phase1 - stream`` (phase 1's cost beyond streaming the bytes), ``both - phase1`` (what the combine adds
 after phase 1, its launch overlapped by the programmatic dependent launch). ``--combine-tiles 64x32,256x32``: per
 shape, both phases and the combine alone again with each combine tile (splits loaded at once x columns per program)
-beside ``combine_tile``'s. Outputs: the markdown tables on stdout; with ``--out DIR``: ``splitkv_phases.csv`` /
-``.md`` and ``combine_tiles.csv`` / ``.md``.
+beside ``combine_tile``'s. ``--prefix-blocks 0,1,2,4``: phase 1 with every split cut to its first K key blocks (same
+grid and splits): a program's fixed cost against its cost per block. Outputs: the markdown tables on stdout; with ``--out DIR``: ``splitkv_phases.csv`` /
+``.md``, ``combine_tiles.csv`` / ``.md`` and ``prefix_blocks.csv`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class PhaseRow:
     def stream_tb_s(self) -> float:
         return self.stream_bytes / self.stream_us / 1e6
 
+    @property
+    def phase1_tb_s(self) -> float:
+        return self.stream_bytes / self.phase1_us / 1e6
+
 
 @dataclass
 class TileRow:
@@ -81,6 +86,18 @@ class TileRow:
     rule: bool  # the tile combine_tile picks for this shape
     both_us: float
     combine_us: float
+
+
+@dataclass
+class PrefixRow:
+    """Phase 1 with every split cut to its first ``blocks`` key blocks (0: each program stores an empty split)."""
+    heads: int
+    batch: int
+    context: int
+    splits: int
+    blocks: int
+    keys: int  # keys read in all
+    phase1_us: float
 
 
 class _Setup:
@@ -155,6 +172,25 @@ def measure(shape: Shape, heads: int, iters: int) -> PhaseRow:
     )
 
 
+def measure_prefix(shape: Shape, heads: int, iters: int, blocks: Sequence[int]) -> list:
+    """Phase 1 over the same grid and splits, each split cut to its first ``k`` key blocks, for k in ``blocks``: the
+    time against k separates a program's fixed cost (launch, its first loads, the partial's store) from its cost per
+    key block."""
+    st = _Setup(shape, heads, iters)
+    block_n = st.sched.config.block_n
+    n = st.sched.planned_work
+    out = []
+    for k in blocks:
+        cut = copy.copy(st.sched)
+        cut.work = st.sched.work.clone()
+        start, end = cut.work[:n, 1], cut.work[:n, 2]
+        cut.work[:n, 2] = torch.minimum(end, start + k * block_n)
+        keys = int((cut.work[:n, 2] - start).sum())
+        out.append(PrefixRow(heads, shape.bs, shape.ctx, n, k, keys,
+                             phase1_us=st.per_copy(lambda: [st.kt.splitkv_partials(c, cut) for c in st.calls])))
+    return out
+
+
 def measure_tiles(shape: Shape, heads: int, iters: int, tiles: Sequence[Tuple[int, int]]) -> list:
     """Both phases and the combine alone with each combine tile of ``tiles`` (and the rule's, listed first)."""
     from mla_fa3.ops.splitkv_combine_triton import combine_tile
@@ -171,11 +207,13 @@ def measure_tiles(shape: Shape, heads: int, iters: int, tiles: Sequence[Tuple[in
 
 def markdown(rows: Sequence[PhaseRow]) -> str:
     head = ("| H | bs | ctx | variant | splits | both µs | phase 1 µs | combine µs | empty µs | stream µs | stream TB/s "
-            "| roofline µs | phase 1 - stream | both - phase 1 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| roofline µs | phase 1 - stream | both - phase 1 | phase 1 TB/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r.heads} | {r.batch} | {r.context // 1024}k | {r.variant} | {r.splits} | {r.both_us:.1f} | "
         f"{r.phase1_us:.1f} | {r.combine_us:.1f} | {r.empty_us:.1f} | {r.stream_us:.1f} | {r.stream_tb_s:.2f} | "
-        f"{r.roofline_us:.1f} | {r.phase1_over_stream_us:.1f} | {r.combine_added_us:.1f} |\n" for r in rows)
+        f"{r.roofline_us:.1f} | {r.phase1_over_stream_us:.1f} | {r.combine_added_us:.1f} | {r.phase1_tb_s:.2f} |\n"
+        for r in rows)
 
 
 def markdown_tiles(rows: Sequence[TileRow]) -> str:
@@ -185,11 +223,19 @@ def markdown_tiles(rows: Sequence[TileRow]) -> str:
         f"{r.both_us:.1f} | {r.combine_us:.1f} |\n" for r in rows)
 
 
-def write(rows: Sequence[PhaseRow], tile_rows: Sequence[TileRow], out_dir: str) -> None:
+def markdown_prefix(rows: Sequence[PrefixRow]) -> str:
+    head = "| H | bs | ctx | splits | blocks per split | keys | phase 1 µs |\n|---|---|---|---|---|---|---|\n"
+    return head + "".join(f"| {r.heads} | {r.batch} | {r.context // 1024}k | {r.splits} | {r.blocks} | {r.keys} | "
+                          f"{r.phase1_us:.1f} |\n" for r in rows)
+
+
+def write(rows: Sequence[PhaseRow], tile_rows: Sequence[TileRow], prefix_rows: Sequence[PrefixRow],
+          out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    derived = ("phase1_over_stream_us", "combine_added_us", "stream_tb_s")
+    derived = ("phase1_over_stream_us", "combine_added_us", "stream_tb_s", "phase1_tb_s")
     for stem, table, extra, md in (("splitkv_phases", rows, derived, markdown),
-                                   ("combine_tiles", tile_rows, (), markdown_tiles)):
+                                   ("combine_tiles", tile_rows, (), markdown_tiles),
+                                   ("prefix_blocks", prefix_rows, (), markdown_prefix)):
         if not table:
             continue
         with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as fh:
@@ -224,20 +270,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--combine-tiles", default="",
                    help="also time both phases and the combine alone with each combine tile SPLITSxCOLUMNS "
                         "(comma-separated, e.g. 64x32,256x32) beside the rule's (combine_tiles.csv / .md)")
-    p.add_argument("--out", help="directory for splitkv_phases.csv / .md (and combine_tiles.csv / .md)")
+    p.add_argument("--prefix-blocks", default="",
+                   help="also time phase 1 with every split cut to its first K key blocks, for each K of this "
+                        "comma-separated list (e.g. 0,1,2,4; prefix_blocks.csv / .md)")
+    p.add_argument("--out", help="directory for splitkv_phases.csv / .md (and combine_tiles, prefix_blocks)")
     a = p.parse_args(argv)
     if min(a.heads + a.batch + a.context) < 1 or a.iters < 1:
         p.error("heads, batch, context and iters must be >= 1")
     try:
         tiles = parse_tiles(a.combine_tiles)
+        blocks = [int(k) for k in filter(None, a.prefix_blocks.split(","))]
     except ValueError as exc:
         p.error(str(exc))
+    if any(k < 0 for k in blocks):
+        p.error(f"--prefix-blocks: block counts are >= 0, got {a.prefix_blocks!r}")
     if not torch.cuda.is_available():
         print("splitkv_phases bench: needs a CUDA GPU (the Triton kernels run only there)", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
-    rows, tile_rows = [], []
+    rows, tile_rows, prefix_rows = [], [], []
     for bs in a.batch:
         for ctx in a.context:
             shape = Shape(bs, ctx, device, a.fp8)
@@ -246,13 +298,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
                 if tiles:
                     tile_rows += measure_tiles(shape, h, a.iters, tiles)
+                if blocks:
+                    prefix_rows += measure_prefix(shape, h, a.iters, blocks)
             del shape
             torch.cuda.empty_cache()
     print(markdown(rows))
     if tile_rows:
         print(markdown_tiles(tile_rows))
+    if prefix_rows:
+        print(markdown_prefix(prefix_rows))
     if a.out:
-        write(rows, tile_rows, a.out)
+        write(rows, tile_rows, prefix_rows, a.out)
     return 0
 
 
