@@ -18,8 +18,8 @@ Derived: ``phase1 - stream`` (phase 1's cost beyond streaming the bytes), ``both
 after phase 1, its launch overlapped by the programmatic dependent launch). ``--combine-tiles 64x32,256x32``: per
 shape, both phases and the combine alone again with each combine tile (splits loaded at once x columns per program)
 beside ``combine_tile``'s. ``--prefix-blocks 0,1,2,4``: phase 1 with every split cut to its first K key blocks (same
-grid and splits): a program's fixed cost against its cost per block. Outputs: the markdown tables on stdout; with ``--out DIR``: ``splitkv_phases.csv`` /
-``.md``, ``combine_tiles.csv`` / ``.md`` and ``prefix_blocks.csv`` / ``.md``.
+grid and splits): a program's fixed cost against its cost per block. Outputs: the markdown tables on stdout; with
+``--out DIR``: ``splitkv_phases.csv`` / ``.md``, ``combine_tiles.csv`` / ``.md`` and ``prefix_blocks.csv`` / ``.md``.
 """
 
 from __future__ import annotations
