@@ -45,12 +45,12 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
+from mla_fa3.bench.splitkv_candidates import (AB_FIELDS, SWEEP_NARROW, SWEEP_NARROW_E4M3, SWEEP_WIDE, parse_ab,
+                                              sweep_candidates)
 from mla_fa3.bench.timing import (MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, replay_repeats, rotating_inputs,
                                   time_graph)
 from mla_fa3.ops import validate
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
-from mla_fa3.bench.splitkv_candidates import (AB_FIELDS, SWEEP_NARROW, SWEEP_NARROW_E4M3, SWEEP_WIDE, parse_ab,
-                                              sweep_candidates)
 from mla_fa3.ops.splitkv_config import KernelConfig, choose_config
 
 R, D_ROPE, PAGE = 512, 64, 64

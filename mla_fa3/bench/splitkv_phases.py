@@ -39,6 +39,7 @@ from mla_fa3.bench import roofline
 from mla_fa3.bench.splitkv import D, PAGE, R, SCALE, Shape
 from mla_fa3.bench.timing import h200_ceilings, replay_repeats, time_graph
 from mla_fa3.ops import validate
+from mla_fa3.ops.splitkv_config import check_combine_tile
 
 DEFAULT_SHAPES = dict(heads=(16,), batch=(1,), context=(4096, 8192, 16384, 32768, 65536, 131072))
 
@@ -254,9 +255,7 @@ def parse_tiles(text: str) -> list:
             s, c = (int(x) for x in item.lower().split("x"))
         except ValueError:
             raise ValueError(f"a combine tile is SPLITSxCOLUMNS, e.g. 64x32; got {item!r}") from None
-        if s < 1 or c < 1 or s & (s - 1) or c & (c - 1):
-            raise ValueError(f"a combine tile's splits and columns are powers of two, got {item!r}")
-        tiles.append((s, c))
+        tiles.append(check_combine_tile((s, c)))
     return tiles
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .splitkv_config import check_combine_tile
 from .splitkv_plan import _next_pow2
 
 Tensor = torch.Tensor
@@ -111,9 +112,7 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
     compares them)."""
     bs, sq, H, dv = out.shape
     one = lse  # any float32 pointer: read only with descale_k
-    block_s, cdv = combine_tile(bs * sq * H) if tile is None else tile
-    if block_s < 1 or cdv < 1 or block_s & (block_s - 1) or cdv & (cdv - 1):
-        raise ValueError(f"combine tile must be two powers of two (splits per load, columns), got {tile}")
+    block_s, cdv = combine_tile(bs * sq * H) if tile is None else check_combine_tile(tile)
     cdv = min(cdv, _next_pow2(dv))
     _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
         part_o, part_lse2, split_offsets, out, lse, one if descale_k is None else descale_k,

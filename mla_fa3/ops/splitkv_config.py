@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
            "latent_chunks"]
@@ -113,6 +113,15 @@ def latent_chunks(config: KernelConfig, head_dim_v: int, rows: int) -> int:
     if rows < NARROW_ROWS and whole and head_dim_v // config.latent_chunks >= 32:
         return config.latent_chunks
     return 1
+
+
+def check_combine_tile(tile: Tuple[int, int]) -> Tuple[int, int]:
+    """A combine tile given instead of the rule's (``splitkv_combine_triton.combine_splits(tile=)``): (splits per load,
+    columns), both powers of two; else ValueError."""
+    block_s, cols = tile
+    if block_s < 1 or cols < 1 or block_s & (block_s - 1) or cols & (cols - 1):
+        raise ValueError(f"combine tile must be two powers of two (splits per load, columns), got {tile}")
+    return block_s, cols
 
 
 def choose_config(heads: int, bs: int, ctx: int, table: Optional[dict] = None, *, kv_fp8: bool = False) -> KernelConfig:
