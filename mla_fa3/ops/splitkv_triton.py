@@ -143,7 +143,7 @@ def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
     return tl.load(ptrs, mask=key_ok[:, None] & c_ok[None, :], other=0.0, eviction_policy=EVICT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["last_page"])  # the table's width varies per batch: one compile for all of them
 def _splitkv_partial_kernel(
     Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
     stride_qb, stride_qs, stride_qh,
@@ -186,6 +186,9 @@ def _splitkv_partial_kernel(
         v_ok = offs_v < DV
         r_ok = offs_r < DR
         pt_row = b.to(tl.int64) * stride_ptb
+        if NARROW and EARLY:  # the first block's page id (read one block ahead, see the key loop): beside the length,
+            # not after it, and issued before q's loads — one round trip less before the first tile
+            page_next = _first_page_ids(PageTable, pt_row, start, stop, last_page, offs_n, PAGE, CONTIG)
 
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
         qr_row = QR + b.to(tl.int64) * stride_qrb + qi * stride_qrs + hh * stride_qrh  # the rope part (may be apart)
@@ -227,11 +230,8 @@ def _splitkv_partial_kernel(
         # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
         # (NARROW: < 64 rows, mma.sync. At >= 64 rows — wgmma — the multi-buffered loads outgrow shared memory with
         # block 64 and were not faster at 128 heads: that path keeps the page id read in the same iteration)
-        if NARROW:
-            if EARLY:  # one round trip less before the first tile: the work row -> the page id, beside the length
-                page_next = _first_page_ids(PageTable, pt_row, start, stop, last_page, offs_n, PAGE, CONTIG)
-            else:
-                page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
+        if NARROW and not EARLY:
+            page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
         for n0 in range(start, end, BLOCK_N):
             if NARROW:
                 page = page_next
