@@ -76,9 +76,9 @@ at 128 heads, bs 1, 16k — the table turns it off there.
 
 Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end are never read, nor are the
 pages of unused page-table entries (``early_page`` reads a split's first page id bounded by its planned end, beside
-L_b: an entry past L_b may then be read — clamped to the table's width — but its page is not). The grid is the schedule's capacity (fixed), the live work count
-and per-request split offsets are read from device buffers: a captured CUDA graph replays whatever
-schedule is ``copy_``-ed into them.
+L_b: an entry past L_b may then be read — clamped to the table's width — but its page is not). The grid is the
+schedule's capacity (fixed), the live work count and per-request split offsets are read from device buffers: a
+captured CUDA graph replays whatever schedule is ``copy_``-ed into them.
 """
 
 from __future__ import annotations
