@@ -584,13 +584,13 @@ def phases_case() -> None:
 
 def plan_past_the_lengths_case() -> None:
     """A schedule planned from longer lengths than the kernel reads (a stale host plan): splits start past each
-    request's length and past the page table's width, whose unused entries hold BAD_PAGE. With the
-    first page id read against the planned end (``early_page``, clamped to the table) and with it read after the
-    length, only keys < L_b are loaded: the output is the oracle's, for both page-id paths and the gather path."""
-    for page, cfg in ((16, dict(block_n=16)), (16, dict(block_n=16, early_page=False)), (4, dict(block_n=16))):
-        c, args, kw, dense = _op_args(heads=4, lens=(9, 40, 20), page=page, config=KernelConfig(**cfg))
+    request's length and past the page table's width, whose unused entries hold BAD_PAGE. Only keys < L_b are loaded
+    and only their page ids read: the output is the oracle's, on the one-page-per-block path and the gather path."""
+    for page in (16, 4):
+        cfg = KernelConfig(block_n=16)
+        c, args, kw, dense = _op_args(heads=4, lens=(9, 40, 20), page=page, config=cfg)
         kw["schedule"] = ops.get_splitkv_schedule([300, 300, 300], num_heads=4, num_q_tokens=1, page_size=page,
-                                                  num_sms=4, min_split_tokens=8, config=KernelConfig(**cfg))
+                                                  num_sms=4, min_split_tokens=8, config=cfg)
         width = args[2].shape[1] * page
         assert any(s0 >= width for _, s0, _, _ in kw["schedule"].work[: kw["schedule"].planned_work].tolist())
         out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")

@@ -156,9 +156,6 @@ SWITCHES = {
     "n32_s3_half_chunks2": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=2),
     "n32_s3_half_chunks4": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=4),
     "n16_w8_reload_chunks4": KernelConfig(block_n=16, num_warps=8, num_stages=4, reload_kv=True, latent_chunks=4),
-    # the first page id read after the request's length (the default reads it beside, bounded by the planned end)
-    "n32_s3_half_chunks4_late": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=4,
-                                             early_page=False),
 }
 
 

@@ -66,8 +66,7 @@ SWEEP_WIDE = (
 
 # KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
 AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
-             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4),
-             "early_page": (True, False)}
+             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4)}
 
 
 def parse_ab(spec: str) -> tuple[str, tuple]:

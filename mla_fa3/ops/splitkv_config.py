@@ -45,8 +45,6 @@ class KernelConfig:
                   (< 64 rows) one dot is a chain of dependent mma per warp (36 for DeepSeek's 512 + 64 columns),
                   chunks make independent chains; P·V and the output are chunked alike. Applies when the latent
                   width is a power of two of at least 32 columns per chunk, at < 64 rows; else 1
-    early_page    at < 64 rows, read a split's first page id bounded by its planned end, beside the request's length
-                  instead of after it (one dependent load less before the first tile)
     """
 
     block_n: int = 32
@@ -59,7 +57,6 @@ class KernelConfig:
     pdl: bool = True
     max_registers: Optional[int] = None
     latent_chunks: int = 1
-    early_page: bool = True
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -77,7 +74,7 @@ class KernelConfig:
     def label(self) -> str:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
                  + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
-                 + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "") + ("" if self.early_page else "-late"))
+                 + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

@@ -74,11 +74,10 @@ computes and reads is unchanged. A CUDA graph captures the launches as programma
 interpreter, older GPUs) they launch in order. Measured: 0.7-1.3 µs less at 16 heads (bs 1-8), 0.9 µs more
 at 128 heads, bs 1, 16k — the table turns it off there.
 
-Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end are never read, nor are the
-pages of unused page-table entries (``early_page`` reads a split's first page id bounded by its planned end, beside
-L_b: an entry past L_b may then be read — clamped to the table's width — but its page is not). The grid is the
-schedule's capacity (fixed), the live work count and per-request split offsets are read from device buffers: a
-captured CUDA graph replays whatever schedule is ``copy_``-ed into them.
+Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
+page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
+and per-request split offsets are read from device buffers: a captured CUDA graph replays whatever
+schedule is ``copy_``-ed into them.
 """
 
 from __future__ import annotations
@@ -110,20 +109,6 @@ def _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE: tl.constexpr, CONTIG: tl
 
 
 @triton.jit
-def _first_page_ids(PageTable, pt_row, start, stop, last_page, offs_n, PAGE: tl.constexpr, CONTIG: tl.constexpr):
-    """``_page_ids`` of the split's first block, bounded by its planned ``stop`` instead of ``min(stop, L_b)``: read
-    beside the length, not after it. Ids of keys in [L_b, stop) are read but never used (the tile loads are masked
-    by the length); the column is clamped to the page table's width, so a plan longer than the table reads in bounds.
-    """
-    if CONTIG:
-        ids = tl.load(PageTable + pt_row + tl.minimum(start // PAGE, last_page), mask=start < stop, other=0)
-    else:
-        keys = start + offs_n
-        ids = tl.load(PageTable + pt_row + tl.minimum(keys // PAGE, last_page), mask=keys < stop, other=0)
-    return ids
-
-
-@triton.jit
 def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
                stride_kvp, stride_kvs, col0: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                CONTIG: tl.constexpr, EXACT_C: tl.constexpr, EVICT: tl.constexpr):
@@ -143,13 +128,13 @@ def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
     return tl.load(ptrs, mask=key_ok[:, None] & c_ok[None, :], other=0.0, eviction_policy=EVICT)
 
 
-@triton.jit(do_not_specialize=["last_page"])  # the table's width varies per batch: one compile for all of them
+@triton.jit
 def _splitkv_partial_kernel(
     Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
     stride_qb, stride_qs, stride_qh,
     stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
-    stride_ptb, last_page,
+    stride_ptb,
     stride_ow, stride_os, stride_oh,
     stride_lw, stride_ls,
     scale_log2,
@@ -157,7 +142,6 @@ def _splitkv_partial_kernel(
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PDL: tl.constexpr, CHUNKS: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
@@ -186,9 +170,6 @@ def _splitkv_partial_kernel(
         v_ok = offs_v < DV
         r_ok = offs_r < DR
         pt_row = b.to(tl.int64) * stride_ptb
-        if NARROW and EARLY:  # the first block's page id (read one block ahead, see the key loop): beside the length,
-            # not after it, and issued before q's loads — one round trip less before the first tile
-            page_next = _first_page_ids(PageTable, pt_row, start, stop, last_page, offs_n, PAGE, CONTIG)
 
         q_row = Q + b.to(tl.int64) * stride_qb + qi * stride_qs + hh * stride_qh
         qr_row = QR + b.to(tl.int64) * stride_qrb + qi * stride_qrs + hh * stride_qrh  # the rope part (may be apart)
@@ -230,7 +211,7 @@ def _splitkv_partial_kernel(
         # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
         # (NARROW: < 64 rows, mma.sync. At >= 64 rows — wgmma — the multi-buffered loads outgrow shared memory with
         # block 64 and were not faster at 128 heads: that path keeps the page id read in the same iteration)
-        if NARROW and not EARLY:
+        if NARROW:
             page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
         for n0 in range(start, end, BLOCK_N):
             if NARROW:
@@ -389,7 +370,7 @@ def splitkv_partials(
         q.stride(0), q.stride(1), q.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
-        call.page_table.stride(0), max(call.page_table.shape[1] - 1, 0),
+        call.page_table.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         call.softmax_scale * LOG2E,
@@ -399,7 +380,7 @@ def splitkv_partials(
         # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
         CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow, PDL=pdl,
-        CHUNKS=latent_chunks(config, dv, rows), EARLY=config.early_page,
+        CHUNKS=latent_chunks(config, dv, rows),
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
     return part_o, part_lse2
