@@ -449,7 +449,7 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp32_page64_pm1_padded": ((63, 65, 129), 1, 4, 64, "float32", False, True),
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
     "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_WIDE's 16
-    "fp32_71_splits_narrow_combine": ((9000, 70), 1, 4, 16, "float32", False, False, 128),  # > COMBINE_NARROW's 64
+    "fp32_143_splits_narrow_combine": ((9000, 70), 1, 4, 16, "float32", False, False, 256),  # > COMBINE_NARROW's 128
     # the one-page-per-block fast path (page >= block_n), blocks spanning a request's end, and the switches
     "fp32_page64_block64_spans_end": ((63, 64, 65, 200), 1, 4, 64, "float32", False, False),
     "fp16_page32_verify_sq3_half_reload": ((31, 32, 97), 3, 4, 32, "float16", False, True),
@@ -521,11 +521,12 @@ def test_op_with_the_rope_part_apart_matches_the_oracle():
 
 def combine_case() -> None:
     """The combine alone (``splitkv_combine_triton.combine_splits``, fp32) against the fp64 formula. Request 0: 150
-    splits, so three 64-split loads of the narrow tile, whose maximum LSE sits in the third load while the first two still weigh
-    2^-3 of it (the running maximum must rescale what it summed), empty splits (-inf) among them, all LSEs near 2^200
-    (past fp32's range unless the maximum is subtracted); request 1: no split; request 2: only empty splits. The same
-    with the tiles ``bench.splitkv_phases --combine-tiles`` compares: all 150 splits in one load (8 warps), 16 x 16,
-    one split per load over 64 columns (24 of them masked); a tile that is not two powers of two is refused."""
+    splits, so two 128-split loads of the narrow tile (three with 64 splits per load), whose maximum LSE sits in the
+    last load while the earlier ones still weigh 2^-3 of it (the running maximum must rescale what it summed), empty
+    splits (-inf) among them, all LSEs near 2^200 (past fp32's range unless the maximum is subtracted); request 1: no
+    split; request 2: only empty splits. The same with the tiles ``bench.splitkv_phases --combine-tiles`` compares: 64
+    splits per load, all 150 in one load (8 warps), 16 x 16, one split per load over 64 columns (24 of them masked); a
+    tile that is not two powers of two is refused."""
     from mla_fa3.ops.splitkv_combine_triton import combine_splits
 
     g = torch.Generator().manual_seed(11)
@@ -536,7 +537,7 @@ def combine_case() -> None:
     lse2 = 200.0 + torch.randn(slots, sq, H, generator=g) + 3.0 * (torch.arange(slots) >= 128).view(-1, 1, 1)
     lse2[::7] = float("-inf")
     lse2[150:] = float("-inf")
-    for tile in (None, (256, 32), (16, 16), (1, 64)):
+    for tile in (None, (64, 32), (256, 32), (16, 16), (1, 64)):
         out = torch.full((len(counts), sq, H, dv), float("nan"))
         lse = torch.full((len(counts), sq, H), float("nan"))
         combine_splits(part_o, lse2, offsets, out, lse, tile=tile)

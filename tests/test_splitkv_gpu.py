@@ -349,10 +349,10 @@ def test_combine_tiles_agree_with_the_oracle(fp8):
                                   causal=True, descale_q=extra.get("descale_q"), descale_k=extra.get("descale_k"),
                                   impl=Impl.TRITON)
     part_o, part_lse2 = kt.splitkv_partials(call, sched)
-    assert int(sched.split_offsets[1]) > 64  # request 0's splits take several loads of the rule's tile
+    assert int(sched.split_offsets[1]) > 128  # request 0's splits take several loads of every tile but the widest
     ref_out, ref_lse, lowp = oracle_and_lowp(dense)
     ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
-    for tile in ((1, 64), (16, 64), (64, 32), (256, 32), (256, 16), (64, 64)):
+    for tile in ((1, 64), (16, 64), (64, 32), (128, 32), (256, 32), (256, 16), (64, 64)):
         out = torch.full((len(lens), 1, heads, R), float("nan"), dtype=call.out_dtype, device=DEV)
         lse = torch.full((len(lens), 1, heads), float("nan"), device=DEV)
         combine_splits(part_o, part_lse2, sched.split_offsets, out, lse, call.descale_k if fp8 else None, tile=tile)
