@@ -50,8 +50,8 @@ from mla_fa3.layer import MLAWeights
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import roofline
-from mla_fa3.bench.timing import (L2_BYTES_H200, MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, replay_repeats,
-                                  time_cuda, time_graph)
+from mla_fa3.bench.timing import (L2_BYTES_H200, MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, time_cuda,
+                                  time_graph, time_per_call)
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
@@ -207,7 +207,7 @@ def _time_layers(cfg: Config, cell: Cell, est_ms: float, kernel) -> float:
             kernel(layer)
 
     warm, iters = _iters(cfg, est_ms * cell.rotate)
-    return time_graph(fn, warmup=warm, iters=iters, calls_per_graph=replay_repeats(cell.rotate)) / cell.rotate
+    return time_per_call(fn, cell.rotate, warmup=warm, iters=iters)
 
 
 def measure_fa3(cfg: Config, cell: Cell, heads: int, lens: list[int], est_ms: float) -> float:

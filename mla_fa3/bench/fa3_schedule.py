@@ -12,7 +12,7 @@ token, varlen q as the backend passes it), the same R layer copies of the cache 
     splits N   (``--splits``) per_step with ``num_splits=N`` asked of FA3 (planned with the same N)
 
 Before timing, each shape's per-step output must equal the per-call output bit for bit (same kernels, same
-splits), else the bench exits 1. Times are per layer copy (median of replays, ``timing.time_graph``); R copies
+splits), else the bench exits 1. Times are per layer copy (median of replays, ``timing.time_per_call``); R copies
 exceed 3x the 50 MiB L2 (``timing.rotating_inputs``). Without CUDA it runs the torch reference on the CPU at
 small shapes (the equality check and the table, not a measurement). Output: the markdown table; with ``--out
 DIR`` ``fa3_schedule.csv`` / ``.md``.
@@ -31,7 +31,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench.decode import _ints
-from mla_fa3.bench.timing import Progress, replay_repeats, rotating_inputs, time_graph
+from mla_fa3.bench.timing import Progress, rotating_inputs, time_per_call
 
 R, D_ROPE, PAGE = 512, 64, 64
 SCALE = (128 + D_ROPE) ** -0.5
@@ -79,7 +79,7 @@ def measure(heads: int, bs: int, ctx: int, *, device, splits: Sequence[int], ite
     if not all(torch.equal(a, b) for a, b in zip(layers(None), layers(schedules[0]))):
         raise RuntimeError(f"H {heads} bs {bs} ctx {ctx}: FA3 with a planned schedule differs from FA3 per call")
     def t(fn, calls=len(kvs)):  # µs per call of a fn making ``calls`` calls (a layer copy each; the planner once)
-        return time_graph(fn, warmup=3, iters=iters, calls_per_graph=replay_repeats(calls)) / calls * 1e3
+        return time_per_call(fn, calls, warmup=3, iters=iters) * 1e3
 
     row = Row(heads, bs, ctx, len(kvs), t(lambda: layers(None)), t(lambda: layers(schedules[0])), t(plan, 1))
     row.splits_us = {n: t(lambda n=n: layers(schedules[n], n)) for n in splits}

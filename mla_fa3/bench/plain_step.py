@@ -29,7 +29,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints
-from mla_fa3.bench.timing import Progress, replay_repeats, time_graph
+from mla_fa3.bench.timing import Progress, time_per_call
 from mla_fa3.layer import MLAWeights
 
 PAGE = 64
@@ -95,8 +95,7 @@ def sweep(cfg: Config) -> list[Row]:
                 finally:
                     bench.close()
                 fn = plain_step_fn(cell, heads, gen, "fa3" if dev.type == "cuda" else "reference")
-                plain_ms = time_graph(fn, warmup=5 if dev.type == "cuda" else 1, iters=cfg.max_iters,
-                                      calls_per_graph=replay_repeats(cell.rotate)) / cell.rotate
+                plain_ms = time_per_call(fn, cell.rotate, warmup=5 if dev.type == "cuda" else 1, iters=cfg.max_iters)
                 rows.append(Row(heads, bs, ctx, 1e3 * ms, kernel, 1e3 * plain_ms))
                 prog.step(f"H {heads} bs {bs} ctx {ctx}: backend {1e3 * ms:.1f} us ({kernel}), plain {1e3 * plain_ms:.1f} us")
             del cell

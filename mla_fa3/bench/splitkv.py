@@ -47,8 +47,7 @@ from mla_fa3 import ops
 from mla_fa3.bench import roofline
 from mla_fa3.bench.splitkv_candidates import (AB_FIELDS, SWEEP_NARROW, SWEEP_NARROW_E4M3, SWEEP_WIDE, parse_ab,
                                               sweep_candidates)
-from mla_fa3.bench.timing import (MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, replay_repeats, rotating_inputs,
-                                  time_graph)
+from mla_fa3.bench.timing import MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, rotating_inputs, time_per_call
 from mla_fa3.ops import validate
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
 from mla_fa3.ops.splitkv_config import KernelConfig, choose_config
@@ -134,8 +133,7 @@ def flashmla_fn(shape: Shape, q: torch.Tensor):
 
 def _time_us(fn: Callable, copies: int, iters: int, min_calls: int = MIN_CALLS_PER_REPLAY) -> float:
     """µs per call of ``fn`` (one call per copy), replays of at least ``min_calls`` calls."""
-    repeats = replay_repeats(copies, min_calls)
-    return 1e3 * time_graph(fn, warmup=max(3, iters // 10), iters=iters, calls_per_graph=repeats) / copies
+    return 1e3 * time_per_call(fn, copies, warmup=max(3, iters // 10), iters=iters, min_calls=min_calls)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -37,9 +37,9 @@ import torch
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
 from mla_fa3.bench.splitkv import D, PAGE, R, SCALE, Shape
-from mla_fa3.bench.timing import h200_ceilings, replay_repeats, time_graph
+from mla_fa3.bench.timing import h200_ceilings, time_per_call
 from mla_fa3.ops import validate
-from mla_fa3.ops.splitkv_config import check_combine_tile
+from mla_fa3.ops.splitkv_config import check_combine_tile, combine_tile
 
 DEFAULT_SHAPES = dict(heads=(16,), batch=(1,), context=(4096, 8192, 16384, 32768, 65536, 131072))
 
@@ -125,9 +125,7 @@ class _Setup:
 
     def per_copy(self, fn) -> float:
         """µs per call of ``fn`` (one call per cache copy), replays of at least 16 calls."""
-        n = len(self.calls)
-        return 1e3 * time_graph(fn, warmup=max(3, self.iters // 10), iters=self.iters,
-                                calls_per_graph=replay_repeats(n)) / n
+        return 1e3 * time_per_call(fn, len(self.calls), warmup=max(3, self.iters // 10), iters=self.iters)
 
     def combine(self, tile=None, partials=None) -> None:
         """The combine into ``out``/``lse`` over ``partials`` (default: the workspace phase 1 filled at setup)."""
@@ -194,8 +192,6 @@ def measure_prefix(shape: Shape, heads: int, iters: int, blocks: Sequence[int]) 
 
 def measure_tiles(shape: Shape, heads: int, iters: int, tiles: Sequence[Tuple[int, int]]) -> list:
     """Both phases and the combine alone with each combine tile of ``tiles`` (and the rule's, listed first)."""
-    from mla_fa3.ops.splitkv_combine_triton import combine_tile
-
     st = _Setup(shape, heads, iters)
     rule = combine_tile(shape.bs * heads)
     out = []

@@ -157,6 +157,13 @@ def time_graph(
         del graph
 
 
+def time_per_call(fn: Callable[[], Any], calls: int, *, warmup: int, iters: int,
+                  min_calls: int = MIN_CALLS_PER_REPLAY) -> float:
+    """Median milliseconds of one call, ``fn`` making ``calls`` calls (one per rotated input copy): ``time_graph``
+    with replays of at least ``min_calls`` calls (``replay_repeats``), divided by ``calls``."""
+    return time_graph(fn, warmup=warmup, iters=iters, calls_per_graph=replay_repeats(calls, min_calls)) / calls
+
+
 def replay_repeats(calls: int, minimum: int = MIN_CALLS_PER_REPLAY) -> int:
     """How many times to capture a fn of ``calls`` calls into one graph (``time_graph``'s ``calls_per_graph``) so
     that a replay holds at least ``minimum`` calls: ``ceil(minimum / calls)``, at least 1."""

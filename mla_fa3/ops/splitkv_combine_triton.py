@@ -29,22 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .splitkv_config import check_combine_tile
+from .splitkv_config import check_combine_tile, combine_tile
 from .splitkv_plan import _next_pow2
 
 Tensor = torch.Tensor
-COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 64 output rows
-COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the programs, an eighth of the loop trips
-
-
-def combine_tile(rows: int) -> Tuple[int, int]:
-    """(splits per load, columns) of a combine program for ``rows`` = bs·sq·H output rows. The narrow tile's 32
-    columns were measured on the H200 (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1
-    with the wide tile; no change at bs 4 or 128 heads); its 128 splits per load (instead of 64) on an H100 in three
-    runs over two sessions (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; the wide tile stays at bs >= 4, where 128
-    splits per load lose) — docs/PERFORMANCE.md."""
-    return COMBINE_NARROW if rows < 64 else COMBINE_WIDE
-
 
 
 @triton.jit

@@ -9,8 +9,9 @@ always agree; a CUDA graph keeps the config it was captured with.
 ``choose_config(heads, bs, ctx, kv_fp8=)`` reads :data:`CONFIG_TABLE` (a bf16 / fp16 cache) or
 :data:`E4M3_CONFIG_TABLE` (an e4m3 cache): measured rows ``(heads, bs, ctx) -> config`` (``python -m
 mla_fa3.bench.splitkv --sweep [--fp8]`` prints a fresh table to paste here). The row of the same head class
-(<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx) wins. Pure host code: no
-triton import.
+(<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx) wins. ``combine_tile(rows)`` is the
+combine's tile (splits per load, columns) by output rows, ``check_combine_tile`` the check of one given instead. Pure
+host code: no triton import.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
-           "latent_chunks"]
+           "latent_chunks", "combine_tile", "check_combine_tile"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
 NARROW_ROWS = 64  # fewer rows (heads x query tokens) per program than this: the dots run as mma.sync, else wgmma
+COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 64 output rows
+COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the programs, an eighth of the loop trips
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,15 @@ def latent_chunks(config: KernelConfig, head_dim_v: int, rows: int) -> int:
     if rows < NARROW_ROWS and whole and head_dim_v // config.latent_chunks >= 32:
         return config.latent_chunks
     return 1
+
+
+def combine_tile(rows: int) -> Tuple[int, int]:
+    """(splits per load, columns) of a combine program for ``rows`` = bs·sq·H output rows. The narrow tile's 32
+    columns were measured on the H200 (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1
+    with the wide tile; no change at bs 4 or 128 heads); its 128 splits per load (instead of 64) on an H100 in three
+    runs over two sessions (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; the wide tile stays at bs >= 4, where 128
+    splits per load lose) — docs/PERFORMANCE.md."""
+    return COMBINE_NARROW if rows < 64 else COMBINE_WIDE
 
 
 def check_combine_tile(tile: Tuple[int, int]) -> Tuple[int, int]:
