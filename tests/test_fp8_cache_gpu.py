@@ -135,7 +135,7 @@ def test_fused_store_equals_the_reference_bit_for_bit(T):
     assert torch.equal(fused[loc[:64], 4:580].cpu(), store_oracle(x[:64].cpu(), 0.37)), rows
 
 
-@pytest.mark.parametrize("T,H", [(1, 16), (64, 128), (512, 16)])
+@pytest.mark.parametrize("T,H", [(1, 16), (1, 128), (2, 128), (64, 128), (512, 16)])
 def test_fused_query_quantization_equals_the_reference_bit_for_bit(T, H):
     a, b = query_inputs(T, H, BF16, T + H)
     a, b = a.to(DEV), b.to(DEV)  # b: a strided slice of a [T, H, 192] q, as in the backend

@@ -130,6 +130,7 @@ QUERY_CASES = {  # name -> (T, H, dtype, kind)
     "fp16_many_blocks": (70, 5, "float16", "randn"),  # 350 rows: several programs, several partials
     "fp32_one_row": (1, 1, "float32", "randn"),
     "all_zero": (2, 4, "bfloat16", "zero"),
+    "bf16_decode_128_heads": (1, 128, "bfloat16", "randn"),  # 8 programs, 8 partials
 }
 
 

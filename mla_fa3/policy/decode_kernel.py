@@ -42,12 +42,13 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
   out, and the reason says so (split-KV is picked on evidence only; a missing time is never a gain).
 
 Offline check on the recorded sweeps (``evaluate_on_csv``; slowdown = picked kernel time / fastest
-measured kernel time, page-64 rows). 2026-12-04/session4/final/decode_whole_step (the table's small-batch rows:
-FA3 with its step schedule and split cap): 32/32 within 5 % (worst 1.011x), split-KV picked at 16 heads, bs 1-2
-(16k-128k) and bs 4 (16k-32k); leave-one-out over its own 32 rows: 32/32, worst 1.035x. (session5/decode_whole_step,
-the table before: 32/32, worst 1.017x; leave-one-out worst 1.046x.)
-decode_2026-12-02_run1 (kernels alone): 174/178 scored rows within 5 %, worst 1.159x — the misses are shapes the
-whole-step sweep re-measured, where the table follows the whole step by design; the 2 rows where split-KV is picked
+measured kernel time, page-64 rows). 2026-12-06/h200/decode_whole_step (the table's small-batch rows): 32/32
+within 5 % (worst 1.016x, mean 1.0013x), split-KV picked at 16 heads, bs 1-4 (16k-128k) and bs 8 (all but 64k);
+leave-one-out over its own 32 rows: 31/32, worst 1.076x. (session4/final/decode_whole_step, the table before:
+32/32, worst 1.011x; scored by this table 31/32, worst 1.054x.) The same table on an H100's two whole-step
+CSVs (docs/perf/2026-12-06/h100): 32/32 within 5 %, worst 1.048x.
+decode_2026-12-02_run1 (kernels alone): 171/174 scored rows within 5 %, worst 1.159x — the misses are shapes the
+whole-step sweep re-measured, where the table follows the whole step by design; the 6 rows where split-KV is picked
 have no split-KV time there (not scored); leave-one-out over its 180 rows: 172/180 within 5 %, 177/180 within
 15 %, worst 1.215x. The skew-blind table that sweep ran with: 106/180, worst 2.10x. With the kernel-alone
 small-batch rows instead (``decode_small_batch``, the table of the third session): split-KV picked at 16 heads bs 1
