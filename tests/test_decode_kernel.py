@@ -27,14 +27,14 @@ from mla_fa3.policy.paths import DecodeKernel
 from mla_fa3.bench import roofline
 from mla_fa3.bench.timing import h200_ceilings
 
-SWEEP = Path(__file__).resolve().parents[1] / "docs" / "perf" / "decode_2026-12-02_run1.csv"
-SMALL_KERNEL = Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-03" / "decode_small_batch.csv"
+PERF = Path(__file__).resolve().parents[1] / "docs" / "perf"
+SWEEP = PERF / "decode_2026-12-02_run1.csv"
+SMALL_KERNEL = PERF / "2026-12-03" / "decode_small_batch.csv"
 # the same shapes as WHOLE backend steps per forced kernel (bench decode --whole-step): the table's rows there are
 # the latest sweep's (SMALL, 2026-12-06), which replaced the earlier ones (SMALL_PREV, oldest first)
-SMALL_PREV = (Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-04" / "decode_whole_step_pdl.csv",
-              Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-04" / "session4" / "final"
-              / "decode_whole_step.csv")
-SMALL = Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-06" / "h200" / "decode_whole_step.csv"
+SMALL_PREV = (PERF / "2026-12-04" / "decode_whole_step_pdl.csv",
+              PERF / "2026-12-04" / "session4" / "final" / "decode_whole_step.csv")
+SMALL = PERF / "2026-12-06" / "h200" / "decode_whole_step.csv"
 FA3, MLA, SKV = DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV
 
 # (heads, batch, context) -> (FA3, FlashMLA) throughput, README units (TB/s or TFLOP/s): higher wins
