@@ -156,13 +156,16 @@ SWITCHES = {
     "n32_s3_half_chunks2": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=2),
     "n32_s3_half_chunks4": KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=4),
     "n16_w8_reload_chunks4": KernelConfig(block_n=16, num_warps=8, num_stages=4, reload_kv=True, latent_chunks=4),
+    # the next block's page id read ahead under wgmma (128 heads: 64-row programs), and not read ahead under mma.sync
+    "n32_w8_s3_prefetch_wide": KernelConfig(block_n=32, num_warps=8, num_stages=3, waves=1.0, prefetch_pages=True),
+    "n32_s3_half_no_prefetch": KernelConfig(block_n=32, num_stages=3, half_partials=True, prefetch_pages=False),
 }
 
 
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("name", list(SWITCHES))
 def test_splitkv_kernel_switches(name, page):
-    lens, heads = (1, 31, 65, 4097, 127), (16 if "w16" not in name else 128)
+    lens, heads = (1, 31, 65, 4097, 127), (128 if "w16" in name or "wide" in name else 16)
     q, kv, table, seqlens, dense, _ = build(lens, 2, heads, page, seed=7)
     out, lse = run_splitkv(q, kv, table, seqlens, page=page, config=SWITCHES[name])
     ref_out, ref_lse, lowp = oracle_and_lowp(dense)

@@ -61,12 +61,17 @@ SWEEP_WIDE = (
     _C(block_n=32, num_warps=16, num_stages=3, waves=2.0, reload_kv=True),
     _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
     _C(block_n=32, num_warps=4, num_stages=3, waves=2.0, max_rows=32),
+    # the page id read one block ahead (multi-buffered tile loads; q's 72 KB and the buffers share shared memory:
+    # 64-key blocks with 3 stages need 288 KB). Measured on an H100: no faster than the table's (docs/PERFORMANCE.md)
+    _C(block_n=64, num_warps=8, num_stages=2, waves=1.0, prefetch_pages=True),
+    _C(block_n=32, num_warps=8, num_stages=3, waves=1.0, prefetch_pages=True),
 )
 
 
 # KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
 AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
-             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4)}
+             "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4),
+             "prefetch_pages": (True, False)}
 
 
 def parse_ab(spec: str) -> tuple[str, tuple]:

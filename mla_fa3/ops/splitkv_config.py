@@ -48,6 +48,9 @@ class KernelConfig:
                   (< 64 rows) one dot is a chain of dependent mma per warp (36 for DeepSeek's 512 + 64 columns),
                   chunks make independent chains; P·V and the output are chunked alike. Applies when the latent
                   width is a power of two of at least 32 columns per chunk, at < 64 rows; else 1
+    prefetch_pages read the next key block's page id one iteration ahead, so that the tile loads are multi-buffered
+                  (``num_stages`` - 1 in flight); None: on under mma.sync (< 64 rows), off under wgmma, where
+                  the buffers share shared memory with a 64-row q
     """
 
     block_n: int = 32
@@ -60,6 +63,7 @@ class KernelConfig:
     pdl: bool = True
     max_registers: Optional[int] = None
     latent_chunks: int = 1
+    prefetch_pages: Optional[bool] = None
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -77,7 +81,8 @@ class KernelConfig:
     def label(self) -> str:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
                  + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
-                 + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else ""))
+                 + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "")
+                 + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages]))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

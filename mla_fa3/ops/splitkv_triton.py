@@ -141,7 +141,8 @@ def _splitkv_partial_kernel(
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
-    CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PDL: tl.constexpr, CHUNKS: tl.constexpr,
+    CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
@@ -206,15 +207,15 @@ def _splitkv_partial_kernel(
         acc = ()
         for c in tl.static_range(CHUNKS):
             acc = acc + (tl.zeros([BLOCK_M, CW], tl.float32),)
-        # the next block's page id is read one iteration ahead: the tile loads then depend on no load of their own
-        # iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the page id
-        # read in the same iteration it keeps a single buffer and every iteration waits out the load's latency)
-        # (NARROW: < 64 rows, mma.sync. At >= 64 rows — wgmma — the multi-buffered loads outgrow shared memory with
-        # block 64 and were not faster at 128 heads: that path keeps the page id read in the same iteration)
-        if NARROW:
+        # PREFETCH: the next block's page id is read one iteration ahead: the tile loads then depend on no load of
+        # their own iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the
+        # page id read in the same iteration it keeps a single buffer and every iteration waits out the load's
+        # latency). On by default under mma.sync (< 64 rows); at >= 64 rows (wgmma) a config's choice: the
+        # multi-buffered tiles and q share the shared memory (KernelConfig.prefetch_pages)
+        if PREFETCH:
             page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
         for n0 in range(start, end, BLOCK_N):
-            if NARROW:
+            if PREFETCH:
                 page = page_next
                 page_next = _page_ids(PageTable, pt_row, n0 + BLOCK_N, end, offs_n, PAGE, CONTIG)
             else:
@@ -379,7 +380,8 @@ def splitkv_partials(
         BLOCK_N=config.block_n, CAUSAL=call.causal, Q8=q8, KV8=kv8, IEEE=q.dtype == torch.float32,
         # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
-        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow, PDL=pdl,
+        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
+        PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
         CHUNKS=latent_chunks(config, dv, rows),
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
