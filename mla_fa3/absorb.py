@@ -22,13 +22,14 @@ over the whole row with ``v = row[..., :r]``. The cache views are slices of the 
 
 FP8 latent cache (``kv_paged`` e4m3, per-tensor scale ``s_kv``): only FlashMLA reads it (FA3 refuses
 an e4m3 ``v_cache`` wider than 256). Per step the 576-wide query is quantized on the device with its
-own scale ``s_q = absmax / 448`` (``ops.quantize_query_e4m3``, straight from q_lat and the q_rope slice:
-two fused launches on CUDA; no host sync), and FlashMLA computes
+own scale ``s_q = absmax / 448`` (``ops.absorb_query_e4m3``: the absorption with q_lat's and the q_rope slice's
+absmax partials fused in, then the quantization — two launches on CUDA; no host sync), and FlashMLA computes
     s(t, h) = scale · (s_q · q8(h)) · (s_kv · latent8(t)),    o_lat(h) = Σ_t softmax · s_kv · c_kv8(t)
 with ``descale_q = s_q``, ``descale_k = s_kv``. The pool is never dequantized.
 
-Weights are stored in the layouts the per-head batched matmuls (``torch.bmm`` over heads) want:
-``w_uk [H, d_nope, r]`` and ``w_uv [H, r, d_v]`` (= W_UVᵀ per head), both contiguous.
+Weights are stored in the layouts the per-head matmuls (``ops.head_matmul``: a weight-streaming Triton launch at
+decode sizes, ``torch.bmm`` over heads above) want: ``w_uk [H, d_nope, r]`` and ``w_uv [H, r, d_v]`` (= W_UVᵀ per
+head), both contiguous.
 """
 
 from __future__ import annotations
@@ -58,22 +59,18 @@ def split_query(q: torch.Tensor, dims: MLADims) -> tuple[torch.Tensor, torch.Ten
     return q.split([dims.qk_nope_head_dim, dims.qk_rope_head_dim], dim=-1)
 
 
-def absorb_query(q_nope: torch.Tensor, w: MLAWeights, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q_lat[t, h] = q_nope[t, h] · W_UK[h]: q_nope [T, H, d_nope] -> q_lat [T, H, r] (one bmm over heads).
+def absorb_query(q_nope: torch.Tensor, w: MLAWeights, *, out: torch.Tensor | None = None, impl=None) -> torch.Tensor:
+    """q_lat[t, h] = q_nope[t, h] · W_UK[h]: q_nope [T, H, d_nope] -> q_lat [T, H, r] (``ops.head_matmul``: one
+    weight-streaming Triton launch at decode batch sizes, one bmm over heads above).
 
     ``out`` (optional, [T, H, r] possibly a strided view) receives the result in place.
     """
-    if out is None:
-        out = torch.empty(q_nope.shape[0], w.num_heads, w.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-    torch.bmm(q_nope.transpose(0, 1), w.w_uk, out=out.transpose(0, 1))
-    return out
+    return ops.head_matmul(q_nope, w.w_uk, out=out, impl=impl)
 
 
-def project_output(o_lat: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-    """o[t, h] = o_lat[t, h] · W_UVᵀ[h]: o_lat [T, H, r] -> o [T, H, d_v] contiguous (one bmm over heads)."""
-    out = torch.empty(o_lat.shape[0], w.num_heads, w.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
-    torch.bmm(o_lat.transpose(0, 1), w.w_uv, out=out.transpose(0, 1))
-    return out
+def project_output(o_lat: torch.Tensor, w: MLAWeights, *, impl=None) -> torch.Tensor:
+    """o[t, h] = o_lat[t, h] · W_UVᵀ[h]: o_lat [T, H, r] -> o [T, H, d_v] contiguous (``ops.head_matmul``)."""
+    return ops.head_matmul(o_lat, w.w_uv, impl=impl)
 
 
 def decompress_kv(c_kv: torch.Tensor, w: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,8 +146,8 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
         o_lat = _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule,
                                   kv_scale if fp8 else None, impl)
-        return project_output(o_lat, w)
-    q_lat = absorb_query(q_nope, w)
+        return project_output(o_lat, w, impl=impl)
+    q_lat = absorb_query(q_nope, w, impl=impl)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
     schedule = schedule if isinstance(schedule, ops.FA3Schedule) else None
     o_lat = ops.flash_attn_with_kvcache(
@@ -161,7 +158,7 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
         softcap=layer.logit_cap, num_splits=0 if schedule is None else schedule.key.num_splits, schedule=schedule,
         impl=impl,
     )
-    return project_output(o_lat, w)
+    return project_output(o_lat, w, impl=impl)
 
 
 def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
@@ -188,17 +185,17 @@ def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedul
     descales = {} if kv_scale is None else dict(descale_k=kv_scale)
     kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl)
     if kernel is DecodeKernel.SPLITKV:  # q_lat and q_rope read where they lie: no concatenation
-        q_lat = absorb_query(q_nope, layer.mla_weights)
+        q_lat = absorb_query(q_nope, layer.mla_weights, impl=impl)
         o, _ = ops.splitkv_mla_with_kvcache(q_lat.view(bs, sq, H, r), kv_paged, metadata.page_table,
                                             metadata.cache_seqlens, q_rope=q_rope.view(bs, sq, H, width - r), **kw,
                                             **descales)
         return o.view(T, H, r)
     if kv_scale is not None:
-        q_cat, q_scale = ops.quantize_query_e4m3(absorb_query(q_nope, layer.mla_weights), q_rope, impl=impl)
+        q_cat, q_scale = ops.absorb_query_e4m3(q_nope, layer.mla_weights.w_uk, q_rope, impl=impl)
         descales["descale_q"] = q_scale
     else:
         q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
-        absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r])
+        absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r], impl=impl)
         q_cat[..., r:].copy_(q_rope)
     o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
                                    metadata.cache_seqlens, out_dtype=q_nope.dtype, **kw, **descales)

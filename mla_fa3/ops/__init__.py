@@ -45,7 +45,8 @@ from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_imp
                         resolve_impl, set_impl, use_impl)
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
-from .triton_ops import (fp8_fused_available, get_splitkv_schedule, quantize_query_e4m3, replan_splitkv_schedule,
+from .triton_ops import (HEAD_MATMUL_MAX_ROWS, absorb_query_e4m3, fp8_fused_available, get_splitkv_schedule,
+                         head_matmul, quantize_query_e4m3, replan_splitkv_schedule,
                          splitkv_available, splitkv_mla_with_kvcache, store_e4m3)
 from .types import (
     FLASHMLA_HEAD_DIM,
@@ -102,6 +103,9 @@ __all__ = [
     "fp8_fused_available",
     "store_e4m3",
     "quantize_query_e4m3",
+    "absorb_query_e4m3",
+    "head_matmul",
+    "HEAD_MATMUL_MAX_ROWS",
 ]
 
 Tensor = torch.Tensor

@@ -92,6 +92,12 @@ def host_int(x, name: str, minimum: int = 0) -> int:
     return x
 
 
+def contiguous_rows(x: Tensor, name: str) -> None:
+    """A contiguous last dimension (the other strides free): our Triton kernels' row layout."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
+
+
 def last_dim_contiguous(x: Tensor, name: str) -> None:
     if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension for FA3, got strides {x.stride()}")

@@ -1,9 +1,9 @@
-"""The ops of our own Triton kernels: split-KV MLA decode and the fused FP8 quantization.
+"""The ops of our own Triton kernels: split-KV MLA decode, the fused FP8 quantization and the per-head matmul.
 
 Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
 TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
-imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``) and
-only when available.
+imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``,
+``head_matmul_triton.py``) and only when available.
 Re-exported by ``mla_fa3.ops``.
 """
 
@@ -15,14 +15,15 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fp8, reference, splitkv_plan, validate, validate_fp8
+from . import fp8, reference, splitkv_plan, validate, validate_fp8, validate_matmul
 from .selection import ImplLike, coerce, get_impl, ran
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
 __all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache",
-           "fp8_fused_available", "store_e4m3", "quantize_query_e4m3"]
+           "fp8_fused_available", "store_e4m3", "quantize_query_e4m3", "absorb_query_e4m3", "head_matmul",
+           "HEAD_MATMUL_MAX_ROWS"]
 
 Tensor = torch.Tensor
 
@@ -35,12 +36,14 @@ Tensor = torch.Tensor
 
 @functools.lru_cache(maxsize=None)
 def _triton_module(which: str):
-    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8"), or why it does not import (str)."""
+    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8" | "matmul"), or why it does not import (str)."""
     try:
         if which == "splitkv":
             from . import splitkv_triton as module
         elif which == "replan":
             from . import splitkv_replan_triton as module
+        elif which == "matmul":
+            from . import head_matmul_triton as module
         else:
             from . import fp8_triton as module
     except Exception as exc:  # ImportError (no triton) or a broken triton install
@@ -218,4 +221,67 @@ def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = 
     else:
         out = fp8.quantize_e4m3_dynamic(torch.cat([q_a, q_b], dim=-1))
     ran(chosen)
+    return out
+
+
+def absorb_query_e4m3(q_nope: Tensor, w_uk: Tensor, q_rope: Tensor, *,
+                      impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
+    """The FP8 query of the absorbed step: ``q_lat = head_matmul(q_nope, w_uk)``, then ``quantize_query_e4m3(q_lat,
+    q_rope)`` — the same result, in two launches instead of three where the per-head matmul runs in Triton: the
+    absmax partials of q_lat and q_rope come out of the matmul's launch.
+
+    q_nope ``[T, H, K]``, w_uk ``[H, K, R]``, q_rope ``[T, H, DB]`` (one float dtype and device, last dims
+    contiguous). Returns (q8 ``[T, H, R + DB]`` e4m3 contiguous, descale ``[1]`` float32)."""
+    validate_fp8.check_absorb_query(q_nope, w_uk, q_rope)
+    if _head_matmul_in_triton(q_nope, impl):
+        chosen = _resolve_triton(impl, q_nope.device, _fp8_kernels(), "FP8 quantization")
+        out = _fp8_kernels().absorb_query_e4m3(q_nope, w_uk, q_rope)
+        ran(chosen)
+        return out
+    return quantize_query_e4m3(head_matmul(q_nope, w_uk, impl=impl), q_rope, impl=impl)
+
+
+# ------------------------------------------------------------------ per-head matmul (MLA's two projections)
+# TRITON (``head_matmul_triton.py``) for 1 <= T <= HEAD_MATMUL_MAX_ROWS: AUTO on CUDA, or asked for (impl='triton' /
+# 'fa3'; on CPU under TRITON_INTERPRET=1 in tests); else ``torch.bmm`` over heads (the previous path: cuBLAS on a GPU,
+# fp32 accumulation too).
+
+
+def _matmul_kernels():
+    """The per-head matmul kernel module, or why it does not import (str)."""
+    return _triton_module("matmul")
+
+
+HEAD_MATMUL_MAX_ROWS = 32  # rows up to which the Triton kernel runs; cuBLAS is faster from 64 (docs/PERFORMANCE.md)
+
+
+def _head_matmul_in_triton(x: Tensor, impl: Optional[ImplLike]) -> bool:
+    """Whether ``head_matmul`` of ``x`` runs the Triton kernel (raises where it is asked for and cannot run)."""
+    if not 1 <= x.shape[0] <= HEAD_MATMUL_MAX_ROWS:
+        return False
+    chosen = get_impl() if impl is None else coerce(impl)
+    kernels = _matmul_kernels()
+    if chosen is Impl.AUTO:  # CUDA only: on the CPU bmm is the path (and the interpreter's bf16 dots are wrong)
+        return x.device.type == "cuda" and torch.cuda.is_available() and not isinstance(kernels, str)
+    return chosen is not Impl.REFERENCE and _resolve_triton(chosen, x.device, kernels, "per-head matmul") is Impl.TRITON
+
+
+def head_matmul(x: Tensor, w: Tensor, *, out: Optional[Tensor] = None, impl: Optional[ImplLike] = None) -> Tensor:
+    """``out[t, h] = x[t, h] @ w[h]``: x ``[T, H, K]``, w ``[H, K, N]``, out ``[T, H, N]`` (given: written in place,
+    any strides with a contiguous last dim, e.g. a slice of a wider buffer; else allocated contiguous). One float
+    dtype and device; fp32 accumulation, rounded once to the dtype. MLA's absorption ``q_nope · W_UK`` and output
+    projection ``o_lat · W_UVᵀ`` (``absorb.py``).
+
+    TRITON (AUTO on CUDA; FA3 / TRITON asked for): one launch streaming w once, when 1 <= T <=
+    ``HEAD_MATMUL_MAX_ROWS`` (decode batches); more rows run ``torch.bmm`` (cuBLAS), as does REFERENCE, AUTO on
+    another device, and AUTO where Triton cannot import (bmm is the exact, fast path it replaces, not a slow
+    reference). Never syncs: capturable. Not recorded by ``last_impl()``, which keeps telling the step's attention
+    kernel (the projection runs after it)."""
+    validate_matmul.check_head_matmul(x, w, out)
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+    if _head_matmul_in_triton(x, impl):
+        _matmul_kernels().head_matmul(x, w, out)
+    else:
+        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
     return out

@@ -1,4 +1,5 @@
-"""Boundary checks of the FP8 quantization ops (``ops.store_e4m3``, ``ops.quantize_query_e4m3``).
+"""Boundary checks of the FP8 quantization ops (``ops.store_e4m3``, ``ops.quantize_query_e4m3``,
+``ops.absorb_query_e4m3``).
 
 As ``validate.py`` for the attention ops: shapes, dtypes and devices only (no tensor value read, no sync,
 legal during CUDA-graph capture); every error a ``ValueError`` / ``TypeError`` naming the argument.
@@ -9,15 +10,12 @@ from __future__ import annotations
 import torch
 
 from . import _checks as chk
+from .validate_matmul import check_head_matmul
 
 Tensor = torch.Tensor
 
 FP8_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def _row_contiguous(x: Tensor, name: str) -> None:
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
 
 
 def check_store_e4m3(out, loc, x, scale) -> None:
@@ -42,8 +40,8 @@ def check_store_e4m3(out, loc, x, scale) -> None:
         raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
     for t, name in ((loc, "loc"), (x, "x"), (scale, "scale")):
         chk.same_device(t, name, out.device, "out")
-    _row_contiguous(out, "out")
-    _row_contiguous(x, "x")
+    chk.contiguous_rows(out, "out")
+    chk.contiguous_rows(x, "x")
 
 
 def check_quantize_query(q_a, q_b) -> None:
@@ -59,5 +57,19 @@ def check_quantize_query(q_a, q_b) -> None:
     if tuple(q_b.shape[:2]) != tuple(q_a.shape[:2]):
         raise ValueError(f"q_b must be [T, H, DB] with q_a's T, H = {tuple(q_a.shape[:2])}, got {tuple(q_b.shape)}")
     chk.same_device(q_b, "q_b", q_a.device, "q_a")
-    _row_contiguous(q_a, "q_a")
-    _row_contiguous(q_b, "q_b")
+    chk.contiguous_rows(q_a, "q_a")
+    chk.contiguous_rows(q_b, "q_b")
+
+
+def check_absorb_query(q_nope, w_uk, q_rope) -> None:
+    """Validate ``absorb_query_e4m3``: ``head_matmul``'s q_nope [T, H, K] and w_uk [H, K, R], and q_rope [T, H, DB]
+    of their dtype and device."""
+    check_head_matmul(q_nope, w_uk, None)
+    chk.tensor(q_rope, "q_rope")
+    chk.rank(q_rope, "q_rope", 3, "[T, H, DB]")
+    chk.same_dtype(q_rope, "q_rope", q_nope.dtype, "q_nope")
+    if tuple(q_rope.shape[:2]) != tuple(q_nope.shape[:2]):
+        raise ValueError(f"q_rope must be [T, H, DB] with q_nope's T, H = {tuple(q_nope.shape[:2])}, "
+                         f"got {tuple(q_rope.shape)}")
+    chk.same_device(q_rope, "q_rope", q_nope.device, "q_nope")
+    chk.contiguous_rows(q_rope, "q_rope")
