@@ -23,7 +23,7 @@ view [T, H, d_rope]: the concatenation is never materialized in the input dtype)
 
 Up to ``QUANT_PDL_MAX_ROWS`` rows both launch as programmatic dependent launches (as split-KV's phases): launch 2
 starts while launch 1 runs and waits (``griddepcontrol.wait``) for its partials; launch 1 waits likewise for q's
-producer. What each reads and writes is unchanged. Measured on an H100: 0.2-1.2 µs less per call from 16 to 4096
+producer. What each reads and writes is unchanged. Measured on an H100: 0.2-1.2 µs less per call from 16 to 1024
 rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md, "The query quantization's launches chained").
 
 The absorbed query (``absorb_query_e4m3``) replaces launch 1 by the absorption itself: the per-head matmul's programs
@@ -59,7 +59,7 @@ STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
 QUANT_BLOCK_N = 16  # (t, h) rows per query program
 MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
 # the query's two launches as programmatic dependent launches (CUDA sm_90+) up to this many (t, h) rows: measured on
-# an H100, 0.2-1.2 µs less per call from 16 to 4096 rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md); 0: never
+# an H100, 0.2-1.2 µs less per call from 16 to 1024 rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md); 0: never
 QUANT_PDL_MAX_ROWS = 4096
 
 

@@ -10,8 +10,8 @@ DeepSeek-V3's two projections at 128 heads. ``torch.bmm`` (cuBLAS) runs them as 
 (head, block of N columns) loads its [K, BLOCK_N] slice of w[h] once (columns contiguous: coalesced) and every row
 of x against it — a weight-streaming kernel, with enough programs (``block_n``) to keep every SM loading. Measured
 on an H100, weights rotated past the L2 (docs/PERFORMANCE.md, "The absorption and output projection at decode"):
-7.9 µs against cuBLAS's 8.2-8.3 for either projection at 128 heads, 1-16 rows (2.1 TB/s), 2.8 / 3.3 µs against
-3.5 / 3.75 at 16 heads; slower than cuBLAS from 64 rows::
+7.9 µs against cuBLAS's 8.2-8.3 for either projection at 128 heads, one row (2.1 TB/s), 2.8 / 3.3 µs against
+3.5 / 3.75 at 16 heads; 1.04-1.27x cuBLAS up to 32 rows, slower at 128 heads, W_UK, 64 rows::
 
     for (h, nb) in grid(H, N / BLOCK_N):
         acc[T_pad, BLOCK_N] = 0
