@@ -106,6 +106,8 @@ def head_matmul(x: Tensor, w: Tensor, out: Tensor, *, b: Optional[Tensor] = None
     ``partial`` ([H · cdiv(N, block_n)] float32) also receives the absmax partials of the rounded output (and of
     ``b`` [T, H, DB], in the first column block of each head). ``block_n``: None picks ``block_n_for``."""
     T, H, K = x.shape
+    if not 1 <= T <= MAX_ROWS:
+        raise ValueError(f"the per-head matmul kernel takes 1 to {MAX_ROWS} rows in one tile, got {T}")
     N = w.shape[2]
     block_n = block_n or block_n_for(H, N)
     amax = partial is not None

@@ -63,7 +63,9 @@ the transposed conversion is a register shuffle — so the launcher sets ``RELOA
 tile once instead, staged as fp16 for both dots, was measured 1.1-1.4x slower: a block-wide barrier per key
 block; docs/PERFORMANCE.md, "The e4m3 split-KV kernel"). Without (1),
 the compiler kept one buffer and every iteration waited out the load's full latency (fifth session and
-before: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now).
+before: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now). The read-ahead (``PREFETCH``) is on under
+mma.sync; at >= 64 rows (wgmma, 128 heads) it is ``KernelConfig.prefetch_pages``' choice, off in the table: measured
+no faster there, the 64-row kernel being bound by its dots (docs/PERFORMANCE.md, 2026-12-06, third session).
 
 Programmatic dependent launch (``KernelConfig.pdl``, CUDA sm_90+): both phases are launched with the
 programmatic-serialization attribute, so each is launched before its predecessor has finished — phase 1

@@ -262,7 +262,7 @@ def _head_matmul_in_triton(x: Tensor, impl: Optional[ImplLike]) -> bool:
     chosen = get_impl() if impl is None else coerce(impl)
     kernels = _matmul_kernels()
     if chosen is Impl.AUTO:  # CUDA only: on the CPU bmm is the path (and the interpreter's bf16 dots are wrong)
-        return x.device.type == "cuda" and torch.cuda.is_available() and not isinstance(kernels, str)
+        return x.device.type == "cuda" and not isinstance(kernels, str)
     return chosen is not Impl.REFERENCE and _resolve_triton(chosen, x.device, kernels, "per-head matmul") is Impl.TRITON
 
 
