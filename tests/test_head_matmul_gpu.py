@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_head_matmul import inputs, quantized_oracle, within_precision
+from test_head_matmul import close_to_fp64, inputs, quantized_oracle, within_precision
 
 from mla_fa3 import ops
 
@@ -40,6 +40,22 @@ def test_absorbed_fp8_query_equals_the_full_quantization(heads, rows):
     r8, rd = quantized_oracle(ops.head_matmul(x, w), q_rope)
     assert torch.equal(d, rd)
     assert torch.equal(q8.view(torch.uint8), r8.view(torch.uint8))
+    close_to_fp64(q8.cpu(), d.cpu(), x.cpu(), w.cpu(), q_rope.cpu())
+
+
+@pytest.mark.parametrize("rows", [ops.HEAD_MATMUL_MAX_ROWS + 1, 64, 200])
+def test_rows_past_the_limit_and_a_strided_out(rows):
+    """AUTO above HEAD_MATMUL_MAX_ROWS runs cuBLAS, TRITON the kernel up to 64 rows; both into a strided out view."""
+    x, w = on_gpu(*inputs(rows, 16, 128, 512, BF16, seed=rows))
+    buf = torch.zeros(rows, 16, 512 + 32, dtype=BF16, device=DEV)
+    ops.head_matmul(x, w, out=buf[..., 16: 16 + 512])
+    within_precision(buf[..., 16: 16 + 512].cpu(), x.cpu(), w.cpu())
+    assert not buf[..., :16].any() and not buf[..., 16 + 512:].any()
+    if rows <= 64:
+        within_precision(ops.head_matmul(x, w, impl="triton").cpu(), x.cpu(), w.cpu())
+    else:
+        with pytest.raises(ValueError, match="at most 64 rows"):
+            ops.head_matmul(x, w, impl="triton")
 
 
 def test_graph_replay_with_new_inputs():

@@ -393,7 +393,7 @@ def test_impl_choice_on_cpu():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(KernelUnavailableError, match="split-KV Triton kernel unavailable"):
             ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
-    with pytest.raises(ValueError, match="^impl='triton' runs only the split-KV ops"):
+    with pytest.raises(ValueError, match="^impl='triton' runs only the ops of our Triton kernels"):
         ops.flash_mla_with_kvcache(*args, **dict(kw, schedule=ops.FlashMLASchedule(Impl.REFERENCE)), causal=True,
                                    impl="triton")
 

@@ -39,6 +39,7 @@ from mla_fa3.bench import roofline
 from mla_fa3.bench.splitkv import D, PAGE, R, SCALE, Shape
 from mla_fa3.bench.timing import h200_ceilings, time_per_call
 from mla_fa3.ops import validate
+from mla_fa3.ops.pdl import pdl_capable
 from mla_fa3.ops.splitkv_config import check_combine_tile, combine_tile
 
 DEFAULT_SHAPES = dict(heads=(16,), batch=(1,), context=(4096, 8192, 16384, 32768, 65536, 131072))
@@ -120,7 +121,7 @@ class _Setup:
         self.part_o, self.part_lse2 = kt.splitkv_partials(self.calls[0], self.sched)
         self.out = torch.empty(shape.bs, 1, heads, R, dtype=self.calls[0].out_dtype, device=shape.device)
         self.lse = torch.empty(shape.bs, 1, heads, dtype=torch.float32, device=shape.device)
-        self.pdl = self.sched.config.pdl and kt._pdl_capable(shape.device)
+        self.pdl = self.sched.config.pdl and pdl_capable(shape.device)
         self.descale = self.calls[0].descale_k if shape.fp8 else None
 
     def per_copy(self, fn) -> float:

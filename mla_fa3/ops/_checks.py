@@ -17,6 +17,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FA3_HALF_DTYPES = (torch.float16, torch.bfloat16)
 FA3_KVCACHE_DTYPES = FA3_HALF_DTYPES + (torch.float8_e4m3fn,)
 MERGE_FA3_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the float inputs our Triton kernels take
 FA3_MAX_HEAD_DIM = 256  # FA3's largest q/k (and plain v) head dim
 FA3_MAX_QV_HEAD_DIM = 512  # largest v head dim FA3 accepts (q/k head dim <= 64: absorbed MLA)
 FA3_MIN_QV_V_HEAD_DIM = 256  # FA3 runs qv (absorbed MLA) only for v head dims >= 256
@@ -92,15 +93,10 @@ def host_int(x, name: str, minimum: int = 0) -> int:
     return x
 
 
-def contiguous_rows(x: Tensor, name: str) -> None:
-    """A contiguous last dimension (the other strides free): our Triton kernels' row layout."""
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
-
-
-def last_dim_contiguous(x: Tensor, name: str) -> None:
+def last_dim_contiguous(x: Tensor, name: str, kernel: str = "FA3") -> None:
+    """A contiguous last dimension (the other strides free): the row layout ``kernel`` reads."""
     if x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError(f"{name} must have a contiguous last dimension for FA3, got strides {x.stride()}")
+        raise ValueError(f"{name} must have a contiguous last dimension for {kernel}, got strides {x.stride()}")
 
 
 def window(window_size) -> Tuple[int, int]:

@@ -52,6 +52,7 @@ import triton.language as tl
 
 from . import head_matmul_triton as hm
 from .fp8 import DYNAMIC_TINY, FP8_DTYPE, FP8_E4M3_MAX
+from .pdl import launch_options, pdl_capable
 
 Tensor = torch.Tensor
 STORE_BLOCK_T = 16  # rows per store program
@@ -181,7 +182,7 @@ def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
     partial = torch.empty(P, dtype=torch.float32, device=a.device)
     pdl = _query_pdl(a, N)
     _absmax_partial_kernel[(P,)](a, b, partial, N, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), DA,
-                                 b.shape[2], num_blocks, **_blocks(a, b), PDL=pdl, **_launch(pdl))
+                                 b.shape[2], num_blocks, **_blocks(a, b), PDL=pdl, **launch_options(pdl))
     return _quantize_from_partials(a, b, partial, pdl)
 
 
@@ -209,7 +210,7 @@ def _quantize_from_partials(a: Tensor, b: Tensor, partial: Tensor, pdl: bool) ->
     _quantize_query_kernel[(triton.cdiv(N, QUANT_BLOCK_N),)](
         a, b, partial, out.view(torch.uint8), descale, N, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), DA, DB,
         P, MAX=FP8_E4M3_MAX, TINY=DYNAMIC_TINY, BLOCK_P=triton.next_power_of_2(P), **_blocks(a, b), PDL=pdl,
-        **_launch(pdl))
+        **launch_options(pdl))
     return out, descale
 
 
@@ -220,11 +221,7 @@ def _empty_query(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
 
 
 def _query_pdl(a: Tensor, rows: int) -> bool:
-    return rows <= QUANT_PDL_MAX_ROWS and hm.pdl_capable(a.device)
-
-
-def _launch(pdl: bool) -> dict:
-    return dict(launch_pdl=True) if pdl else {}
+    return rows <= QUANT_PDL_MAX_ROWS and pdl_capable(a.device)
 
 
 def _blocks(a: Tensor, b: Tensor) -> dict:

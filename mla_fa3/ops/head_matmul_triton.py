@@ -9,9 +9,9 @@ At decode the T rows are few (one query token per request) and the weights many:
 DeepSeek-V3's two projections at 128 heads. ``torch.bmm`` (cuBLAS) runs them as H tiny GEMMs. Here one program per
 (head, block of N columns) loads its [K, BLOCK_N] slice of w[h] once (columns contiguous: coalesced) and every row
 of x against it — a weight-streaming kernel, with enough programs (``block_n``) to keep every SM loading. Measured
-on an H100, weights rotated past the L2 (docs/PERFORMANCE.md, "The absorption and output projection at decode"):
-7.9 µs against cuBLAS's 8.2-8.3 for either projection at 128 heads, one row (2.1 TB/s), 2.8 / 3.3 µs against
-3.5 / 3.75 at 16 heads; 1.04-1.27x cuBLAS up to 32 rows, slower at 128 heads, W_UK, 64 rows::
+on the H200, weights rotated past the L2 (docs/PERFORMANCE.md, "The absorption and output projection at decode"):
+6.5 / 6.4 µs against cuBLAS's 6.9 / 6.7 for W_UK / W_UV at 128 heads, one row (2.6 TB/s), 2.7 / 3.3 against 3.4 / 3.7
+at 16 heads; 1.05-1.26x cuBLAS up to 16 rows, 0.95-0.99x at 128 heads, 32 rows (an H100: 1.00-1.03x there)::
 
     for (h, nb) in grid(H, N / BLOCK_N):
         acc[T_pad, BLOCK_N] = 0
@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import launch_options, pdl_capable
 
 Tensor = torch.Tensor
 MAX_ROWS = 64  # rows (T) of one launch: a single M tile of acc [rows, block_n] fp32
@@ -94,11 +96,6 @@ def block_n_for(heads: int, n: int) -> int:
     return 16
 
 
-def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA on sm_90 or newer (the interpreter and older GPUs launch in order)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def head_matmul(x: Tensor, w: Tensor, out: Tensor, *, b: Optional[Tensor] = None, partial: Optional[Tensor] = None,
                 block_n: Optional[int] = None) -> None:
     """out[t, h] = x[t, h] @ w[h] in one launch (validated by the caller; 1 <= T <= MAX_ROWS).
@@ -112,7 +109,6 @@ def head_matmul(x: Tensor, w: Tensor, out: Tensor, *, b: Optional[Tensor] = None
     block_n = block_n or block_n_for(H, N)
     amax = partial is not None
     pdl = pdl_capable(x.device)
-    launch = dict(launch_pdl=True) if pdl else {}
     bb = b if b is not None else x
     _head_matmul_kernel[(H, triton.cdiv(N, block_n))](
         x, w, out, bb, partial if amax else out, T, K, N, bb.shape[2] if b is not None else 0,
@@ -120,4 +116,4 @@ def head_matmul(x: Tensor, w: Tensor, out: Tensor, *, b: Optional[Tensor] = None
         BLOCK_M=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n,
         BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))),
         BLOCK_DB=max(16, triton.next_power_of_2(bb.shape[2])) if b is not None else 16,
-        AMAX=amax, IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=3, **launch)
+        AMAX=amax, IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=3, **launch_options(pdl))

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options
 from .splitkv_config import check_combine_tile, combine_tile
 from .splitkv_plan import _next_pow2
 
@@ -111,5 +112,5 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         H=H, SQ=sq, DV=dv, BLOCK_S=block_s, BLOCK_DV=cdv, KV8=descale_k is not None, PDL=pdl,
-        num_warps=4 if block_s * cdv <= 4096 else 8, **(dict(launch_pdl=True) if pdl else {}),
+        num_warps=4 if block_s * cdv <= 4096 else 8, **launch_options(pdl),
     )

@@ -91,6 +91,7 @@ import triton
 import triton.language as tl
 
 from .calls import FlashMLACall
+from .pdl import launch_options, pdl_capable
 from .splitkv_combine_triton import combine_splits
 from .splitkv_config import NARROW_ROWS, KernelConfig, latent_chunks
 from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
@@ -307,11 +308,6 @@ def _score_dot(q, k, dtype: tl.constexpr, NARROW: tl.constexpr, IEEE: tl.constex
     return tl.dot(q, k_t, acc=acc)
 
 
-def _pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA on sm_90 or newer (the interpreter and older GPUs launch in order)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def splitkv_mla_with_kvcache(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None
 ) -> Tuple[Tensor, Tensor]:
@@ -328,7 +324,7 @@ def splitkv_mla_with_kvcache(
     part_o, part_lse2 = splitkv_partials(call, schedule, config)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
-                   pdl=config.pdl and _pdl_capable(q.device))
+                   pdl=config.pdl and pdl_capable(q.device))
     return out, lse
 
 
@@ -363,8 +359,8 @@ def splitkv_partials(
     # with page >= block_n every key block lies in one page
     contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
     narrow = rows < NARROW_ROWS
-    pdl = config.pdl and _pdl_capable(q.device)
-    launch = dict(launch_pdl=True) if pdl else {}
+    pdl = config.pdl and pdl_capable(q.device)
+    launch = launch_options(pdl)
     if config.max_registers is not None:
         launch["maxnreg"] = config.max_registers
     _splitkv_partial_kernel[(-(-H // block_h), cap)](

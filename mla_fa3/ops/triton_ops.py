@@ -242,9 +242,10 @@ def absorb_query_e4m3(q_nope: Tensor, w_uk: Tensor, q_rope: Tensor, *,
 
 
 # ------------------------------------------------------------------ per-head matmul (MLA's two projections)
-# TRITON (``head_matmul_triton.py``) for 1 <= T <= HEAD_MATMUL_MAX_ROWS: AUTO on CUDA, or asked for (impl='triton' /
-# 'fa3'; on CPU under TRITON_INTERPRET=1 in tests); else ``torch.bmm`` over heads (the previous path: cuBLAS on a GPU,
-# fp32 accumulation too).
+# AUTO and FA3 ("the compiled kernels"): the Triton kernel (``head_matmul_triton.py``) on CUDA for 1 <= T <=
+# HEAD_MATMUL_MAX_ROWS, else ``torch.bmm`` over heads — cuBLAS on a GPU, the exact and fast path the kernel
+# replaces at decode sizes, not a slow reference (so a Triton that does not import falls back to it). TRITON: the
+# kernel, for 1..64 rows (its one tile; on CPU only under TRITON_INTERPRET=1, in tests). REFERENCE: bmm.
 
 
 def _matmul_kernels():
@@ -252,18 +253,24 @@ def _matmul_kernels():
     return _triton_module("matmul")
 
 
-HEAD_MATMUL_MAX_ROWS = 32  # rows up to which the Triton kernel runs; cuBLAS is faster from 64 (docs/PERFORMANCE.md)
+HEAD_MATMUL_MAX_ROWS = 16  # rows up to which AUTO / FA3 run the Triton kernel; H200, 128 heads: cuBLAS faster at 32
 
 
 def _head_matmul_in_triton(x: Tensor, impl: Optional[ImplLike]) -> bool:
-    """Whether ``head_matmul`` of ``x`` runs the Triton kernel (raises where it is asked for and cannot run)."""
-    if not 1 <= x.shape[0] <= HEAD_MATMUL_MAX_ROWS:
-        return False
+    """Whether ``head_matmul`` of ``x`` runs the Triton kernel; a named error where TRITON is asked for and cannot
+    run (unavailable here, or more rows than the kernel's one tile)."""
     chosen = get_impl() if impl is None else coerce(impl)
     kernels = _matmul_kernels()
-    if chosen is Impl.AUTO:  # CUDA only: on the CPU bmm is the path (and the interpreter's bf16 dots are wrong)
-        return x.device.type == "cuda" and not isinstance(kernels, str)
-    return chosen is not Impl.REFERENCE and _resolve_triton(chosen, x.device, kernels, "per-head matmul") is Impl.TRITON
+    T = x.shape[0]
+    if chosen is Impl.TRITON:
+        _resolve_triton(chosen, x.device, kernels, "per-head matmul")
+        if T > kernels.MAX_ROWS:
+            raise ValueError(f"impl='triton': the per-head matmul kernel takes at most {kernels.MAX_ROWS} rows, got "
+                             f"{T}; use impl='auto' (cuBLAS's bmm above {HEAD_MATMUL_MAX_ROWS} rows)")
+        return T >= 1
+    if chosen is Impl.REFERENCE:
+        return False
+    return 1 <= T <= HEAD_MATMUL_MAX_ROWS and x.device.type == "cuda" and not isinstance(kernels, str)
 
 
 def head_matmul(x: Tensor, w: Tensor, *, out: Optional[Tensor] = None, impl: Optional[ImplLike] = None) -> Tensor:
@@ -272,15 +279,14 @@ def head_matmul(x: Tensor, w: Tensor, *, out: Optional[Tensor] = None, impl: Opt
     dtype and device; fp32 accumulation, rounded once to the dtype. MLA's absorption ``q_nope · W_UK`` and output
     projection ``o_lat · W_UVᵀ`` (``absorb.py``).
 
-    TRITON (AUTO on CUDA; FA3 / TRITON asked for): one launch streaming w once, when 1 <= T <=
-    ``HEAD_MATMUL_MAX_ROWS`` (decode batches); more rows run ``torch.bmm`` (cuBLAS), as does REFERENCE, AUTO on
-    another device, and AUTO where Triton cannot import (bmm is the exact, fast path it replaces, not a slow
-    reference). Never syncs: capturable. Not recorded by ``last_impl()``, which keeps telling the step's attention
-    kernel (the projection runs after it)."""
+    AUTO / FA3: one Triton launch streaming w once on CUDA when 1 <= T <= ``HEAD_MATMUL_MAX_ROWS`` (decode batches),
+    else ``torch.bmm`` (cuBLAS on a GPU); TRITON: the kernel for 1..64 rows; REFERENCE: bmm. Never syncs: capturable.
+    Not recorded by ``last_impl()``, which keeps telling the step's attention kernel (the projection runs after it)."""
     validate_matmul.check_head_matmul(x, w, out)
+    triton_kernel = _head_matmul_in_triton(x, impl)
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
-    if _head_matmul_in_triton(x, impl):
+    if triton_kernel:
         _matmul_kernels().head_matmul(x, w, out)
     else:
         torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))

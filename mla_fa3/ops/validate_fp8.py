@@ -13,9 +13,7 @@ from . import _checks as chk
 from .validate_matmul import check_head_matmul
 
 Tensor = torch.Tensor
-
-FP8_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
+KERNELS = "the FP8 Triton kernels"
 
 
 def check_store_e4m3(out, loc, x, scale) -> None:
@@ -28,7 +26,7 @@ def check_store_e4m3(out, loc, x, scale) -> None:
         raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
     chk.rank(out, "out", 2, "[S, W]")
     chk.rank(x, "x", 2, "[T, W]")
-    if x.dtype not in FP8_SOURCE_DTYPES:
+    if x.dtype not in chk.TRITON_FLOAT_DTYPES:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.shape[1] != out.shape[1]:
         raise ValueError(f"x must have out's width {out.shape[1]}, got shape {tuple(x.shape)}")
@@ -40,8 +38,8 @@ def check_store_e4m3(out, loc, x, scale) -> None:
         raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
     for t, name in ((loc, "loc"), (x, "x"), (scale, "scale")):
         chk.same_device(t, name, out.device, "out")
-    chk.contiguous_rows(out, "out")
-    chk.contiguous_rows(x, "x")
+    chk.last_dim_contiguous(out, "out", KERNELS)
+    chk.last_dim_contiguous(x, "x", KERNELS)
 
 
 def check_quantize_query(q_a, q_b) -> None:
@@ -50,21 +48,21 @@ def check_quantize_query(q_a, q_b) -> None:
     chk.tensor(q_b, "q_b")
     chk.rank(q_a, "q_a", 3, "[T, H, DA]")
     chk.rank(q_b, "q_b", 3, "[T, H, DB]")
-    if q_a.dtype not in FP8_SOURCE_DTYPES:
+    if q_a.dtype not in chk.TRITON_FLOAT_DTYPES:
         raise ValueError(f"q_a must be float32, float16 or bfloat16, got {q_a.dtype}")
     if q_b.dtype != q_a.dtype:
         raise ValueError(f"q_b dtype must match q_a's {q_a.dtype}, got {q_b.dtype}")
     if tuple(q_b.shape[:2]) != tuple(q_a.shape[:2]):
         raise ValueError(f"q_b must be [T, H, DB] with q_a's T, H = {tuple(q_a.shape[:2])}, got {tuple(q_b.shape)}")
     chk.same_device(q_b, "q_b", q_a.device, "q_a")
-    chk.contiguous_rows(q_a, "q_a")
-    chk.contiguous_rows(q_b, "q_b")
+    chk.last_dim_contiguous(q_a, "q_a", KERNELS)
+    chk.last_dim_contiguous(q_b, "q_b", KERNELS)
 
 
 def check_absorb_query(q_nope, w_uk, q_rope) -> None:
-    """Validate ``absorb_query_e4m3``: ``head_matmul``'s q_nope [T, H, K] and w_uk [H, K, R], and q_rope [T, H, DB]
-    of their dtype and device."""
-    check_head_matmul(q_nope, w_uk, None)
+    """Validate ``absorb_query_e4m3``: ``head_matmul``'s checks of q_nope [T, H, K] and w_uk [H, K, R], and q_rope
+    [T, H, DB] of their dtype and device."""
+    check_head_matmul(q_nope, w_uk, None, names=("q_nope", "w_uk", "out"))
     chk.tensor(q_rope, "q_rope")
     chk.rank(q_rope, "q_rope", 3, "[T, H, DB]")
     chk.same_dtype(q_rope, "q_rope", q_nope.dtype, "q_nope")
@@ -72,4 +70,4 @@ def check_absorb_query(q_nope, w_uk, q_rope) -> None:
         raise ValueError(f"q_rope must be [T, H, DB] with q_nope's T, H = {tuple(q_nope.shape[:2])}, "
                          f"got {tuple(q_rope.shape)}")
     chk.same_device(q_rope, "q_rope", q_nope.device, "q_nope")
-    chk.contiguous_rows(q_rope, "q_rope")
+    chk.last_dim_contiguous(q_rope, "q_rope", KERNELS)

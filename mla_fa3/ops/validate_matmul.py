@@ -6,34 +6,32 @@ during CUDA-graph capture); every error a ``ValueError`` / ``TypeError`` naming 
 
 from __future__ import annotations
 
-import torch
-
 from . import _checks as chk
 
-MATMUL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL = "the per-head matmul kernel"
 
 
-
-def check_head_matmul(x, w, out) -> None:
+def check_head_matmul(x, w, out, names=("x", "w", "out")) -> None:
     """Validate ``head_matmul``: x [T, H, K], w [H, K, N], out [T, H, N] or None; one float dtype and device, last
-    dimensions contiguous."""
-    chk.tensor(x, "x")
-    chk.tensor(w, "w")
-    chk.rank(x, "x", 3, "[T, H, K]")
-    chk.rank(w, "w", 3, "[H, K, N]")
-    if x.dtype not in MATMUL_DTYPES:
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    chk.same_dtype(w, "w", x.dtype, "x")
-    chk.same_device(w, "w", x.device, "x")
+    dimensions contiguous. ``names``: the three arguments' names in the caller's words (errors name them)."""
+    xn, wn, on = names
+    chk.tensor(x, xn)
+    chk.tensor(w, wn)
+    chk.rank(x, xn, 3, "[T, H, K]")
+    chk.rank(w, wn, 3, "[H, K, N]")
+    if x.dtype not in chk.TRITON_FLOAT_DTYPES:
+        raise ValueError(f"{xn} must be float32, float16 or bfloat16, got {x.dtype}")
+    chk.same_dtype(w, wn, x.dtype, xn)
+    chk.same_device(w, wn, x.device, xn)
     if w.shape[0] != x.shape[1] or w.shape[1] != x.shape[2]:
-        raise ValueError(f"w must be [H, K, N] with x's H, K = {tuple(x.shape[1:])}, got {tuple(w.shape)}")
+        raise ValueError(f"{wn} must be [H, K, N] with {xn}'s H, K = {tuple(x.shape[1:])}, got {tuple(w.shape)}")
     if out is not None:
-        chk.tensor(out, "out")
+        chk.tensor(out, on)
         want = (x.shape[0], x.shape[1], w.shape[2])
         if tuple(out.shape) != want:
-            raise ValueError(f"out must be [T, H, N] = {list(want)}, got {tuple(out.shape)}")
-        chk.same_dtype(out, "out", x.dtype, "x")
-        chk.same_device(out, "out", x.device, "x")
-        chk.contiguous_rows(out, "out")
-    chk.contiguous_rows(x, "x")
-    chk.contiguous_rows(w, "w")
+            raise ValueError(f"{on} must be [T, H, N] = {list(want)}, got {tuple(out.shape)}")
+        chk.same_dtype(out, on, x.dtype, xn)
+        chk.same_device(out, on, x.device, xn)
+        chk.last_dim_contiguous(out, on, KERNEL)
+    chk.last_dim_contiguous(x, xn, KERNEL)
+    chk.last_dim_contiguous(w, wn, KERNEL)
