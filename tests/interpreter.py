@@ -29,6 +29,18 @@ def run_under_interpreter(path: str, timeout: int = 240) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def run_cases(cases) -> dict:
+    """Run every ``(name, check)`` of ``cases``; the failures as {name: "Error: message"} — every case reported, not
+    only the first."""
+    failures = {}
+    for name, check in cases:
+        try:
+            check()
+        except Exception as exc:
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
 def interpreter_main(run) -> None:
     """The subprocess side: ``run()`` returns the failures (a dict); printed as the last line."""
     assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from interpreter import interpreter_main, run_under_interpreter, subprocess_env
+from interpreter import interpreter_main, run_cases, run_under_interpreter, subprocess_env
 
 from mla_fa3 import ops
 from mla_fa3.ops.types import Impl
@@ -252,16 +252,14 @@ def _pool_and_backend_run() -> None:
 
 def _interpreter_run() -> dict:
     """Every case through the Triton kernels (impl='triton') against the oracle; returns failures (or {})."""
-    failures = {}
+    def ran_a_kernel(check):
+        check()
+        assert ops.last_impl() in (Impl.TRITON, Impl.REFERENCE)
+
     checks = [(f"store/{n}", lambda n=n: _check_store(n, "triton")) for n in STORE_CASES]
     checks += [(f"query/{n}", lambda n=n: _check_query(n, "triton")) for n in QUERY_CASES]
     checks += [("pool_and_backend", _pool_and_backend_run)]
-    for name, check in checks:
-        try:
-            check()
-            assert ops.last_impl() in (Impl.TRITON, Impl.REFERENCE)
-        except Exception as exc:  # report every case, not only the first
-            failures[name] = f"{type(exc).__name__}: {exc}"
+    failures = run_cases((name, lambda c=check: ran_a_kernel(c)) for name, check in checks)
     a, b = query_inputs(2, 3, torch.bfloat16, 1)
     a[1, 2, 7] = NAN
     q8, d = ops.quantize_query_e4m3(a, b, impl="triton")

@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from interpreter import interpreter_main, run_under_interpreter
+from interpreter import interpreter_main, run_cases, run_under_interpreter
 
 from mla_fa3 import ops
 from mla_fa3.ops.fp8 import quantize_e4m3_dynamic
@@ -199,19 +199,13 @@ def _check_rows_past_the_auto_limit():
 
 
 def _interpreter_run() -> dict:
-    failures = {}
     checks = [(f"kernel/{n}/{dt}", lambda n=n, dt=dt: _check_kernel(n, dt))
               for n in SHAPES for dt in (torch.float32, torch.float16)]
     checks += [(f"absorbed/{n}/{p}", lambda n=n, p=p: _check_absorbed(n, torch.float32, p))
                for n in ("w_uk_1x16", "odd_5x3_40x72") for p in (None, "rope_max", "rope_nan", "x_nan")]
     checks += [("absorbed/w_uk_2x128/fp16", lambda: _check_absorbed("w_uk_2x128", torch.float16)),
                ("rows_past_the_auto_limit", _check_rows_past_the_auto_limit)]
-    for name, check in checks:
-        try:
-            check()
-        except Exception as exc:  # report every case, not only the first
-            failures[name] = f"{type(exc).__name__}: {exc}"
-    return failures
+    return run_cases(checks)
 
 
 def test_triton_kernel_under_the_interpreter():

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from interpreter import interpreter_main, run_under_interpreter, subprocess_env
+from interpreter import interpreter_main, run_cases, run_under_interpreter, subprocess_env
 
 from ops_cases import build_flashmla, flashmla_oracle, tolerances
 
@@ -629,18 +629,15 @@ def _interpreter_run() -> dict:
                 assert torch.equal(out2, out) and torch.equal(lse2, lse)
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
-    for name, case in (("combine_running_maximum", combine_case), ("phases_apart", phases_case),
-                       ("plan_past_the_lengths", plan_past_the_lengths_case)):
-        try:
-            case()
-        except Exception as exc:
-            failures[name] = f"{type(exc).__name__}: {exc}"
-    for i, case in enumerate(_replan_cases(n_random=40)):  # the Triton planner against the host plan
-        try:
-            why = replan_mismatch(*case, "triton")
-            assert ops.last_impl() is Impl.TRITON and why is None, why
-        except Exception as exc:
-            failures[f"replan_{i}"] = f"{type(exc).__name__}: {exc}"
+    failures.update(run_cases((("combine_running_maximum", combine_case), ("phases_apart", phases_case),
+                               ("plan_past_the_lengths", plan_past_the_lengths_case))))
+
+    def replan_agrees(case):
+        why = replan_mismatch(*case, "triton")
+        assert ops.last_impl() is Impl.TRITON and why is None, why
+
+    failures.update(run_cases((f"replan_{i}", lambda c=case: replan_agrees(c))  # the Triton planner vs the host plan
+                              for i, case in enumerate(_replan_cases(n_random=40))))
     return failures
 
 

@@ -8,12 +8,21 @@ launch in order. Pure host code: no triton import.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
 def pdl_capable(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA on sm_90 or newer."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Programmatic dependent launch: CUDA on sm_90 or newer (asked of the driver once per GPU: every launch asks)."""
+    if device.type != "cuda":
+        return False
+    return _sm90_or_newer(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch_options(pdl: bool) -> dict:
