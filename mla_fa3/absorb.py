@@ -143,9 +143,10 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     dims, w = layer.mla, layer.mla_weights
     r = dims.kv_lora_rank
     q_nope, q_rope = split_query(q, dims)
-    if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
-        o_lat = _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule,
-                                  kv_scale if fp8 else None, impl)
+    if kernel is DecodeKernel.SPLITKV:
+        return _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
+    if kernel is DecodeKernel.FLASHMLA:
+        o_lat = _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
         return project_output(o_lat, w, impl=impl)
     q_lat = absorb_query(q_nope, w, impl=impl)
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
@@ -161,35 +162,49 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     return project_output(o_lat, w, impl=impl)
 
 
-def _whole_row_latent(kernel, q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
-    """o_lat [T, H, r] through FlashMLA or split-KV: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r].
-
-    Split-KV: q_lat absorbed into its own buffer (one bmm), q_rope read in place from the model's q (no
-    concatenation); an FP8 cache adds ``descale_k`` only (q is never rounded to e4m3). FlashMLA reads q
-    whole: q_lat is absorbed straight into its slice of q_cat (one bmm) and q_rope written by one copy;
-    ``kv_scale`` given (FP8 cache): q_lat is absorbed into its own buffer and ``ops.quantize_query_e4m3``
-    writes the e4m3 ``[q_lat | q_rope]`` and its descale (per step, on the device); the kernel gets both
-    descales; its output (bf16) is cast back to q's dtype."""
+def _check_whole_row(kernel, q_nope, layer, metadata, schedule) -> tuple[int, int]:
+    """(bs, sq) of a FlashMLA / split-KV step, after the checks both share (named errors before any kernel)."""
     name = kernel.value.upper()
     if schedule is None:
         raise ValueError(f"schedule is None: plan the {name} schedule once per step (the step plan does) "
                          f"before running the {name} decode kernel")
     if not layer.is_plain:
         raise ValueError(f"layer {layer.layer_id}: {name} has no softcap / window / local attention; use FA3")
-    T, H = q_nope.shape[0], layer.num_heads
-    r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
+    T = q_nope.shape[0]
     bs, sq = metadata.batch_size, metadata.max_seqlen_q
     if T != bs * sq:
         raise ValueError(f"q has {T} tokens but {name} needs batch_size * max_seqlen_q = {bs} * {sq} "
                          "(equal query length per request)")
+    return bs, sq
+
+
+def _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
+    """o [T, H, d_v] through split-KV: q_lat absorbed into its own buffer, q_rope read in place from the model's q
+    (no concatenation), the output projection W_UV applied by the op (``ops.splitkv_mla_with_kvcache(w_uv=)``: the
+    per-head matmul after its combine, or inside the combine with ``KernelConfig.fused_projection``). An FP8 cache
+    adds ``descale_k`` only (q is never rounded to e4m3)."""
+    bs, sq = _check_whole_row(DecodeKernel.SPLITKV, q_nope, layer, metadata, schedule)
+    T, H = q_nope.shape[0], layer.num_heads
+    r, width, w = layer.mla.kv_lora_rank, layer.mla.latent_dim, layer.mla_weights
+    descales = {} if kv_scale is None else dict(descale_k=kv_scale)
+    q_lat = absorb_query(q_nope, w, impl=impl)
+    o, _ = ops.splitkv_mla_with_kvcache(q_lat.view(bs, sq, H, r), kv_paged, metadata.page_table,
+                                        metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
+                                        softmax_scale=layer.scaling, causal=True, q_rope=q_rope.view(bs, sq, H, width - r),
+                                        w_uv=w.w_uv, impl=impl, **descales)
+    return o.view(T, H, w.v_head_dim)
+
+
+def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
+    """o_lat [T, H, r] through FlashMLA: q = [q_lat | q_rope] over the whole latent row, v = row[..., :r]. q is read
+    whole: q_lat is absorbed straight into its slice of q_cat (one launch) and q_rope written by one copy;
+    ``kv_scale`` given (FP8 cache): ``ops.absorb_query_e4m3`` writes the e4m3 ``[q_lat | q_rope]`` and its descale
+    (per step, on the device); the kernel gets both descales; its output (bf16) is cast back to q's dtype."""
+    bs, sq = _check_whole_row(DecodeKernel.FLASHMLA, q_nope, layer, metadata, schedule)
+    T, H = q_nope.shape[0], layer.num_heads
+    r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
     descales = {} if kv_scale is None else dict(descale_k=kv_scale)
     kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl)
-    if kernel is DecodeKernel.SPLITKV:  # q_lat and q_rope read where they lie: no concatenation
-        q_lat = absorb_query(q_nope, layer.mla_weights, impl=impl)
-        o, _ = ops.splitkv_mla_with_kvcache(q_lat.view(bs, sq, H, r), kv_paged, metadata.page_table,
-                                            metadata.cache_seqlens, q_rope=q_rope.view(bs, sq, H, width - r), **kw,
-                                            **descales)
-        return o.view(T, H, r)
     if kv_scale is not None:
         q_cat, q_scale = ops.absorb_query_e4m3(q_nope, layer.mla_weights.w_uk, q_rope, impl=impl)
         descales["descale_q"] = q_scale

@@ -16,6 +16,16 @@ An e4m3 cache's scale (``descale_k``) folds into ``out`` here. Launched as a pro
 (``pdl``), it reads the split offsets (written before phase 1 launched) while phase 1 still runs, and the partials
 only after ``griddepcontrol.wait``.
 
+With the output projection fused in (``w`` = MLA's W_UVᵀ per head, ``KernelConfig.fused_projection``):
+
+    y[vb] = round(out[vb columns]) @ w[h][vb rows, :]          # each program's share, to a float32 workspace
+    fence; arrived = atomic_add(count[row], 1)                # count zeroed by phase 1 (``splitkv_partials``)
+    if arrived == last: out_row = Σ_vb y[vb] in vb order      # the last program of the row; deterministic
+
+Measured on the H200 (docs/PERFORMANCE.md, 2026-12-06, fourth session): 0.4-5 µs slower per step than the combine
+followed by the per-head matmul (whose launch PDL hides), at 16 heads, bs 1-8 and 128 heads, bs 1 — so it is a
+switch, off by default: each program's weight rows and the serial last pass cost more than the launch saved.
+
 Why the combine is a second launch, not "the last program of a request combines": that program
 would read every split of the request alone (bs 1, 16 heads, 256 splits: 4-8 MB through one SM,
 tens of µs); the separate launch spreads the same bytes over bs·sq·H·(r/64) programs.
@@ -37,14 +47,24 @@ Tensor = torch.Tensor
 
 
 @triton.jit
+def _fence_gpu(x):
+    """``x`` unchanged, after a GPU-scope memory fence in every thread that holds part of it (``fence.acq_rel.gpu``):
+    the thread's earlier writes are visible GPU-wide before anything that depends on the result."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _splitkv_combine_kernel(
-    PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK,
+    PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK, W, Ws, Count,
     stride_ow, stride_os, stride_oh,
     stride_lw, stride_ls,
     stride_outb, stride_outs, stride_outh,
     stride_lseb, stride_lses,
-    H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
+    stride_wh, stride_wk,
+    H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, N_OUT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NO: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
+    PROJECT: tl.constexpr, FENCE: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, i, h) of the output
     vb = tl.program_id(1)
@@ -85,8 +105,33 @@ def _splitkv_combine_kernel(
     out = tl.sum(acc, 0) / tl.where(live, denom, 1.0)
     if KV8:
         out = out * tl.load(DescaleK)
-    out_ptr = Out + b.to(tl.int64) * stride_outb + i * stride_outs + h * stride_outh + cols
-    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=c_ok)
+    out_row = Out + b.to(tl.int64) * stride_outb + i * stride_outs + h * stride_outh
+    if PROJECT:  # o_lat's columns `cols`, rounded as the unfused path stores them, times their rows of w[h]
+        o_lat = out.to(Out.dtype.element_ty).to(tl.float32)
+        n_out = tl.arange(0, BLOCK_NO)
+        n_ok = n_out < N_OUT
+        w_blk = tl.load(W + h.to(tl.int64) * stride_wh + cols.to(tl.int64)[:, None] * stride_wk + n_out[None, :],
+                        mask=c_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(o_lat[:, None] * w_blk, 0)  # [BLOCK_NO]: this column block's share of the row's projection
+        chunks = tl.num_programs(1)
+        ws_row = Ws + row.to(tl.int64) * chunks * BLOCK_NO
+        tl.store(ws_row + vb * BLOCK_NO + n_out, y)
+        # the last of the row's `chunks` programs to arrive sums the shares in column-block order (deterministic) and
+        # writes the row; every thread's share store is fenced before the count's release (CUDA's threadfence pattern)
+        one = tl.full([BLOCK_NO], 1, tl.int32)
+        if FENCE:
+            one = _fence_gpu(one)
+        arrived = tl.atomic_add(Count + row, tl.max(one, 0), sem="acq_rel", scope="gpu")
+        if arrived == chunks - 1:
+            offs = n_out
+            if FENCE:
+                offs = _fence_gpu(offs)
+            projected = tl.zeros([BLOCK_NO], tl.float32)
+            for c in range(0, chunks):  # shares read from L2 (.cg): other SMs wrote them
+                projected += tl.load(ws_row + c * BLOCK_NO + offs, cache_modifier=".cg")
+            tl.store(out_row + n_out, projected.to(Out.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_row + cols, out.to(Out.dtype.element_ty), mask=c_ok)
     if vb == 0:
         lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
@@ -94,23 +139,38 @@ def _splitkv_combine_kernel(
 
 def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out: Tensor, lse: Tensor,
                    descale_k: Optional[Tensor] = None, *, pdl: bool = False,
-                   tile: Optional[Tuple[int, int]] = None) -> None:
+                   tile: Optional[Tuple[int, int]] = None, w: Optional[Tensor] = None,
+                   counters: Optional[Tensor] = None) -> None:
     """Phase 2 alone, into ``out [bs, sq, H, r]`` and ``lse [bs, sq, H]`` (natural log): request b's splits are the
     slots ``split_offsets[b] .. split_offsets[b + 1]`` of ``part_o [slots, sq, H, r]`` (float32 or the output
     dtype) and ``part_lse2 [slots, sq, H]`` (base 2; -inf: an empty split). ``descale_k``: an e4m3 cache's scale,
     folded into ``out``. ``pdl``: launched as a programmatic dependent of the phase-1 launch just before it.
     ``tile``: (splits per load, columns), powers of two, instead of ``combine_tile``'s (``bench.splitkv_phases``
-    compares them)."""
-    bs, sq, H, dv = out.shape
+    compares them).
+
+    ``w`` ``[H, r, N]`` (last dim contiguous, out's dtype): the output projection fused in — ``out [bs, sq, H, N]``
+    receives ``o_lat[b, i, h] @ w[h]`` (o_lat rounded to out's dtype first, as the unfused path stores it; fp32
+    sums), ``counters`` ``[>= bs·sq·H] int32`` all zero on entry (phase 1 zeroes them: ``splitkv_partials``); each
+    row's count ends at its column-block count — scratch, not state."""
+    bs, sq, H = out.shape[:3]
+    dv = part_o.shape[3]
     one = lse  # any float32 pointer: read only with descale_k
     block_s, cdv = combine_tile(bs * sq * H) if tile is None else check_combine_tile(tile)
     cdv = min(cdv, _next_pow2(dv))
-    _splitkv_combine_kernel[(bs * sq * H, -(-dv // cdv))](
+    chunks = -(-dv // cdv)
+    project = w is not None
+    n_out = out.shape[3] if project else dv
+    block_no = _next_pow2(n_out) if project else 16
+    ws = torch.empty(bs * sq * H * chunks * block_no if project else 1, dtype=torch.float32, device=out.device)
+    _splitkv_combine_kernel[(bs * sq * H, chunks)](
         part_o, part_lse2, split_offsets, out, lse, one if descale_k is None else descale_k,
+        w if project else one, ws, counters if project else split_offsets,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        H=H, SQ=sq, DV=dv, BLOCK_S=block_s, BLOCK_DV=cdv, KV8=descale_k is not None, PDL=pdl,
+        w.stride(0) if project else 0, w.stride(1) if project else 0,
+        H=H, SQ=sq, DV=dv, N_OUT=n_out, BLOCK_S=block_s, BLOCK_DV=cdv, BLOCK_NO=block_no,
+        KV8=descale_k is not None, PDL=pdl, PROJECT=project, FENCE=project and out.is_cuda,
         num_warps=4 if block_s * cdv <= 4096 else 8, **launch_options(pdl),
     )

@@ -21,13 +21,16 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
-           "latent_chunks", "combine_tile", "check_combine_tile"]
+           "FUSED_PROJECTION_MAX_TOKENS", "latent_chunks", "combine_tile", "check_combine_tile"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
 NARROW_ROWS = 64  # fewer rows (heads x query tokens) per program than this: the dots run as mma.sync, else wgmma
 COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 64 output rows
 COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the programs, an eighth of the loop trips
+# query tokens (bs·sq) up to which the output projection runs inside the combine (``KernelConfig.fused_projection``):
+# every (token, head) row's programs read their rows of w_uv[h], so the weights are read once per token
+FUSED_PROJECTION_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class KernelConfig:
     prefetch_pages read the next key block's page id one iteration ahead, so that the tile loads are multi-buffered
                   (``num_stages`` - 1 in flight); None: on under mma.sync (< 64 rows), off under wgmma, where
                   the buffers share shared memory with a 64-row q
+    fused_projection with an output projection given (``splitkv_mla_with_kvcache(w_uv=)``), it runs inside the
+                  combine for up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens (bs·sq); else (False, the default,
+                  or more tokens) a per-head matmul after the combine (``ops.head_matmul``). Off: measured 0.4-5 µs
+                  slower per step on the H200 (docs/PERFORMANCE.md, 2026-12-06, fourth session)
     """
 
     block_n: int = 32
@@ -64,6 +71,7 @@ class KernelConfig:
     max_registers: Optional[int] = None
     latent_chunks: int = 1
     prefetch_pages: Optional[bool] = None
+    fused_projection: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -82,7 +90,8 @@ class KernelConfig:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
                  + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
                  + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "")
-                 + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages]))
+                 + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
+                 + ("-fp" if self.fused_projection else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

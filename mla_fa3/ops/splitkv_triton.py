@@ -133,7 +133,7 @@ def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
 
 @triton.jit
 def _splitkv_partial_kernel(
-    Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK,
+    Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK, Counters, num_counters,
     stride_qb, stride_qs, stride_qh,
     stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
@@ -145,12 +145,18 @@ def _splitkv_partial_kernel(
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    CHUNKS: tl.constexpr,
+    CHUNKS: tl.constexpr, ZERO: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
     if PDL:  # launched before the previous kernel ended (programmatic dependent launch): wait for its writes
         tl.extra.cuda.gdc_wait()
+    if ZERO:  # the combine's arrival counters (its fused output projection) start at zero: one program clears them
+        if tile == 0:
+            if w == 0:
+                for z0 in range(0, num_counters, 1024):
+                    z = z0 + tl.arange(0, 1024)
+                    tl.store(Counters + z, tl.zeros([1024], tl.int32), mask=z < num_counters)
     num_work = tl.load(NumWork)
     b = tl.load(Work + w * 4)  # every row < capacity exists: read with the count, not after it (one round trip less)
     start = tl.load(Work + w * 4 + 1)
@@ -309,33 +315,41 @@ def _score_dot(q, k, dtype: tl.constexpr, NARROW: tl.constexpr, IEEE: tl.constex
 
 
 def splitkv_mla_with_kvcache(
-    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None
+    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
+    w_uv: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Run both phases on a validated call -> (out [bs, sq, H, r], lse [bs, sq, H] float32, natural log).
 
-    ``config``: the launch parameters; default the schedule's (the one its split count was planned with)."""
+    ``config``: the launch parameters; default the schedule's (the one its split count was planned with).
+    ``w_uv`` ``[H, r, N]`` (validated by the caller): the output projection fused into the combine — out is then
+    ``[bs, sq, H, N]``, ``o_lat @ w_uv[h]`` per row (``splitkv_combine_triton.py``)."""
     config = schedule.config if config is None else config
     q = call.q
     bs, sq, H = q.shape[:3]
-    out = torch.empty(bs, sq, H, call.head_dim_v, dtype=call.out_dtype, device=q.device)
+    width = call.head_dim_v if w_uv is None else w_uv.shape[2]
+    out = torch.empty(bs, sq, H, width, dtype=call.out_dtype, device=q.device)
     lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
     if bs == 0 or sq == 0 or H == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    part_o, part_lse2 = splitkv_partials(call, schedule, config)
+    counters = None if w_uv is None else torch.empty(bs * sq * H, dtype=torch.int32, device=q.device)
+    part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
-                   pdl=config.pdl and pdl_capable(q.device))
+                   pdl=config.pdl and pdl_capable(q.device), w=w_uv, counters=counters)
     return out, lse
 
 
 def splitkv_partials(
-    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None
+    call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
+    counters: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 1 alone on a validated call of >= 1 request, query and head -> the workspace the combine reads:
     (part_o [capacity, sq, H, r] float32 or, with ``half_partials``, the output dtype; part_lse2 [capacity, sq, H]
     float32, base 2). Slot s holds split s's normalized partial output and LSE (rows past ``num_work``: unwritten).
 
-    ``splitkv_mla_with_kvcache`` runs it and the combine; ``bench.splitkv_phases`` times it alone."""
+    ``counters`` (int32): zeroed by one program, after the wait for the previous kernel — the arrival counters of a
+    combine with the output projection fused in. ``splitkv_mla_with_kvcache`` runs it and the combine;
+    ``bench.splitkv_phases`` times it alone."""
     config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     dv = call.head_dim_v
@@ -366,6 +380,7 @@ def splitkv_partials(
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
+        schedule.num_work if counters is None else counters, 0 if counters is None else counters.numel(),
         q.stride(0), q.stride(1), q.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
@@ -380,7 +395,7 @@ def splitkv_partials(
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
         CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
         PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
-        CHUNKS=latent_chunks(config, dv, rows),
+        CHUNKS=latent_chunks(config, dv, rows), ZERO=counters is not None,
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
     return part_o, part_lse2

@@ -17,7 +17,7 @@ import torch
 
 from . import fp8, reference, splitkv_plan, validate, validate_fp8, validate_matmul
 from .selection import ImplLike, coerce, get_impl, ran
-from .splitkv_config import KernelConfig
+from .splitkv_config import FUSED_PROJECTION_MAX_TOKENS, KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
@@ -138,7 +138,8 @@ def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
 def splitkv_mla_with_kvcache(
     q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
     schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
-    descale_k: Optional[Tensor] = None, q_rope: Optional[Tensor] = None, impl: Optional[ImplLike] = None,
+    descale_k: Optional[Tensor] = None, q_rope: Optional[Tensor] = None, w_uv: Optional[Tensor] = None,
+    impl: Optional[ImplLike] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
 
@@ -153,6 +154,12 @@ def splitkv_mla_with_kvcache(
     strides with a contiguous last dim, e.g. a slice of the model's q); q then holds only the first
     ``head_dim_v`` columns — the kernel reads both where they lie, nothing is concatenated. Always returns (out ``[bs, sq, H,
     head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
+
+    ``w_uv`` ``[H, head_dim_v, N]`` (the output's dtype, last dim contiguous): MLA's output projection applied
+    too — out is then ``[bs, sq, H, N]`` = ``head_matmul(o_lat, w_uv)`` of the attention's o_lat (rounded to the
+    output dtype; fp32 sums): ``head_matmul`` after the combine, or inside the combine with TRITON and the
+    schedule's ``KernelConfig.fused_projection`` (up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens; off by default:
+    one launch less, measured slower).
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
     call = validate.check_splitkv(
@@ -160,11 +167,20 @@ def splitkv_mla_with_kvcache(
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
         q_rope=q_rope,
     )
+    if w_uv is not None:
+        validate_matmul.check_output_projection(w_uv, q.shape[2], head_dim_v, call.out_dtype, q.device)
+    bs, sq = q.shape[:2]
+    fused = (w_uv is not None and chosen is Impl.TRITON and schedule.config.fused_projection
+             and bs * sq <= FUSED_PROJECTION_MAX_TOKENS)
     if chosen is Impl.TRITON:
-        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule)
+        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None)
     else:
         out, lse = reference.flash_mla_with_kvcache(call)
     ran(chosen)
+    if w_uv is not None and not fused:
+        H = q.shape[2]
+        out = head_matmul(out.view(bs * sq, H, head_dim_v), w_uv, impl=Impl.AUTO if chosen is Impl.TRITON else chosen)
+        out = out.view(bs, sq, H, w_uv.shape[2])
     return out, lse
 
 

@@ -35,3 +35,16 @@ def check_head_matmul(x, w, out, names=("x", "w", "out")) -> None:
         chk.last_dim_contiguous(out, on, KERNEL)
     chk.last_dim_contiguous(x, xn, KERNEL)
     chk.last_dim_contiguous(w, wn, KERNEL)
+
+
+def check_output_projection(w_uv, num_heads: int, head_dim_v: int, dtype, device) -> None:
+    """Validate the output projection given to ``splitkv_mla_with_kvcache`` (``w_uv``): ``[H, head_dim_v, N]`` of the
+    attention's heads and value width, in its output dtype, on its device, last dimension contiguous."""
+    chk.tensor(w_uv, "w_uv")
+    chk.rank(w_uv, "w_uv", 3, "[H, head_dim_v, N]")
+    if w_uv.shape[0] != num_heads or w_uv.shape[1] != head_dim_v or w_uv.shape[2] < 1:
+        raise ValueError(f"w_uv must be [H, head_dim_v, N] = [{num_heads}, {head_dim_v}, N >= 1], got "
+                         f"{tuple(w_uv.shape)}")
+    chk.same_dtype(w_uv, "w_uv", dtype, "the attention's output")
+    chk.same_device(w_uv, "w_uv", device, "q")
+    chk.last_dim_contiguous(w_uv, "w_uv", KERNEL)
