@@ -1,6 +1,8 @@
 """Split-KV with MLA's output projection fused into its combine (``ops.splitkv_mla_with_kvcache(w_uv=)``) on the GPU.
 
-The combine's programs of one (request, token, head) row each project their block of o_lat's columns; the last of them
+The fused path is a switch, off by default (``KernelConfig.fused_projection``): every fused call here plans its
+schedule with the measured table's config for the shape, the switch turned on (``_fused``); the unfused path is the
+same table config as it ships. The combine's programs of one (request, token, head) row each project their block of o_lat's columns; the last of them
 to arrive (a per-row counter, zeroed by phase 1) sums the shares in order. What can go wrong there — a share read
 before it is visible, a counter left from another call — shows as a wrong row, so every case checks every row:
 against the fp64 oracle (attention, then ``o_lat @ w_uv[h]`` in fp64) with the precision-derived tolerance of the
@@ -18,7 +20,7 @@ from test_splitkv_gpu import BF16, DEV, R, build, capture, oracle_and_lowp, run_
 
 from mla_fa3 import ops
 from mla_fa3.ops import Impl, KernelConfig
-from mla_fa3.ops.splitkv_config import FUSED_PROJECTION_MAX_TOKENS
+from mla_fa3.ops.splitkv_config import FUSED_PROJECTION_MAX_TOKENS, choose_config
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.gpu
@@ -28,6 +30,11 @@ D_V = 128  # DeepSeek-V3's value head
 def _w_uv(heads: int, seed: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(heads, R, D_V, generator=g) / R ** 0.5).to(BF16).to(DEV)
+
+
+def _fused(heads: int, lens, fp8=False) -> KernelConfig:
+    """The table's config for the shape (what a schedule planned without one gets) with the projection fused in."""
+    return choose_config(heads, len(lens), max(lens), kv_fp8=fp8 == "kv").with_(fused_projection=True)
 
 
 def _projected(o_lat: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -65,17 +72,18 @@ def test_fused_projection_matches_oracle_and_unfused_path(name):
     assert len(lens) * sq <= FUSED_PROJECTION_MAX_TOKENS
     q, kv, table, seqlens, dense, extra = build(lens, sq, heads, page, fp8=fp8)
     w = _w_uv(heads)
-    out, lse = run_splitkv(q, kv, table, seqlens, page=page, w_uv=w, **extra)
+    fused = _fused(heads, lens, fp8)
+    out, lse = run_splitkv(q, kv, table, seqlens, page=page, w_uv=w, config=fused, **extra)
     assert ops.last_impl() is Impl.TRITON and out.shape == (len(lens), sq, heads, D_V) and out.dtype == BF16
     ref_out, ref_lse, lowp = oracle_and_lowp(dense)
     plain, plain_lse = run_splitkv(q, kv, table, seqlens, page=page, w_uv=w,
-                                   config=KernelConfig(fused_projection=False), **extra)
+                                   config=fused.with_(fused_projection=False), **extra)
     _check(out, _projected(ref_out, w), _projected(lowp.double(), w), plain)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
     assert (lse.cpu()[finite].double() - ref_lse[finite]).abs().max() <= 2e-3
     for _ in range(3):  # the shares are summed in column-block order whoever arrives last: bit for bit every time
-        again, again_lse = run_splitkv(q, kv, table, seqlens, page=page, w_uv=w, **extra)
+        again, again_lse = run_splitkv(q, kv, table, seqlens, page=page, w_uv=w, config=fused, **extra)
         assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
@@ -83,7 +91,7 @@ def test_more_tokens_than_the_limit_run_the_projection_after_the_combine():
     lens = tuple(range(100, 100 + 300 * (FUSED_PROJECTION_MAX_TOKENS + 1), 300))
     q, kv, table, seqlens, dense, _ = build(lens, 1, 16, 64, seed=4)
     w = _w_uv(16)
-    out, _ = run_splitkv(q, kv, table, seqlens, page=64, w_uv=w)
+    out, _ = run_splitkv(q, kv, table, seqlens, page=64, w_uv=w, config=_fused(16, lens))
     ref_out, _, lowp = oracle_and_lowp(dense)
     o_lat, _ = run_splitkv(q, kv, table, seqlens, page=64)
     _check(out, _projected(ref_out, w), _projected(lowp.double(), w), ops.head_matmul(
@@ -92,11 +100,14 @@ def test_more_tokens_than_the_limit_run_the_projection_after_the_combine():
 
 def test_graph_of_many_layers_replays_with_new_lengths():
     """Twenty fused calls in one CUDA graph (as a model's layers: each call's counters are scratch phase 1 zeroes),
-    replayed with new lengths copied into the captured schedule: every call's output is the eager op's, bit for bit."""
+    replayed with new lengths copied into the captured schedule: every call's output is the eager op's (the same
+    schedule, so fused too), bit for bit."""
     max_lens, heads, page, layers = (9000, 4097, 700), 16, 64, 20
     q, kv, table, _, _, _ = build(max_lens, 1, heads, page, seed=5)
     seqlens = torch.tensor(max_lens, dtype=torch.int32, device=DEV)
-    sched = ops.get_splitkv_schedule(list(max_lens), num_heads=heads, page_size=page, device=DEV, max_batch=3)
+    sched = ops.get_splitkv_schedule(list(max_lens), num_heads=heads, page_size=page, device=DEV, max_batch=3,
+                                     config=_fused(heads, max_lens))
+    assert sched.config.fused_projection
     ws = [_w_uv(heads, seed=s) for s in range(layers)]
     kw = dict(head_dim_v=R, schedule=sched, softmax_scale=0.1, causal=True, impl="triton")
     graph, outs = capture(lambda: [ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, w_uv=w, **kw)[0] for w in ws])

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options
-from .splitkv_config import check_combine_tile, combine_tile
+from .splitkv_config import FUSED_PROJECTION_MAX_COLUMNS, check_combine_tile, combine_tile
 from .splitkv_plan import _next_pow2
 
 Tensor = torch.Tensor
@@ -117,10 +117,13 @@ def _splitkv_combine_kernel(
         ws_row = Ws + row.to(tl.int64) * chunks * BLOCK_NO
         tl.store(ws_row + vb * BLOCK_NO + n_out, y)
         # the last of the row's `chunks` programs to arrive sums the shares in column-block order (deterministic) and
-        # writes the row; every thread's share store is fenced before the count's release (CUDA's threadfence pattern)
+        # writes the row. CUDA's threadfence pattern: every thread fences its share stores, then a CTA barrier, so
+        # that the one thread issuing the count's release does so after all of them (the reduction below need not
+        # be a barrier: it may compile to one warp's redux)
         one = tl.full([BLOCK_NO], 1, tl.int32)
         if FENCE:
             one = _fence_gpu(one)
+            tl.debug_barrier()
         arrived = tl.atomic_add(Count + row, tl.max(one, 0), sem="acq_rel", scope="gpu")
         if arrived == chunks - 1:
             offs = n_out
@@ -150,8 +153,9 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
 
     ``w`` ``[H, r, N]`` (last dim contiguous, out's dtype): the output projection fused in — ``out [bs, sq, H, N]``
     receives ``o_lat[b, i, h] @ w[h]`` (o_lat rounded to out's dtype first, as the unfused path stores it; fp32
-    sums), ``counters`` ``[>= bs·sq·H] int32`` all zero on entry (phase 1 zeroes them: ``splitkv_partials``); each
-    row's count ends at its column-block count — scratch, not state."""
+    sums; N <= ``FUSED_PROJECTION_MAX_COLUMNS``, else a ValueError), ``counters`` ``[>= bs·sq·H] int32`` all zero
+    on entry (phase 1 zeroes them: ``splitkv_partials``); each row's count ends at its column-block count — scratch,
+    not state."""
     bs, sq, H = out.shape[:3]
     dv = part_o.shape[3]
     one = lse  # any float32 pointer: read only with descale_k
@@ -160,6 +164,9 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
     chunks = -(-dv // cdv)
     project = w is not None
     n_out = out.shape[3] if project else dv
+    if project and n_out > FUSED_PROJECTION_MAX_COLUMNS:
+        raise ValueError(f"the fused output projection takes at most {FUSED_PROJECTION_MAX_COLUMNS} output columns "
+                         f"(w's N), got {n_out}: project after the combine (ops.head_matmul)")
     block_no = _next_pow2(n_out) if project else 16
     ws = torch.empty(bs * sq * H * chunks * block_no if project else 1, dtype=torch.float32, device=out.device)
     _splitkv_combine_kernel[(bs * sq * H, chunks)](

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
-           "FUSED_PROJECTION_MAX_TOKENS", "latent_chunks", "combine_tile", "check_combine_tile"]
+           "FUSED_PROJECTION_MAX_TOKENS", "FUSED_PROJECTION_MAX_COLUMNS", "latent_chunks", "combine_tile",
+           "check_combine_tile"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
@@ -31,6 +32,9 @@ COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the prog
 # query tokens (bs·sq) up to which the output projection runs inside the combine (``KernelConfig.fused_projection``):
 # every (token, head) row's programs read their rows of w_uv[h], so the weights are read once per token
 FUSED_PROJECTION_MAX_TOKENS = 8
+# output columns (w_uv's N) up to which it may: a combine program holds its [columns, N] block of w_uv[h] in registers
+# (64 x 256 fp32 over 4 warps: 128 per thread); wider projections run after the combine
+FUSED_PROJECTION_MAX_COLUMNS = 256
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ class KernelConfig:
                   (``num_stages`` - 1 in flight); None: on under mma.sync (< 64 rows), off under wgmma, where
                   the buffers share shared memory with a 64-row q
     fused_projection with an output projection given (``splitkv_mla_with_kvcache(w_uv=)``), it runs inside the
-                  combine for up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens (bs·sq); else (False, the default,
-                  or more tokens) a per-head matmul after the combine (``ops.head_matmul``). Off: measured 0.4-5 µs
+                  combine for up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens (bs·sq) and
+                  ``FUSED_PROJECTION_MAX_COLUMNS`` output columns; else (False, the default, or more) a per-head
+                  matmul after the combine (``ops.head_matmul``). Off: measured 0.4-5 µs
                   slower per step on the H200 (docs/PERFORMANCE.md, 2026-12-06, fourth session)
     """
 

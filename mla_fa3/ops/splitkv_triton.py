@@ -318,7 +318,8 @@ def splitkv_mla_with_kvcache(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
     w_uv: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Run both phases on a validated call -> (out [bs, sq, H, r], lse [bs, sq, H] float32, natural log).
+    """Run both phases on a validated call -> (out [bs, sq, H, r] — [bs, sq, H, N] with ``w_uv`` —, lse [bs, sq, H]
+    float32, natural log).
 
     ``config``: the launch parameters; default the schedule's (the one its split count was planned with).
     ``w_uv`` ``[H, r, N]`` (validated by the caller): the output projection fused into the combine — out is then

@@ -17,7 +17,7 @@ import torch
 
 from . import fp8, reference, splitkv_plan, validate, validate_fp8, validate_matmul
 from .selection import ImplLike, coerce, get_impl, ran
-from .splitkv_config import FUSED_PROJECTION_MAX_TOKENS, KernelConfig
+from .splitkv_config import FUSED_PROJECTION_MAX_COLUMNS, FUSED_PROJECTION_MAX_TOKENS, KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
@@ -152,14 +152,15 @@ def splitkv_mla_with_kvcache(
     bf16 q enters fp16 dots after an exact power-of-two rescale: see ``splitkv_triton.py``), the output has
     q's dtype. ``q_rope`` ``[bs, sq, H, D - head_dim_v]``: the query's rope part given apart (any
     strides with a contiguous last dim, e.g. a slice of the model's q); q then holds only the first
-    ``head_dim_v`` columns — the kernel reads both where they lie, nothing is concatenated. Always returns (out ``[bs, sq, H,
-    head_dim_v]``, lse ``[bs, sq, H]`` float32, **natural log**). TRITON never syncs: capturable.
+    ``head_dim_v`` columns — the kernel reads both where they lie, nothing is concatenated. Returns (out ``[bs, sq, H,
+    head_dim_v]`` — ``[bs, sq, H, N]`` with ``w_uv`` — and lse ``[bs, sq, H]`` float32, **natural log**). TRITON
+    never syncs: capturable.
 
     ``w_uv`` ``[H, head_dim_v, N]`` (the output's dtype, last dim contiguous): MLA's output projection applied
     too — out is then ``[bs, sq, H, N]`` = ``head_matmul(o_lat, w_uv)`` of the attention's o_lat (rounded to the
     output dtype; fp32 sums): ``head_matmul`` after the combine, or inside the combine with TRITON and the
-    schedule's ``KernelConfig.fused_projection`` (up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens; off by default:
-    one launch less, measured slower).
+    schedule's ``KernelConfig.fused_projection`` (up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens and
+    ``FUSED_PROJECTION_MAX_COLUMNS`` columns; off by default: one launch less, measured slower).
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
     call = validate.check_splitkv(
@@ -171,7 +172,7 @@ def splitkv_mla_with_kvcache(
         validate_matmul.check_output_projection(w_uv, q.shape[2], head_dim_v, call.out_dtype, q.device)
     bs, sq = q.shape[:2]
     fused = (w_uv is not None and chosen is Impl.TRITON and schedule.config.fused_projection
-             and bs * sq <= FUSED_PROJECTION_MAX_TOKENS)
+             and bs * sq <= FUSED_PROJECTION_MAX_TOKENS and w_uv.shape[2] <= FUSED_PROJECTION_MAX_COLUMNS)
     if chosen is Impl.TRITON:
         out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None)
     else:
