@@ -93,6 +93,10 @@ STORE_CASES = {  # name -> (T, W, dtype, scale, slots, out column offset, loc dt
     "fp16_kv_columns": (9, 64, "float16", 0.0125, 40, 512, "int32"),
     "fp32_wide_scale": (5, 300, "float32", 3.0, 8, 0, "int64"),
     "empty": (0, 576, "bfloat16", 1.0, 16, 0, "int64"),
+    # rows per program by row count (fp8_triton.STORE_BLOCK_T): 1 up to 64 rows (above), 4 up to 1024, 16 beyond;
+    # both with a partial last block
+    "fp16_4_rows_per_program": (70, 200, "float16", 0.25, 90, 0, "int64"),
+    "bf16_16_rows_per_program": (1030, 40, "bfloat16", 0.5, 1100, 16, "int32"),
 }
 
 
@@ -130,7 +134,8 @@ QUERY_CASES = {  # name -> (T, H, dtype, kind)
     "fp16_many_blocks": (70, 5, "float16", "randn"),  # 350 rows: several programs, several partials
     "fp32_one_row": (1, 1, "float32", "randn"),
     "all_zero": (2, 4, "bfloat16", "zero"),
-    "bf16_decode_128_heads": (1, 128, "bfloat16", "randn"),  # 8 programs, 8 partials
+    "bf16_decode_128_heads": (1, 128, "bfloat16", "randn"),  # 32 programs, 32 partials (4 rows each)
+    "bf16_16_rows_per_block": (17, 130, "bfloat16", "randn"),  # 2210 rows: 16 a block (fp8_triton.QUANT_BLOCK_N)
 }
 
 

@@ -8,8 +8,9 @@ from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every nam
 - :class:`MLATokenPool` — the latent cache: per layer one ``[S, r + d_rope]`` buffer whose rows are
   ``[c_kv | k_rope]``; ``paged(layer)`` views it as ``[P, p, 1, r + d_rope]`` (one KV head) and
   ``c_kv_paged`` / ``k_rope_paged`` slice the last dim — zero-copy views that FA3 takes as
-  ``v_cache`` / ``k_cache`` of the absorbed path. Optionally FP8 e4m3 with a per-layer per-tensor scale
-  (``ops/fp8.py``; stored by ``ops.store_e4m3``: one fused launch on CUDA): half the bytes per token;
+  ``v_cache`` / ``k_cache`` of the absorbed path; rows stored by ``ops.store_rows`` (one launch on CUDA). Optionally
+  FP8 e4m3 with a per-layer per-tensor scale (``ops/fp8.py``; stored by ``ops.store_e4m3``: one fused launch on
+  CUDA): half the bytes per token;
   read by FlashMLA's FP8 decode or the split-KV kernel and, dequantized chunk by chunk, by the MHA prefill.
 - :class:`MHATokenPool` — regular K/V per layer, optionally FP8 e4m3 with per-layer per-tensor scales:
   stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
@@ -208,15 +209,18 @@ class MLATokenPool(_TokenPoolBase):
     def _store(self, layer: int, rows: Tensor, cols: slice, x: Tensor) -> None:
         """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating).
 
-        FP8: ``ops.store_e4m3`` — on CUDA one fused Triton launch (divide, saturate, cast, scatter)."""
+        FP8: ``ops.store_e4m3`` — on CUDA one fused Triton launch (divide, saturate, cast, scatter); a float pool:
+        ``ops.store_rows`` (one launch on CUDA, the cast to the storage dtype in it) for fp32 / fp16 / bf16 rows."""
         if self.absmax is not None and x.numel():
             a = self.absmax[layer: layer + 1]
             torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
         buf = self.kv_buffer[layer]
-        if not self.is_fp8:
-            buf[rows, cols] = x.to(buf.dtype)  # the storage dtype (kv_dtype), which may differ from dtype
-            return
-        ops.store_e4m3(buf[:, cols], rows, _rows_2d(x), self.scale[layer])
+        if self.is_fp8:
+            ops.store_e4m3(buf[:, cols], rows, _rows_2d(x), self.scale[layer])
+        elif x.dtype in _FLOAT_DTYPES:
+            ops.store_rows(buf[:, cols], rows, _rows_2d(x))  # the storage dtype (kv_dtype) may differ from dtype
+        else:
+            buf[rows, cols] = x.to(buf.dtype)
 
     def _check_finite(self, *named: tuple[str, Tensor]) -> None:
         """FP8 + debug_checks: a non-finite element raises (reads the device) before anything is written."""

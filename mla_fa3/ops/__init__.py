@@ -47,7 +47,7 @@ from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .triton_ops import (HEAD_MATMUL_MAX_ROWS, absorb_query_e4m3, fp8_fused_available, get_splitkv_schedule,
                          head_matmul, quantize_query_e4m3, replan_splitkv_schedule,
-                         splitkv_available, splitkv_mla_with_kvcache, store_e4m3)
+                         splitkv_available, splitkv_mla_with_kvcache, store_e4m3, store_rows)
 from .types import (
     FLASHMLA_HEAD_DIM,
     FLASHMLA_HEAD_DIM_V,
@@ -102,6 +102,7 @@ __all__ = [
     "splitkv_mla_with_kvcache",
     "fp8_fused_available",
     "store_e4m3",
+    "store_rows",
     "quantize_query_e4m3",
     "absorb_query_e4m3",
     "head_matmul",

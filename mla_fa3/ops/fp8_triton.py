@@ -1,6 +1,7 @@
 """Fused FP8 (e4m3) quantization in Triton: the pool store (one launch), the query (two launches) and the absorbed
 query (two: ``absorb_query_e4m3``, the per-head matmul of ``head_matmul_triton.py`` writing q_lat and the absmax
-partials, then the query's launch 2).
+partials, then the query's launch 2). The same store kernel serves a float pool (``store_rows``: a cast instead of
+the quantization), one launch in place of torch's indexed assignment.
 
 Contracts and torch reference: ``fp8.py`` (``quantize_e4m3`` + a scatter, ``quantize_e4m3_dynamic``);
 the results are the reference's bit for bit (NaN payloads aside). Validation is the caller's
@@ -10,7 +11,7 @@ both are legal inside a CUDA graph (the query's two work buffers come from ``tor
 Store, one program per (block of rows, block of columns):
 
     s = scale[0];  y = x[t, c] / s (fp32, div_rn);  y = 0 if NaN;  y = clamp(y, ±448)
-    out[loc[t], c] = e4m3(y)
+    out[loc[t], c] = e4m3(y)                  # a float pool (store_rows): out[loc[t], c] = x[t, c] in out's dtype
 
 Query (``q = [a | b]`` given as its two parts, e.g. ``q_lat`` [T, H, r] and a strided ``q_rope``
 view [T, H, d_rope]: the concatenation is never materialized in the input dtype):
@@ -55,9 +56,15 @@ from .fp8 import DYNAMIC_TINY, FP8_DTYPE, FP8_E4M3_MAX
 from .pdl import launch_options, pdl_capable
 
 Tensor = torch.Tensor
-STORE_BLOCK_T = 16  # rows per store program
 STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
-QUANT_BLOCK_N = 16  # (t, h) rows per query program
+# rows per program of the store and of the query's two launches, by row count: (up to this many rows, rows per program).
+# Each thread quantizes its elements one after another (a division and the integer rounding of ``_e4m3_code``), so at
+# decode sizes fewer rows per program — more programs, fewer elements per thread — finish sooner. Measured on an H100
+# (docs/PERFORMANCE.md, 2026-12-06, fifth session): the store 3.9-4.0 µs with 16 rows per program against 1.5-1.6
+# with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-12.2 µs with 16 against 5.2-9.8 with
+# 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
+STORE_BLOCK_T = ((64, 1), (1024, 4))  # more rows: 16 per program
+QUANT_BLOCK_N = ((2048, 4),)  # (t, h) rows per block of both query launches; more rows: 16
 MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
 # the query's two launches as programmatic dependent launches (CUDA sm_90+) up to this many (t, h) rows: measured on
 # an H100, 0.2-1.2 µs less per call from 16 to 1024 rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md); 0: never
@@ -84,18 +91,39 @@ def _e4m3_code(y):
 
 
 @triton.jit
-def _store_e4m3_kernel(X, Scale, Loc, Out, T, W, stride_x, stride_out,
-                       MAX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+def _bf16_bits(x):
+    """fp32 ``x`` -> the int16 bits of the nearest bfloat16, ties to even (NaN -> a quiet NaN with x's sign): the
+    GPU's conversion, in integer arithmetic so that Triton's CPU interpreter (whose fp32 -> bf16 cast does not round
+    to nearest even) runs what the GPU runs. A carry out of the mantissa moves into the exponent by itself (up to
+    inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.int16)
+
+
+@triton.jit
+def _store_rows_kernel(X, Scale, Loc, Out, T, W, stride_x, stride_out,
+                       E4M3: tl.constexpr, BF16_FROM_FP32: tl.constexpr, MAX: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    """out[loc[t], c] = x[t, c], quantized to its e4m3 code (E4M3: Out is a uint8 view) or cast to Out's dtype
+    (BF16_FROM_FP32: rounded in integer arithmetic, ``_bf16_bits``)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     row_ok = rows < T
     mask = row_ok[:, None] & (cols < W)[None, :]
     slot = tl.load(Loc + rows, mask=row_ok, other=0).to(tl.int64)
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = tl.math.div_rn(x, tl.load(Scale))
-    y = tl.where(y != y, 0.0, y)
-    y = tl.minimum(tl.maximum(y, -MAX), MAX)
-    tl.store(Out + slot[:, None] * stride_out + cols[None, :], _e4m3_code(y).to(tl.uint8), mask=mask)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if E4M3:
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(Scale))
+        y = tl.where(y != y, 0.0, y)
+        y = tl.minimum(tl.maximum(y, -MAX), MAX)
+        val = _e4m3_code(y).to(tl.uint8)
+    elif BF16_FROM_FP32:
+        val = _bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    else:
+        val = x.to(Out.dtype.element_ty)
+    tl.store(Out + slot[:, None] * stride_out + cols[None, :], val, mask=mask)
 
 
 @triton.jit
@@ -161,14 +189,34 @@ def _quantize_query_kernel(A, B, Partial, Out, Descale, N, H, stride_at, stride_
     _quantize_rows(B, Out, rows, ok, H, stride_bt, stride_bh, DB, DA, DA + DB, s, BLOCK_DB)
 
 
+def rows_per_program(rows: int, rule: Tuple[Tuple[int, int], ...], otherwise: int = 16) -> int:
+    """The rows per program that ``rule`` ((up to rows, rows per program), ascending) gives ``rows``."""
+    for limit, block in rule:
+        if rows <= limit:
+            return block
+    return otherwise
+
+
 def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor) -> None:
     """out[loc[t], :] = e4m3(clamp(x[t] / scale, ±448)) (NaN -> 0): x [T, W], out [S, W] (last dims contiguous)."""
+    _store_rows(out.view(torch.uint8), loc, x, scale, e4m3=True)
+
+
+def store_rows(out: Tensor, loc: Tensor, x: Tensor) -> None:
+    """out[loc[t], :] = x[t] cast to out's float dtype (round to nearest even): x [T, W], out [S, W] (last dims
+    contiguous)."""
+    _store_rows(out, loc, x, x, e4m3=False)
+
+
+def _store_rows(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, e4m3: bool) -> None:
     T, W = x.shape
     if T == 0:
         return
-    grid = (triton.cdiv(T, STORE_BLOCK_T), triton.cdiv(W, STORE_BLOCK_W))
-    _store_e4m3_kernel[grid](x, scale, loc, out.view(torch.uint8), T, W, x.stride(0), out.stride(0), MAX=FP8_E4M3_MAX,
-                             BLOCK_T=STORE_BLOCK_T, BLOCK_W=STORE_BLOCK_W)
+    block_t = rows_per_program(T, STORE_BLOCK_T)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(W, STORE_BLOCK_W))
+    bf16_from_fp32 = not e4m3 and x.dtype == torch.float32 and out.dtype == torch.bfloat16
+    _store_rows_kernel[grid](x, scale, loc, out, T, W, x.stride(0), out.stride(0), E4M3=e4m3,
+                             BF16_FROM_FP32=bf16_from_fp32, MAX=FP8_E4M3_MAX, BLOCK_T=block_t, BLOCK_W=STORE_BLOCK_W)
 
 
 def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -177,12 +225,13 @@ def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
     N = T * H
     if N == 0:
         return _empty_query(a, b)
-    num_blocks = triton.cdiv(N, QUANT_BLOCK_N)
+    block_n = rows_per_program(N, QUANT_BLOCK_N)  # both launches' blocks of rows
+    num_blocks = triton.cdiv(N, block_n)
     P = min(num_blocks, MAX_PARTIALS)
     partial = torch.empty(P, dtype=torch.float32, device=a.device)
     pdl = _query_pdl(a, N)
     _absmax_partial_kernel[(P,)](a, b, partial, N, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), DA,
-                                 b.shape[2], num_blocks, **_blocks(a, b), PDL=pdl, **launch_options(pdl))
+                                 b.shape[2], num_blocks, **_blocks(a, b, block_n), PDL=pdl, **launch_options(pdl))
     return _quantize_from_partials(a, b, partial, pdl)
 
 
@@ -207,9 +256,10 @@ def _quantize_from_partials(a: Tensor, b: Tensor, partial: Tensor, pdl: bool) ->
     descale = torch.empty(1, dtype=torch.float32, device=a.device)
     N = T * H
     P = partial.shape[0]
-    _quantize_query_kernel[(triton.cdiv(N, QUANT_BLOCK_N),)](
+    block_n = rows_per_program(N, QUANT_BLOCK_N)
+    _quantize_query_kernel[(triton.cdiv(N, block_n),)](
         a, b, partial, out.view(torch.uint8), descale, N, H, a.stride(0), a.stride(1), b.stride(0), b.stride(1), DA, DB,
-        P, MAX=FP8_E4M3_MAX, TINY=DYNAMIC_TINY, BLOCK_P=triton.next_power_of_2(P), **_blocks(a, b), PDL=pdl,
+        P, MAX=FP8_E4M3_MAX, TINY=DYNAMIC_TINY, BLOCK_P=triton.next_power_of_2(P), **_blocks(a, b, block_n), PDL=pdl,
         **launch_options(pdl))
     return out, descale
 
@@ -224,6 +274,6 @@ def _query_pdl(a: Tensor, rows: int) -> bool:
     return rows <= QUANT_PDL_MAX_ROWS and pdl_capable(a.device)
 
 
-def _blocks(a: Tensor, b: Tensor) -> dict:
-    return dict(BLOCK_N=QUANT_BLOCK_N, BLOCK_DA=triton.next_power_of_2(a.shape[2]),
+def _blocks(a: Tensor, b: Tensor, block_n: int) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_DA=triton.next_power_of_2(a.shape[2]),
                 BLOCK_DB=triton.next_power_of_2(b.shape[2]))

@@ -91,7 +91,7 @@ def resolve(impl: Optional[ImplLike], device: torch.device) -> Impl:
     chosen = _global_impl if impl is None else coerce(impl)
     if chosen is Impl.TRITON:
         raise ValueError("impl='triton' runs only the ops of our Triton kernels (splitkv_mla_with_kvcache, store_e4m3, "
-                         "quantize_query_e4m3, absorb_query_e4m3, head_matmul); use fa3/reference/auto")
+                         "store_rows, quantize_query_e4m3, absorb_query_e4m3, head_matmul); use fa3/reference/auto")
     if chosen is Impl.REFERENCE or (chosen is Impl.AUTO and device.type != "cuda"):
         return Impl.REFERENCE
     error = fa3.unavailable_error(device, auto=chosen is Impl.AUTO)

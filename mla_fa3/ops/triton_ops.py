@@ -22,8 +22,8 @@ from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
 __all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache",
-           "fp8_fused_available", "store_e4m3", "quantize_query_e4m3", "absorb_query_e4m3", "head_matmul",
-           "HEAD_MATMUL_MAX_ROWS"]
+           "fp8_fused_available", "store_e4m3", "store_rows", "quantize_query_e4m3", "absorb_query_e4m3",
+           "head_matmul", "HEAD_MATMUL_MAX_ROWS"]
 
 Tensor = torch.Tensor
 
@@ -220,6 +220,32 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Opti
     elif x.shape[0]:
         out[loc] = fp8.quantize_e4m3(x, scale)
     ran(chosen)
+
+
+def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] = None) -> None:
+    """Scatter rows into a float cache: ``out[loc[t]] = x[t]`` cast to out's dtype (round to nearest even) — a float
+    latent pool's store, as ``store_e4m3`` is an e4m3 pool's (its kernel, the quantization left out).
+
+    out ``[S, W]`` float32 / float16 / bfloat16 (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
+    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; no two alike), x ``[T, W]``
+    float32 / float16 / bfloat16 (last dim contiguous). TRITON: one launch, where torch's indexed assignment
+    (the same bytes) costs 3-4 µs at decode sizes on an H100; T = 0 writes nothing. Capturable.
+
+    AUTO / FA3: the kernel on CUDA, torch's indexed assignment elsewhere or where Triton does not import (the exact
+    path the kernel replaces, not a slow reference); TRITON: the kernel (on CPU only under TRITON_INTERPRET=1, in
+    tests); REFERENCE: the indexed assignment. Not recorded by ``last_impl()`` (as ``head_matmul``).
+    """
+    device = validate.device_of(out, "out")
+    chosen = get_impl() if impl is None else coerce(impl)
+    kernels = _fp8_kernels()
+    if chosen is Impl.TRITON:
+        _resolve_triton(chosen, device, kernels, "the pool store")
+    validate_fp8.check_store_rows(out, loc, x)
+    if chosen is Impl.TRITON or (chosen in (Impl.AUTO, Impl.FA3) and device.type == "cuda"
+                                 and not isinstance(kernels, str)):
+        kernels.store_rows(out, loc, x)
+    elif x.shape[0]:
+        out[loc] = x.to(out.dtype)
 
 
 def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:

@@ -1,5 +1,5 @@
 """Boundary checks of the FP8 quantization ops (``ops.store_e4m3``, ``ops.quantize_query_e4m3``,
-``ops.absorb_query_e4m3``).
+``ops.absorb_query_e4m3``) and of the float pool's store that shares their kernel (``ops.store_rows``).
 
 As ``validate.py`` for the attention ops: shapes, dtypes and devices only (no tensor value read, no sync,
 legal during CUDA-graph capture); every error a ``ValueError`` / ``TypeError`` naming the argument.
@@ -19,11 +19,29 @@ KERNELS = "the FP8 Triton kernels"
 def check_store_e4m3(out, loc, x, scale) -> None:
     """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float, scale [1] float32, one device."""
     chk.tensor(out, "out")
-    chk.tensor(loc, "loc")
-    chk.tensor(x, "x")
     chk.tensor(scale, "scale")
     if out.dtype != torch.float8_e4m3fn:
         raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
+    _check_scatter(out, loc, x)
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (1,):
+        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
+    chk.same_device(scale, "scale", out.device, "out")
+
+
+def check_store_rows(out, loc, x) -> None:
+    """Validate ``store_rows``: out [S, W] and x [T, W] float32 / float16 / bfloat16, loc [T] int64/int32, one
+    device."""
+    chk.tensor(out, "out")
+    if out.dtype not in chk.TRITON_FLOAT_DTYPES:
+        raise ValueError(f"out must be float32, float16 or bfloat16 (store_e4m3 for an e4m3 pool), got {out.dtype}")
+    _check_scatter(out, loc, x)
+
+
+def _check_scatter(out, loc, x) -> None:
+    """What both stores check: out [S, W], x [T, W] float with out's width, loc [T] int, one device, last dims
+    contiguous (out's dtype and the scale are the caller's)."""
+    chk.tensor(loc, "loc")
+    chk.tensor(x, "x")
     chk.rank(out, "out", 2, "[S, W]")
     chk.rank(x, "x", 2, "[T, W]")
     if x.dtype not in chk.TRITON_FLOAT_DTYPES:
@@ -34,9 +52,7 @@ def check_store_e4m3(out, loc, x, scale) -> None:
         raise ValueError(f"loc must be int64 or int32, got {loc.dtype}")
     if tuple(loc.shape) != (x.shape[0],):
         raise ValueError(f"loc must be [T] = [{x.shape[0]}] (one slot per row of x), got shape {tuple(loc.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (1,):
-        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
-    for t, name in ((loc, "loc"), (x, "x"), (scale, "scale")):
+    for t, name in ((loc, "loc"), (x, "x")):
         chk.same_device(t, name, out.device, "out")
     chk.last_dim_contiguous(out, "out", KERNELS)
     chk.last_dim_contiguous(x, "x", KERNELS)

@@ -1,0 +1,155 @@
+"""``ops.store_rows``: rows scattered into a float cache (``out[loc[t]] = x[t]`` in out's dtype), on the CPU.
+
+Oracle (from the definition, not from torch's cast): the nearest value of out's dtype, ties to even — for bfloat16 the
+fp32 bit pattern rounded on its low 16 bits in integer arithmetic, for float16 numpy's correctly rounded conversion,
+float32 exact from the narrower types. Every slot not in ``loc`` and every column outside out's view keeps its
+sentinel. The reference runs on every CPU; the Triton kernel (``ops/fp8_triton.py``, the e4m3 store's kernel with a
+cast) runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``, this file as a script in a subprocess) and must
+give the same bytes (NaN payloads aside).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from interpreter import interpreter_main, run_cases, run_under_interpreter
+
+from mla_fa3 import ops
+from mla_fa3.ops.types import Impl, KernelUnavailableError
+
+NAN, INF = float("nan"), float("inf")
+SENTINEL = -12345.0  # in every float dtype exactly
+
+
+def _bf16_from_fp32(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even on the dropped 16 bits
+    out = (((rounded + 2 ** 15) % 2 ** 16) - 2 ** 15).to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isnan(x), torch.full_like(out, NAN), out)
+
+
+def cast_oracle(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    wide = x.float()  # exact from bf16 / fp16
+    if dtype is torch.float32:
+        return wide
+    if dtype is torch.bfloat16:
+        return _bf16_from_fp32(wide)
+    with np.errstate(over="ignore"):  # past 65504: inf, as intended
+        return torch.from_numpy(wide.numpy().astype(np.float16))
+
+
+def special_rows(T: int, W: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows over many magnitudes, with bf16 / fp16 ties, overflow, subnormals, ±inf, NaN, ±0 in the first / last."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, W, generator=g, dtype=torch.float64) * torch.logspace(-9, 5, W, dtype=torch.float64)
+    if T:
+        special = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 65520.0,
+                                70000.0, 2.0 ** -25, 3 * 2.0 ** -26, 3.4e38, -0.0, 0.0], dtype=torch.float64)
+        n = min(W, len(special))
+        x[0, :n] = special[:n]
+        x[-1, : min(W, 3)] = torch.tensor([NAN, INF, -INF], dtype=torch.float64)[: min(W, 3)]
+    return x.to(dtype)
+
+
+CASES = {  # name -> (T, W, x dtype, out dtype, slots, out column offset, loc dtype)
+    "fp32_to_bf16_latent": (37, 576, "float32", "bfloat16", 100, 0, "int64"),
+    "bf16_one_row": (1, 576, "bfloat16", "bfloat16", 8, 0, "int32"),
+    "fp16_to_fp32_columns": (9, 64, "float16", "float32", 40, 512, "int32"),
+    "fp32_to_fp16_overflow_subnormal": (5, 300, "float32", "float16", 8, 0, "int64"),
+    "bf16_to_fp16": (3, 70, "bfloat16", "float16", 6, 3, "int64"),
+    # rows per program by row count (fp8_triton.STORE_BLOCK_T): 1 up to 64 (above), 4 up to 1024, 16 beyond
+    "bf16_4_rows_per_program": (70, 200, "bfloat16", "bfloat16", 90, 0, "int64"),
+    "fp32_16_rows_per_program": (1030, 40, "float32", "bfloat16", 1100, 16, "int32"),
+    "empty": (0, 576, "bfloat16", "bfloat16", 16, 0, "int64"),
+}
+
+
+def _inputs(name: str):
+    T, W, x_dtype, out_dtype, S, col0, loc_dtype = CASES[name]
+    x = special_rows(T, W, getattr(torch, x_dtype), len(name))
+    buf = torch.full((S, col0 + W + 3), SENTINEL, dtype=getattr(torch, out_dtype))
+    loc = torch.randperm(S, generator=torch.Generator().manual_seed(T))[:T].to(getattr(torch, loc_dtype))
+    return x, buf, buf[:, col0: col0 + W], loc, col0
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bytes, NaN payloads aside."""
+    nan = torch.isnan(got.float())
+    if not torch.equal(nan, torch.isnan(want.float())):
+        return False
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    return torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def _check(name: str, impl: str) -> None:
+    x, buf, out, loc, col0 = _inputs(name)
+    ops.store_rows(out, loc, x, impl=impl)
+    want = torch.full_like(buf, SENTINEL)
+    for t in range(x.shape[0]):  # row by row, from the oracle
+        want[int(loc[t]), col0: col0 + x.shape[1]] = cast_oracle(x[t], buf.dtype)
+    assert _same(buf, want), f"{name}: {(buf.float() != want.float()).sum()} elements differ"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_store_rows_matches_the_cast_oracle(name, impl):
+    _check(name, impl)
+
+
+def _bad_calls():
+    x, buf, out, loc, _ = _inputs("fp32_to_bf16_latent")
+    return {
+        "out must be float32, float16 or bfloat16": dict(out=out.to(torch.float8_e4m3fn)),
+        "out must be 2-D": dict(out=out[None]),
+        "x must be float32, float16 or bfloat16": dict(x=x.double()),
+        "x must have out's width": dict(x=x[:, :-1]),
+        "loc must be int64 or int32": dict(loc=loc.float()),
+        r"loc must be \[T\]": dict(loc=loc[:-1]),
+        "x must be on out's device": dict(x=x.to("meta")),
+        "x must have a contiguous last dimension": dict(x=torch.empty(576, x.shape[0], dtype=x.dtype).t()),
+        "loc must be a torch.Tensor": dict(loc=loc.tolist()),
+    }, (x, buf, out, loc)
+
+
+@pytest.mark.parametrize("match", list(_bad_calls()[0]))
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_bad_input_raises_a_named_error_before_writing(match, impl):
+    bad, (x, buf, out, loc) = _bad_calls()
+    args = dict(out=out, loc=loc, x=x)
+    args.update(bad[match])
+    before = buf.clone()
+    with pytest.raises((ValueError, TypeError), match="^" + match):
+        ops.store_rows(args["out"], args["loc"], args["x"], impl=impl)
+    assert torch.equal(buf, before)
+
+
+def test_triton_off_cuda_is_named():
+    x, buf, out, loc, _ = _inputs("bf16_one_row")
+    with pytest.raises(KernelUnavailableError, match="the pool store Triton kernel unavailable"):
+        ops.store_rows(out, loc, x, impl="triton")
+    assert (buf == SENTINEL).all()
+
+
+# ------------------------------------------------------------------------------------------ Triton interpreter
+
+
+def _interpreter_run() -> dict:
+    def through_the_kernel(name):
+        ops.set_impl("reference")  # the global choice must not matter: impl='triton' runs the kernel
+        try:
+            _check(name, "triton")
+        finally:
+            ops.set_impl("auto")
+
+    return run_cases((name, lambda n=name: through_the_kernel(n)) for name in CASES)
+
+
+def test_triton_kernel_under_the_interpreter():
+    pytest.importorskip("triton")
+    assert run_under_interpreter(__file__) == {}
+
+
+if __name__ == "__main__":  # the interpreter subprocess (TRITON_INTERPRET=1 set before triton is imported)
+    interpreter_main(_interpreter_run)
