@@ -50,12 +50,14 @@ def test_graph_replays_with_new_rows_and_slots():
         assert _same(buf.cpu(), want), f"replay {seed}"
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
-def test_latent_pool_stores_as_on_the_cpu(kv_dtype):
-    pools = {d: MLATokenPool(2, 8, 16, 512, 64, torch.bfloat16, d, kv_dtype=kv_dtype) for d in ("cpu", DEV)}
+@pytest.mark.parametrize("dtype,x_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.bfloat16)])
+def test_latent_pool_stores_as_on_the_cpu(dtype, x_dtype):
+    """The pool's rows in its dtype, from rows of the same or another float dtype (cast in the store)."""
+    pools = {d: MLATokenPool(2, 8, 16, 512, 64, dtype, d) for d in ("cpu", DEV)}
     g = torch.Generator().manual_seed(7)
-    latent = (torch.randn(5, 576, generator=g) * 3).to(torch.bfloat16)
-    c_kv, k_rope = (torch.randn(3, 512, generator=g)).to(torch.bfloat16), torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    latent = (torch.randn(5, 576, generator=g) * 3).to(x_dtype)
+    c_kv, k_rope = torch.randn(3, 512, generator=g).to(x_dtype), torch.randn(3, 64, generator=g).to(x_dtype)
     for d, pool in pools.items():
         pool.set_latent(1, torch.tensor([0, 17, 127, 64, 3]), latent.to(d))
         pool.set_kv(0, torch.tensor([9, 1, 100]), c_kv.to(d), k_rope.to(d))
