@@ -50,7 +50,12 @@ def special_rows(T: int, W: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         n = min(W, len(special))
         x[0, :n] = special[:n]
         x[-1, : min(W, 3)] = torch.tensor([NAN, INF, -INF], dtype=torch.float64)[: min(W, 3)]
-    return x.to(dtype)
+    x = x.to(dtype)
+    if T and dtype is torch.float32 and W >= 6:  # NaNs whose payload lies in the low 16 bits only (a bf16 truncation
+        # of them would be ±inf), of both signs
+        x[-1, 3:6] = torch.tensor([0x7F800001, -8388607, 0x7F80FFFF], dtype=torch.int32).view(torch.float32)
+        # (-8388607 is 0xFF800001)
+    return x
 
 
 CASES = {  # name -> (T, W, x dtype, out dtype, slots, out column offset, loc dtype)
@@ -59,6 +64,7 @@ CASES = {  # name -> (T, W, x dtype, out dtype, slots, out column offset, loc dt
     "fp16_to_fp32_columns": (9, 64, "float16", "float32", 40, 512, "int32"),
     "fp32_to_fp16_overflow_subnormal": (5, 300, "float32", "float16", 8, 0, "int64"),
     "bf16_to_fp16": (3, 70, "bfloat16", "float16", 6, 3, "int64"),
+    "fp16_to_bf16": (4, 300, "float16", "bfloat16", 9, 0, "int32"),
     # rows per program by row count (fp8_triton.STORE_BLOCK_T): 1 up to 64 (above), 4 up to 1024, 16 beyond
     "bf16_4_rows_per_program": (70, 200, "bfloat16", "bfloat16", 90, 0, "int64"),
     "fp32_16_rows_per_program": (1030, 40, "float32", "bfloat16", 1100, 16, "int32"),
@@ -132,6 +138,23 @@ def test_triton_off_cuda_is_named():
     assert (buf == SENTINEL).all()
 
 
+@pytest.mark.parametrize("impl", [None, "auto", "fa3", "reference"])
+def test_every_other_choice_stores_on_the_cpu(impl):
+    """AUTO / FA3 / REFERENCE (given, or the global choice when impl is None) store on a CPU tensor — the indexed
+    assignment (as head_matmul's bmm), not an error; a global 'triton' is refused as impl='triton' is."""
+    with ops.use_impl(impl or "fa3"):
+        _check("fp32_to_bf16_latent", impl)
+    with ops.use_impl("triton"):
+        with pytest.raises(KernelUnavailableError, match="the pool store Triton kernel unavailable"):
+            _check("bf16_one_row", None)
+
+
+def test_a_slot_past_the_buffer_raises_in_the_reference():
+    x, buf, out, loc, _ = _inputs("bf16_one_row")
+    with pytest.raises(IndexError):
+        ops.store_rows(out, loc + buf.shape[0], x, impl="reference")
+
+
 # ------------------------------------------------------------------------------------------ Triton interpreter
 
 
@@ -143,7 +166,29 @@ def _interpreter_run() -> dict:
         finally:
             ops.set_impl("auto")
 
-    return run_cases((name, lambda n=name: through_the_kernel(n)) for name in CASES)
+    def slots_outside_the_buffer_are_skipped():
+        """The values of loc are the caller's: a slot < 0 or >= S is not written (nothing past the buffer), by the
+        float store and by the e4m3 store (one kernel); the rows with good slots are."""
+        x, buf, _, loc, _ = _inputs("bf16_4_rows_per_program")
+        S, W = buf.shape[0], x.shape[1]
+        bad = loc.clone()
+        bad[::3] = torch.tensor([-1, S, S + 5, -100] * 10, dtype=bad.dtype)[: len(bad[::3])]
+        wide = torch.full((3 * S, W), SENTINEL, dtype=buf.dtype)  # the pool between two guard bands
+        ops.store_rows(wide[S: 2 * S], bad, x, impl="triton")
+        assert (wide[:S] == SENTINEL).all() and (wide[2 * S:] == SENTINEL).all(), "written past the buffer"
+        good = torch.ones(len(bad), dtype=torch.bool)
+        good[::3] = False
+        want = torch.full((S, W), SENTINEL, dtype=buf.dtype)
+        want[bad[good].long()] = cast_oracle(x[good], buf.dtype)
+        assert _same(wide[S: 2 * S], want)
+        wide8 = torch.zeros(3 * S, W, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        ops.store_e4m3(wide8[S: 2 * S], bad, x, torch.ones(1), impl="triton")
+        raw = wide8.view(torch.uint8)
+        assert (raw[:S] == 0).all() and (raw[2 * S:] == 0).all(), "e4m3 written past the buffer"
+        assert (raw[S: 2 * S][bad[good].long()] != 0).any()
+
+    return run_cases([(name, lambda n=name: through_the_kernel(n)) for name in CASES]
+                     + [("slots_outside_the_buffer_are_skipped", slots_outside_the_buffer_are_skipped)])
 
 
 def test_triton_kernel_under_the_interpreter():

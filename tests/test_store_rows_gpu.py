@@ -63,3 +63,21 @@ def test_latent_pool_stores_as_on_the_cpu(dtype, x_dtype):
         pool.set_kv(0, torch.tensor([9, 1, 100]), c_kv.to(d), k_rope.to(d))
     for layer in (0, 1):
         assert torch.equal(pools[DEV].kv_buffer[layer].cpu(), pools["cpu"].kv_buffer[layer])
+
+
+def test_slots_outside_the_buffer_are_not_written():
+    """A slot < 0 or >= S (the caller's to check; the pools do on the host or with debug_checks) is skipped by the
+    kernel: the guard bands around the buffer keep their sentinel, the rows with good slots are stored."""
+    S, W = 40, 576
+    wide = torch.full((3 * S, W), SENTINEL, dtype=torch.bfloat16, device=DEV)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, W, generator=g)
+    loc = torch.tensor([-1, 0, S, 7, S + 100, 39, -50, 20])
+    ops.store_rows(wide[S: 2 * S], loc.to(DEV), x.to(DEV))
+    torch.cuda.synchronize()
+    got = wide.cpu()
+    assert (got[:S] == SENTINEL).all() and (got[2 * S:] == SENTINEL).all(), "written past the buffer"
+    good = (loc >= 0) & (loc < S)
+    want = torch.full((S, W), SENTINEL, dtype=torch.bfloat16)
+    want[loc[good]] = cast_oracle(x[good], torch.bfloat16)
+    assert _same(got[S: 2 * S], want)

@@ -16,7 +16,8 @@ from ``kv`` (``PagedAllocator``, ``ReqToTokenPool``), which re-exports every nam
   stored ``k8 = clamp(k / k_scale, -448, 448)``, read back as ``k8 * k_scale`` (the kernels' descale).
 
 Hot-path rule: nothing here reads a CUDA tensor's value unless ``debug_checks=True``; range checks on
-slot indices run on the host when the indices are CPU tensors.
+slot indices run on the host when the indices are CPU tensors. A CUDA ``loc`` out of range without
+``debug_checks`` is not caught: on CUDA the store's kernel skips such a row (nothing is written past the buffer).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _rows_2d(x: Tensor) -> Tensor:
-    """x [T, W] as ``ops.store_e4m3`` reads it: a contiguous last dim, fp32/fp16/bf16 (others: to fp32)."""
+    """x [T, W] as ``ops.store_e4m3`` / ``ops.store_rows`` read it: a contiguous last dim, fp32/fp16/bf16 (others:
+    to fp32; a float pool stores others by indexed assignment instead, without this)."""
     if x.dtype not in _FLOAT_DTYPES:
         x = x.float()
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()

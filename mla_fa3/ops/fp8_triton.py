@@ -5,8 +5,9 @@ the quantization), one launch in place of torch's indexed assignment.
 
 Contracts and torch reference: ``fp8.py`` (``quantize_e4m3`` + a scatter, ``quantize_e4m3_dynamic``);
 the results are the reference's bit for bit (NaN payloads aside). Validation is the caller's
-(``ops.store_e4m3`` / ``ops.quantize_query_e4m3``); nothing here reads a tensor value on the host, so
-both are legal inside a CUDA graph (the query's two work buffers come from ``torch.empty``).
+(``ops.store_e4m3`` / ``ops.store_rows`` / ``ops.quantize_query_e4m3``); nothing here reads a tensor value on the
+host, so all are legal inside a CUDA graph (the query's two work buffers come from ``torch.empty``). A store's slot
+outside the buffer is skipped, not written (the values of ``loc`` are the caller's: the pools check them).
 
 Store, one program per (block of rows, block of columns):
 
@@ -61,8 +62,8 @@ STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
 # Each thread quantizes its elements one after another (a division and the integer rounding of ``_e4m3_code``), so at
 # decode sizes fewer rows per program — more programs, fewer elements per thread — finish sooner. Measured on an H100
 # (docs/PERFORMANCE.md, 2026-12-06, fifth session): the store 3.9-4.0 µs with 16 rows per program against 1.5-1.6
-# with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-12.2 µs with 16 against 5.2-9.8 with
-# 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
+# with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-13.0 µs with 16 against 5.2-10.6
+# with 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
 STORE_BLOCK_T = ((64, 1), (1024, 4))  # more rows: 16 per program
 QUANT_BLOCK_N = ((2048, 4),)  # (t, h) rows per block of both query launches; more rows: 16
 MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
@@ -93,8 +94,8 @@ def _e4m3_code(y):
 @triton.jit
 def _bf16_bits(x):
     """fp32 ``x`` -> the int16 bits of the nearest bfloat16, ties to even (NaN -> a quiet NaN with x's sign): the
-    GPU's conversion, in integer arithmetic so that Triton's CPU interpreter (whose fp32 -> bf16 cast does not round
-    to nearest even) runs what the GPU runs. A carry out of the mantissa moves into the exponent by itself (up to
+    GPU's conversion, in integer arithmetic so that Triton's CPU interpreter (whose fp32 -> bf16 and fp16 -> bf16
+    casts do not round to nearest even) runs what the GPU runs. A carry out of the mantissa moves into the exponent by itself (up to
     inf)."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -103,24 +104,26 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _store_rows_kernel(X, Scale, Loc, Out, T, W, stride_x, stride_out,
-                       E4M3: tl.constexpr, BF16_FROM_FP32: tl.constexpr, MAX: tl.constexpr,
+def _store_rows_kernel(X, Scale, Loc, Out, T, W, S, stride_x, stride_out,
+                       E4M3: tl.constexpr, TO_BF16: tl.constexpr, MAX: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
     """out[loc[t], c] = x[t, c], quantized to its e4m3 code (E4M3: Out is a uint8 view) or cast to Out's dtype
-    (BF16_FROM_FP32: rounded in integer arithmetic, ``_bf16_bits``)."""
+    (TO_BF16, fp32 / fp16 into bf16: rounded in integer arithmetic, ``_bf16_bits``). A slot outside [0, S) is not
+    written (nothing past the buffer; the values of loc are the caller's to check)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     row_ok = rows < T
-    mask = row_ok[:, None] & (cols < W)[None, :]
     slot = tl.load(Loc + rows, mask=row_ok, other=0).to(tl.int64)
+    row_ok = row_ok & (slot >= 0) & (slot < S)
+    mask = row_ok[:, None] & (cols < W)[None, :]
     x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if E4M3:
         y = tl.math.div_rn(x.to(tl.float32), tl.load(Scale))
         y = tl.where(y != y, 0.0, y)
         y = tl.minimum(tl.maximum(y, -MAX), MAX)
         val = _e4m3_code(y).to(tl.uint8)
-    elif BF16_FROM_FP32:
-        val = _bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    elif TO_BF16:
+        val = _bf16_bits(x.to(tl.float32)).to(tl.bfloat16, bitcast=True)
     else:
         val = x.to(Out.dtype.element_ty)
     tl.store(Out + slot[:, None] * stride_out + cols[None, :], val, mask=mask)
@@ -214,9 +217,9 @@ def _store_rows(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, e4m3: boo
         return
     block_t = rows_per_program(T, STORE_BLOCK_T)
     grid = (triton.cdiv(T, block_t), triton.cdiv(W, STORE_BLOCK_W))
-    bf16_from_fp32 = not e4m3 and x.dtype == torch.float32 and out.dtype == torch.bfloat16
-    _store_rows_kernel[grid](x, scale, loc, out, T, W, x.stride(0), out.stride(0), E4M3=e4m3,
-                             BF16_FROM_FP32=bf16_from_fp32, MAX=FP8_E4M3_MAX, BLOCK_T=block_t, BLOCK_W=STORE_BLOCK_W)
+    to_bf16 = not e4m3 and out.dtype == torch.bfloat16 and x.dtype != torch.bfloat16
+    _store_rows_kernel[grid](x, scale, loc, out, T, W, out.shape[0], x.stride(0), out.stride(0), E4M3=e4m3,
+                             TO_BF16=to_bf16, MAX=FP8_E4M3_MAX, BLOCK_T=block_t, BLOCK_W=STORE_BLOCK_W)
 
 
 def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:

@@ -164,10 +164,11 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
     chunks = -(-dv // cdv)
     project = w is not None
     n_out = out.shape[3] if project else dv
-    if project and n_out > FUSED_PROJECTION_MAX_COLUMNS:
-        raise ValueError(f"the fused output projection takes at most {FUSED_PROJECTION_MAX_COLUMNS} output columns "
-                         f"(w's N), got {n_out}: project after the combine (ops.head_matmul)")
     block_no = _next_pow2(n_out) if project else 16
+    if project and (n_out > FUSED_PROJECTION_MAX_COLUMNS or cdv * block_no > 64 * FUSED_PROJECTION_MAX_COLUMNS):
+        raise ValueError(f"the fused output projection takes at most {FUSED_PROJECTION_MAX_COLUMNS} output columns "
+                         f"(w's N) and a [columns, N] weight block of at most 64 x {FUSED_PROJECTION_MAX_COLUMNS} "
+                         f"(tile columns {cdv}), got N = {n_out}: project after the combine (ops.head_matmul)")
     ws = torch.empty(bs * sq * H * chunks * block_no if project else 1, dtype=torch.float32, device=out.device)
     _splitkv_combine_kernel[(bs * sq * H, chunks)](
         part_o, part_lse2, split_offsets, out, lse, one if descale_k is None else descale_k,

@@ -33,7 +33,8 @@ COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the prog
 # every (token, head) row's programs read their rows of w_uv[h], so the weights are read once per token
 FUSED_PROJECTION_MAX_TOKENS = 8
 # output columns (w_uv's N) up to which it may: a combine program holds its [columns, N] block of w_uv[h] in registers
-# (64 x 256 fp32 over 4 warps: 128 per thread); wider projections run after the combine
+# (the combine tile's 32 or 64 columns x 256 fp32 over 4 warps: at most 128 per thread; ``combine_splits`` refuses a
+# wider block, e.g. a bench's ``tile=``); wider projections run after the combine
 FUSED_PROJECTION_MAX_COLUMNS = 256
 
 

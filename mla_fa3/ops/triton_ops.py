@@ -197,7 +197,8 @@ def _fp8_kernels():
 
 
 def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
-    """Whether ``store_e4m3`` / ``quantize_query_e4m3`` run on ``device`` with ``impl`` (without raising). Host only."""
+    """Whether ``store_e4m3`` / ``quantize_query_e4m3`` run on ``device`` with ``impl`` (without raising). Host only.
+    (``store_rows`` has a path wherever torch runs: see its docstring.)"""
     try:
         _resolve_triton(impl, torch.device(device), _fp8_kernels(), "FP8 quantization")
     except (KernelUnavailableError, ValueError):
@@ -209,7 +210,8 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Opti
     """Quantize rows and scatter them into an e4m3 cache: ``out[loc[t]] = e4m3(clamp(x[t] / scale, ±448))``.
 
     out ``[S, W]`` float8_e4m3fn (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
-    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's), x ``[T, W]`` float
+    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; TRITON skips a slot outside
+    [0, S), REFERENCE raises IndexError), x ``[T, W]`` float
     (last dim contiguous), scale ``[1]`` float32 on the device. x / scale in fp32; NaN -> 0, ±inf and
     overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
     """
@@ -227,13 +229,16 @@ def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] 
     latent pool's store, as ``store_e4m3`` is an e4m3 pool's (its kernel, the quantization left out).
 
     out ``[S, W]`` float32 / float16 / bfloat16 (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
-    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; no two alike), x ``[T, W]``
-    float32 / float16 / bfloat16 (last dim contiguous). TRITON: one launch, where torch's indexed assignment
+    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; no two alike; the kernel skips a
+    slot outside [0, S), the indexed assignment raises IndexError), x ``[T, W]`` float32 / float16 / bfloat16 (last
+    dim contiguous). TRITON: one launch, where torch's indexed assignment
     (the same bytes) costs 3-4 µs at decode sizes on an H100; T = 0 writes nothing. Capturable.
 
-    AUTO / FA3: the kernel on CUDA, torch's indexed assignment elsewhere or where Triton does not import (the exact
-    path the kernel replaces, not a slow reference); TRITON: the kernel (on CPU only under TRITON_INTERPRET=1, in
-    tests); REFERENCE: the indexed assignment. Not recorded by ``last_impl()`` (as ``head_matmul``).
+    AUTO / FA3: the kernel on CUDA, torch's indexed assignment elsewhere (TRITON_INTERPRET=1 included) or where
+    Triton does not import — the exact path the kernel replaces, not a slow reference, so unlike ``store_e4m3``
+    nothing raises there (as ``head_matmul``); TRITON: the kernel (on CPU only under TRITON_INTERPRET=1, in tests;
+    a named error elsewhere — a global ``set_impl('triton')`` then refuses a CPU pool's store); REFERENCE: the indexed
+    assignment. Not recorded by ``last_impl()`` (as ``head_matmul``).
     """
     device = validate.device_of(out, "out")
     chosen = get_impl() if impl is None else coerce(impl)

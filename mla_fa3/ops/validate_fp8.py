@@ -18,30 +18,26 @@ KERNELS = "the FP8 Triton kernels"
 
 def check_store_e4m3(out, loc, x, scale) -> None:
     """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float, scale [1] float32, one device."""
-    chk.tensor(out, "out")
-    chk.tensor(scale, "scale")
-    if out.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
-    _check_scatter(out, loc, x)
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (1,):
-        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
-    chk.same_device(scale, "scale", out.device, "out")
+    _check_store(out, loc, x, scale, e4m3=True)
 
 
 def check_store_rows(out, loc, x) -> None:
     """Validate ``store_rows``: out [S, W] and x [T, W] float32 / float16 / bfloat16, loc [T] int64/int32, one
     device."""
+    _check_store(out, loc, x, None, e4m3=False)
+
+
+def _check_store(out, loc, x, scale, *, e4m3: bool) -> None:
+    """Both stores, in one order: an e4m3 ``out`` with ``scale`` [1] float32, or a float ``out`` (no scale)."""
     chk.tensor(out, "out")
-    if out.dtype not in chk.TRITON_FLOAT_DTYPES:
-        raise ValueError(f"out must be float32, float16 or bfloat16 (store_e4m3 for an e4m3 pool), got {out.dtype}")
-    _check_scatter(out, loc, x)
-
-
-def _check_scatter(out, loc, x) -> None:
-    """What both stores check: out [S, W], x [T, W] float with out's width, loc [T] int, one device, last dims
-    contiguous (out's dtype and the scale are the caller's)."""
     chk.tensor(loc, "loc")
     chk.tensor(x, "x")
+    if e4m3:
+        chk.tensor(scale, "scale")
+        if out.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"out must be float8_e4m3fn, got {out.dtype}")
+    elif out.dtype not in chk.TRITON_FLOAT_DTYPES:
+        raise ValueError(f"out must be float32, float16 or bfloat16 (store_e4m3 for an e4m3 pool), got {out.dtype}")
     chk.rank(out, "out", 2, "[S, W]")
     chk.rank(x, "x", 2, "[T, W]")
     if x.dtype not in chk.TRITON_FLOAT_DTYPES:
@@ -52,7 +48,9 @@ def _check_scatter(out, loc, x) -> None:
         raise ValueError(f"loc must be int64 or int32, got {loc.dtype}")
     if tuple(loc.shape) != (x.shape[0],):
         raise ValueError(f"loc must be [T] = [{x.shape[0]}] (one slot per row of x), got shape {tuple(loc.shape)}")
-    for t, name in ((loc, "loc"), (x, "x")):
+    if e4m3 and (scale.dtype != torch.float32 or tuple(scale.shape) != (1,)):
+        raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
+    for t, name in ((loc, "loc"), (x, "x")) + (((scale, "scale"),) if e4m3 else ()):
         chk.same_device(t, name, out.device, "out")
     chk.last_dim_contiguous(out, "out", KERNELS)
     chk.last_dim_contiguous(x, "x", KERNELS)
