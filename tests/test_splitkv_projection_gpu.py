@@ -2,8 +2,8 @@
 
 The fused path is a switch, off by default (``KernelConfig.fused_projection``): every fused call here plans its
 schedule with the measured table's config for the shape, the switch turned on (``_fused``); the unfused path is the
-same table config as it ships. The combine's programs of one (request, token, head) row each project their block of o_lat's columns; the last of them
-to arrive (a per-row counter, zeroed by phase 1) sums the shares in order. What can go wrong there — a share read
+same table config as it ships. The combine's programs of one (request, token, head) row each project their block of
+o_lat's columns; the last of them to arrive (a per-row counter, zeroed by phase 1) sums the shares in order. What can go wrong there — a share read
 before it is visible, a counter left from another call — shows as a wrong row, so every case checks every row:
 against the fp64 oracle (attention, then ``o_lat @ w_uv[h]`` in fp64) with the precision-derived tolerance of the
 split-KV GPU tests, against the unfused path (the combine, then ``ops.head_matmul``), and bit for bit across

@@ -58,12 +58,12 @@ from .pdl import launch_options, pdl_capable
 
 Tensor = torch.Tensor
 STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
-# rows per program of the store and of the query's two launches, by row count: (up to this many rows, rows per program).
-# Each thread quantizes its elements one after another (a division and the integer rounding of ``_e4m3_code``), so at
-# decode sizes fewer rows per program — more programs, fewer elements per thread — finish sooner. Measured on an H100
-# (docs/PERFORMANCE.md, 2026-12-06, fifth session): the store 3.9-4.0 µs with 16 rows per program against 1.5-1.6
-# with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-13.0 µs with 16 against 5.2-10.6
-# with 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
+# rows per program of the store and of the query's two launches, by row count: (up to this many rows, rows per
+# program). Each thread quantizes its elements one after another (a division and the integer rounding of
+# ``_e4m3_code``), so at decode sizes fewer rows per program — more programs, fewer elements per thread — finish
+# sooner. Measured on an H100 (docs/PERFORMANCE.md, 2026-12-06, fifth session): the store 3.9-4.0 µs with 16 rows per
+# program against 1.5-1.6 with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-13.0 µs with
+# 16 against 5.2-10.6 with 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
 STORE_BLOCK_T = ((64, 1), (1024, 4))  # more rows: 16 per program
 QUANT_BLOCK_N = ((2048, 4),)  # (t, h) rows per block of both query launches; more rows: 16
 MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
@@ -95,8 +95,8 @@ def _e4m3_code(y):
 def _bf16_bits(x):
     """fp32 ``x`` -> the int16 bits of the nearest bfloat16, ties to even (NaN -> a quiet NaN with x's sign): the
     GPU's conversion, in integer arithmetic so that Triton's CPU interpreter (whose fp32 -> bf16 and fp16 -> bf16
-    casts do not round to nearest even) runs what the GPU runs. A carry out of the mantissa moves into the exponent by itself (up to
-    inf)."""
+    casts do not round to nearest even) runs what the GPU runs. A carry out of the mantissa moves into the exponent
+    by itself (up to inf)."""
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
