@@ -1,7 +1,7 @@
 """``ops.store_rows``: rows scattered into a float cache (``out[loc[t]] = x[t]`` in out's dtype), on the CPU.
 
 Oracle (from the definition, not from torch's cast): the nearest value of out's dtype, ties to even — for bfloat16 the
-fp32 bit pattern rounded on its low 16 bits in integer arithmetic, for float16 numpy's correctly rounded conversion,
+nearer (in fp64) of the two bfloat16 values around each fp32 one, for float16 numpy's correctly rounded conversion,
 float32 exact from the narrower types. Every slot not in ``loc`` and every column outside out's view keeps its
 sentinel. The reference runs on every CPU; the Triton kernel (``ops/fp8_triton.py``, the e4m3 store's kernel with a
 cast) runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``, this file as a script in a subprocess) and must
@@ -24,9 +24,22 @@ SENTINEL = -12345.0  # in every float dtype exactly
 
 
 def _bf16_from_fp32(x: torch.Tensor) -> torch.Tensor:
-    bits = x.view(torch.int32).long() & 0xFFFFFFFF
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even on the dropped 16 bits
-    out = (((rounded + 2 ** 15) % 2 ** 16) - 2 ** 15).to(torch.int16).view(torch.bfloat16)
+    """The nearest bfloat16 to each finite fp32 value, ties to the even mantissa, compared in fp64: of the two
+    bfloat16 values around |x| (x truncated to its high 16 bits, and the next one up — 2^128 standing in for the step
+    past the largest finite value, where rounding up means inf); ±inf stays, NaN gives NaN."""
+    mag = x.abs()
+    lo_bits = mag.view(torch.int32) & ~0xFFFF  # |x| truncated: a bfloat16 value (exact in fp32)
+    lo = lo_bits.view(torch.float32).double()
+    hi_bits = lo_bits + 0x10000
+    hi = hi_bits.view(torch.float32).double()
+    hi = torch.where(torch.isinf(hi), torch.full_like(hi, 2.0 ** 128), hi)
+    d_lo, d_hi = mag.double() - lo, hi - mag.double()
+    lo_even = ((lo_bits >> 16) & 1) == 0
+    up = (d_hi < d_lo) | ((d_hi == d_lo) & ~lo_even)
+    bits = torch.where(up, hi_bits, lo_bits)
+    out = (bits >> 16).to(torch.int16).view(torch.bfloat16)
+    out = torch.where(torch.signbit(x), -out, out)
+    out = torch.where(torch.isinf(x), x.to(torch.bfloat16), out)  # ±inf: exact in bfloat16
     return torch.where(torch.isnan(x), torch.full_like(out, NAN), out)
 
 

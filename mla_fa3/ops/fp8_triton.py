@@ -208,7 +208,7 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor) -> None:
 def store_rows(out: Tensor, loc: Tensor, x: Tensor) -> None:
     """out[loc[t], :] = x[t] cast to out's float dtype (round to nearest even): x [T, W], out [S, W] (last dims
     contiguous)."""
-    _store_rows(out, loc, x, x, e4m3=False)
+    _store_rows(out, loc, x, x, e4m3=False)  # x stands in for the scale pointer: read only when E4M3
 
 
 def _store_rows(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, e4m3: bool) -> None:

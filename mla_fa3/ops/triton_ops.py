@@ -73,6 +73,16 @@ def _resolve_triton(impl: Optional[ImplLike], device: torch.device, kernels, wha
     return chosen
 
 
+def _kernel_not_torch(chosen: Impl, device: torch.device, kernels, what: str) -> bool:
+    """For an op whose torch path is exact and fast (``head_matmul``'s bmm, ``store_rows``' indexed assignment), not a
+    slow reference: whether ``chosen`` runs its Triton kernel (``kernels``). TRITON: yes, a named error where it
+    cannot; REFERENCE: no; AUTO / FA3: on CUDA where Triton imports (else the torch path, without an error)."""
+    if chosen is Impl.TRITON:
+        _resolve_triton(chosen, device, kernels, what)
+        return True
+    return chosen is not Impl.REFERENCE and device.type == "cuda" and not isinstance(kernels, str)
+
+
 def _resolve_splitkv(impl: Optional[ImplLike], device: torch.device) -> Impl:
     return _resolve_triton(impl, device, _splitkv_kernels(), "split-KV")
 
@@ -240,15 +250,11 @@ def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] 
     a named error elsewhere — a global ``set_impl('triton')`` then refuses a CPU pool's store); REFERENCE: the indexed
     assignment. Not recorded by ``last_impl()`` (as ``head_matmul``).
     """
-    device = validate.device_of(out, "out")
     chosen = get_impl() if impl is None else coerce(impl)
-    kernels = _fp8_kernels()
-    if chosen is Impl.TRITON:
-        _resolve_triton(chosen, device, kernels, "the pool store")
+    kernel = _kernel_not_torch(chosen, validate.device_of(out, "out"), _fp8_kernels(), "the pool store")
     validate_fp8.check_store_rows(out, loc, x)
-    if chosen is Impl.TRITON or (chosen in (Impl.AUTO, Impl.FA3) and device.type == "cuda"
-                                 and not isinstance(kernels, str)):
-        kernels.store_rows(out, loc, x)
+    if kernel:
+        _fp8_kernels().store_rows(out, loc, x)
     elif x.shape[0]:
         out[loc] = x.to(out.dtype)
 
@@ -309,16 +315,15 @@ def _head_matmul_in_triton(x: Tensor, impl: Optional[ImplLike]) -> bool:
     run (unavailable here, or more rows than the kernel's one tile)."""
     chosen = get_impl() if impl is None else coerce(impl)
     kernels = _matmul_kernels()
+    if not _kernel_not_torch(chosen, x.device, kernels, "per-head matmul"):
+        return False
     T = x.shape[0]
     if chosen is Impl.TRITON:
-        _resolve_triton(chosen, x.device, kernels, "per-head matmul")
         if T > kernels.MAX_ROWS:
             raise ValueError(f"impl='triton': the per-head matmul kernel takes at most {kernels.MAX_ROWS} rows, got "
                              f"{T}; use impl='auto' (cuBLAS's bmm above {HEAD_MATMUL_MAX_ROWS} rows)")
         return T >= 1
-    if chosen is Impl.REFERENCE:
-        return False
-    return 1 <= T <= HEAD_MATMUL_MAX_ROWS and x.device.type == "cuda" and not isinstance(kernels, str)
+    return 1 <= T <= HEAD_MATMUL_MAX_ROWS
 
 
 def head_matmul(x: Tensor, w: Tensor, *, out: Optional[Tensor] = None, impl: Optional[ImplLike] = None) -> Tensor:
