@@ -9,6 +9,7 @@ Re-exported by ``mla_fa3.ops``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional, Tuple, Union
@@ -49,6 +50,16 @@ def _triton_module(which: str):
     except Exception as exc:  # ImportError (no triton) or a broken triton install
         return f"{type(exc).__name__}: {exc}"
     return module
+
+
+def _on(device: torch.device):
+    """The context a Triton launch on ``device`` runs in. Triton launches on the *current* CUDA device (and its
+    current stream), not on its tensors' device as torch's ops and the sgl-kernel wrappers do: a tensor on another
+    GPU (layers spread over GPUs in one process) is made current for the launch. No-op on the CPU (the interpreter)
+    and when ``device`` is current already."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _splitkv_kernels():
@@ -138,7 +149,8 @@ def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
     planner = _triton_module("replan")
     chosen = _resolve_triton(impl, schedule.device, planner, "split-KV planner")
     if chosen is Impl.TRITON:
-        planner.replan_schedule(cache_seqlens, schedule)
+        with _on(schedule.device):
+            planner.replan_schedule(cache_seqlens, schedule)
     else:
         splitkv_plan.replan_reference(cache_seqlens, schedule)
     ran(chosen)
@@ -184,7 +196,8 @@ def splitkv_mla_with_kvcache(
     fused = (w_uv is not None and chosen is Impl.TRITON and schedule.config.fused_projection
              and bs * sq <= FUSED_PROJECTION_MAX_TOKENS and w_uv.shape[2] <= FUSED_PROJECTION_MAX_COLUMNS)
     if chosen is Impl.TRITON:
-        out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None)
+        with _on(q.device):
+            out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None)
     else:
         out, lse = reference.flash_mla_with_kvcache(call)
     ran(chosen)
@@ -228,7 +241,8 @@ def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Opti
     chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
     validate_fp8.check_store_e4m3(out, loc, x, scale)
     if chosen is Impl.TRITON:
-        _fp8_kernels().store_e4m3(out, loc, x, scale)
+        with _on(out.device):
+            _fp8_kernels().store_e4m3(out, loc, x, scale)
     elif x.shape[0]:
         out[loc] = fp8.quantize_e4m3(x, scale)
     ran(chosen)
@@ -254,7 +268,8 @@ def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] 
     kernel = _kernel_not_torch(chosen, validate.device_of(out, "out"), _fp8_kernels(), "the pool store")
     validate_fp8.check_store_rows(out, loc, x)
     if kernel:
-        _fp8_kernels().store_rows(out, loc, x)
+        with _on(out.device):
+            _fp8_kernels().store_rows(out, loc, x)
     elif x.shape[0]:
         out[loc] = x.to(out.dtype)
 
@@ -271,7 +286,8 @@ def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = 
     chosen = _resolve_triton(impl, validate.device_of(q_a, "q_a"), _fp8_kernels(), "FP8 quantization")
     validate_fp8.check_quantize_query(q_a, q_b)
     if chosen is Impl.TRITON:
-        out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
+        with _on(q_a.device):
+            out = _fp8_kernels().quantize_query_e4m3(q_a, q_b)
     else:
         out = fp8.quantize_e4m3_dynamic(torch.cat([q_a, q_b], dim=-1))
     ran(chosen)
@@ -289,7 +305,8 @@ def absorb_query_e4m3(q_nope: Tensor, w_uk: Tensor, q_rope: Tensor, *,
     validate_fp8.check_absorb_query(q_nope, w_uk, q_rope)
     if _head_matmul_in_triton(q_nope, impl):
         chosen = _resolve_triton(impl, q_nope.device, _fp8_kernels(), "FP8 quantization")
-        out = _fp8_kernels().absorb_query_e4m3(q_nope, w_uk, q_rope)
+        with _on(q_nope.device):
+            out = _fp8_kernels().absorb_query_e4m3(q_nope, w_uk, q_rope)
         ran(chosen)
         return out
     return quantize_query_e4m3(head_matmul(q_nope, w_uk, impl=impl), q_rope, impl=impl)
@@ -340,7 +357,8 @@ def head_matmul(x: Tensor, w: Tensor, *, out: Optional[Tensor] = None, impl: Opt
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
     if triton_kernel:
-        _matmul_kernels().head_matmul(x, w, out)
+        with _on(x.device):
+            _matmul_kernels().head_matmul(x, w, out)
     else:
         torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
     return out

@@ -1,0 +1,80 @@
+"""Our Triton ops on a GPU that is not the current one (a model whose layers are spread over GPUs in one process):
+Triton launches on the current device, so each op makes its tensors' device current for the launch. Every op gives
+its oracle's result on the second GPU while the first stays current, and the current device is unchanged after.
+Needs two GPUs; skips with fewer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops_cases import check
+from test_fp8_quant import _store_inputs, query_inputs, query_oracle, store_oracle
+from test_head_matmul import inputs, within_precision
+from test_splitkv_gpu import R, SCALE, build, oracle_and_lowp
+from test_store_rows import SENTINEL, _inputs, _same, cast_oracle
+
+from mla_fa3 import ops
+from mla_fa3.ops import Impl
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two GPUs")]
+D1 = torch.device("cuda", 1)
+
+
+@pytest.fixture(autouse=True)
+def first_gpu_current():
+    with torch.cuda.device(0):
+        yield
+        torch.cuda.synchronize(D1)
+        assert torch.cuda.current_device() == 0, "an op left another device current"
+
+
+def test_stores():
+    x, buf, _, loc, col0 = _inputs("fp32_to_bf16_latent")
+    g_buf = buf.to(D1)
+    ops.store_rows(g_buf[:, col0: col0 + x.shape[1]], loc.to(D1), x.to(D1))
+    want = torch.full_like(buf, SENTINEL)
+    want[loc.long(), col0: col0 + x.shape[1]] = cast_oracle(x, buf.dtype)
+    assert _same(g_buf.cpu(), want)
+
+    x, buf, _, loc, s = _store_inputs("bf16_latent_576")  # the out view: the first W columns
+    W = x.shape[1]
+    want = buf.view(torch.uint8).clone()
+    want[loc.long(), :W] = store_oracle(x, float(s))
+    g_buf = buf.to(D1)
+    ops.store_e4m3(g_buf[:, :W], loc.to(D1), x.to(D1), s.to(D1), impl="triton")
+    assert torch.equal(g_buf.view(torch.uint8).cpu(), want)
+
+
+def test_fp8_query_and_head_matmul():
+    a, b = query_inputs(3, 16, torch.bfloat16, 5)
+    q8, descale = ops.quantize_query_e4m3(a.to(D1), b.to(D1), impl="triton")
+    codes, s = query_oracle(torch.cat([a, b], dim=-1))
+    assert float(descale.cpu()) == s and torch.equal(q8.view(torch.uint8).cpu(), codes)
+
+    x, w = inputs(4, 16, 128, 512, torch.bfloat16, seed=3)
+    out = ops.head_matmul(x.to(D1), w.to(D1))  # AUTO: the Triton kernel at 4 rows
+    within_precision(out.cpu(), x, w)
+
+    q_rope = torch.randn(4, 16, 64).to(torch.bfloat16)
+    q8, descale = ops.absorb_query_e4m3(x.to(D1), w.to(D1), q_rope.to(D1))
+    codes, s = query_oracle(torch.cat([out.cpu(), q_rope], dim=-1))  # the quantization of the kernel's own q_lat
+    assert float(descale.cpu()) == s and torch.equal(q8.view(torch.uint8).cpu(), codes)
+
+
+def test_splitkv_with_the_device_planner():
+    lens, heads, page = (5000, 63, 1), 16, 64
+    q, kv, table, seqlens, dense, _ = (t.to(D1) if isinstance(t, torch.Tensor) else t
+                                       for t in build(lens, 1, heads, page, seed=2))
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=D1, max_batch=3)
+    ops.replan_splitkv_schedule(seqlens, sched, impl="triton")
+    out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                            causal=True, impl="triton")
+    assert ops.last_impl() is Impl.TRITON and out.device == D1
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page).to(D1)
+    ref_impl, _ = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=ref_sched,
+                                               softmax_scale=SCALE, causal=True, impl="reference")
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
