@@ -14,11 +14,13 @@ TORCH_HINT := torch is missing for $(PYTHON) and the pinned CPU build did not in
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/install_sglang_cpu.sh
 	# torch first, pinned to the CPU build available locally, so no multi-GB CUDA build is pulled.
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "torch==2.13.0" || { echo "$(TORCH_HINT)" >&2; exit 1; }
 	$(PYTHON) -m pip install -q -e ".[dev]"
 	$(PYTHON) -c "import torch" 2>/dev/null || { echo "$(TORCH_HINT)" >&2; exit 1; }
+	# SGLang 0.5.17 without its GPU closure, for the plugin's tests (torch untouched; see the script)
+	bash tools/install_sglang_cpu.sh $(PYTHON)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -50,6 +50,7 @@ __all__ = [
     "project_output",
     "decompress_kv",
     "forward_absorbed",
+    "attend_latent",
     "check_query",
 ]
 
@@ -133,6 +134,61 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     """
     if validate:
         check_query(q, layer)
+    fp8 = _check_fp8_read(kernel, kv_paged, kv_scale, layer)
+    dims, w = layer.mla, layer.mla_weights
+    q_nope, q_rope = split_query(q, dims)
+    if kernel is DecodeKernel.SPLITKV:
+        return _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
+    if kernel is DecodeKernel.FLASHMLA:
+        o_lat = _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
+        return project_output(o_lat, w, impl=impl)
+    o_lat = _fa3_latent(absorb_query(q_nope, w, impl=impl), q_rope, layer, metadata, kv_paged, schedule, impl)
+    return project_output(o_lat, w, impl=impl)
+
+
+def attend_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata,
+                  kv_paged: torch.Tensor, *, kernel: DecodeKernel = DecodeKernel.FA3,
+                  schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | ops.FA3Schedule | None = None,
+                  kv_scale: torch.Tensor | None = None, impl=None) -> torch.Tensor:
+    """The absorbed attention core, for an engine whose model absorbs W_UK and applies W_UV itself (SGLang's
+    DeepSeek): q_lat [T, H, r] and q_rope [T, H, d_rope] (any strides with a contiguous last dim, e.g. the two
+    slices of one [T, H, r + d_rope] query) -> o_lat [T, H, r] = Σ_t softmax_t(s) · c_kv(t), with s as in the
+    module docstring. Kernels, schedules and the FP8 rules are those of :func:`forward_absorbed`; ``layer`` gives
+    heads, scale, softcap and window (its ``mla_weights`` are not read). On an FP8 pool read by FlashMLA, the
+    576-wide query is quantized per step on the device (``ops.quantize_query_e4m3``); split-KV reads q as it is.
+    """
+    if layer.mla is None:
+        raise ValueError(f"layer {layer.layer_id}: attend_latent needs an MLA layer (mla dims)")
+    r, T, H = layer.mla.kv_lora_rank, q_lat.shape[0], layer.num_heads
+    want = ((T, H, r), (T, H, layer.mla.qk_rope_head_dim))
+    if q_lat.dim() != 3 or tuple(q_lat.shape) != want[0] or q_rope.dim() != 3 or tuple(q_rope.shape) != want[1]:
+        raise ValueError(f"q_lat and q_rope must be {list(want[0])} and {list(want[1])} (T, H, r / d_rope) for "
+                         f"layer {layer.layer_id}, got {tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
+    fp8 = _check_fp8_read(kernel, kv_paged, kv_scale, layer)
+    if kernel is DecodeKernel.FA3:
+        return _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl)
+    bs, sq = _check_whole_row(kernel, q_lat, layer, metadata, schedule)
+    width = layer.mla.latent_dim
+    descales = dict(descale_k=kv_scale) if fp8 else {}
+    if kernel is DecodeKernel.SPLITKV:
+        o, _ = ops.splitkv_mla_with_kvcache(q_lat.reshape(bs, sq, H, r), kv_paged, metadata.page_table,
+                                            metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
+                                            softmax_scale=layer.scaling, causal=True,
+                                            q_rope=q_rope.reshape(bs, sq, H, width - r), impl=impl, **descales)
+        return o.view(T, H, r)
+    if fp8:
+        q_cat, descales["descale_q"] = ops.quantize_query_e4m3(q_lat, q_rope, impl=impl)
+    else:
+        q_cat = torch.cat([q_lat, q_rope], dim=-1)
+    o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
+                                   metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
+                                   softmax_scale=layer.scaling, causal=True, out_dtype=q_lat.dtype, impl=impl,
+                                   **descales)
+    return o.view(T, H, r)
+
+
+def _check_fp8_read(kernel: DecodeKernel, kv_paged: torch.Tensor, kv_scale, layer: AttentionLayer) -> bool:
+    """Whether ``kv_paged`` is an e4m3 cache, after refusing the reads it cannot take (named errors, no kernel run)."""
     fp8 = kv_paged.dtype == FP8_DTYPE
     if fp8 and kernel not in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
         raise ValueError(f"kernel must be FLASHMLA or SPLITKV for an FP8 latent cache (layer {layer.layer_id}): FA3 "
@@ -140,18 +196,15 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
     if fp8 and kv_scale is None:
         raise ValueError(f"kv_scale is None: the FP8 latent cache of layer {layer.layer_id} needs its "
                          "per-tensor scale (MLATokenPool.layer_scale)")
-    dims, w = layer.mla, layer.mla_weights
-    r = dims.kv_lora_rank
-    q_nope, q_rope = split_query(q, dims)
-    if kernel is DecodeKernel.SPLITKV:
-        return _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
-    if kernel is DecodeKernel.FLASHMLA:
-        o_lat = _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale if fp8 else None, impl)
-        return project_output(o_lat, w, impl=impl)
-    q_lat = absorb_query(q_nope, w, impl=impl)
+    return fp8
+
+
+def _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl) -> torch.Tensor:
+    """o_lat [T, H, r] through FA3 with ``qv``: q = q_rope over the k_rope view, qv = q_lat over the c_kv view."""
+    r = layer.mla.kv_lora_rank
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
     schedule = schedule if isinstance(schedule, ops.FA3Schedule) else None
-    o_lat = ops.flash_attn_with_kvcache(
+    return ops.flash_attn_with_kvcache(
         q_rope, kv_paged[..., r:], kv_paged[..., :r], qv=q_lat,
         page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
@@ -159,7 +212,6 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
         softcap=layer.logit_cap, num_splits=0 if schedule is None else schedule.key.num_splits, schedule=schedule,
         impl=impl,
     )
-    return project_output(o_lat, w, impl=impl)
 
 
 def _check_whole_row(kernel, q_nope, layer, metadata, schedule) -> tuple[int, int]:

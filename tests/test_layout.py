@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),  # DeepSeek V2/V3 on the backend, the HF loader
     ("serve", "hf_compare", "kv_accuracy"),  # generation and serving loops; the comparisons with transformers
     ("bench",),  # H200 benchmarks
+    ("integrations",),  # other engines loading the backend (the SGLang plugin): the only sglang imports
     ("cli", "__main__", "__init__"),  # the `mla-fa3` command
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -153,3 +154,26 @@ def test_the_layer_checks_can_fail():
     assert import_cycles(fake) == ["mla_fa3.backend -> mla_fa3.kv.pools -> mla_fa3.backend"]
     node = ast.parse("from ..backend import MLABackend").body[0]
     assert _resolve("mla_fa3.kv.pools", PACKAGE / "kv" / "pools.py", node) == "mla_fa3.backend"
+
+
+def _imports_sglang(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "sglang" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "sglang":
+            return True
+    return False
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_only_integrations_import_sglang(module):
+    """SGLang is the host engine of ``integrations.sglang`` alone: nothing below it knows it exists."""
+    if _layer(module) == "integrations":
+        return
+    assert not _imports_sglang(ast.parse(MODULES[module].read_text())), f"{module} imports sglang"
+
+
+def test_the_sglang_check_can_fail():
+    assert _imports_sglang(ast.parse("from sglang.srt import server_args"))
+    assert _imports_sglang(ast.parse("def f():\n    import sglang.srt.utils"))
+    assert not _imports_sglang(ast.parse("from mla_fa3.integrations import sglang"))

@@ -154,7 +154,11 @@ class MLATokenPool(_TokenPoolBase):
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int,
                  qk_rope_head_dim: int, dtype: torch.dtype, device: torch.device | str, *,
-                 kv_dtype: torch.dtype | None = None, debug_checks: bool = False):
+                 kv_dtype: torch.dtype | None = None, debug_checks: bool = False,
+                 kv_buffers: Sequence[Tensor] | None = None):
+        """``kv_buffers``: wrap an engine's own per-layer buffers instead of allocating (no copy): one
+        ``[num_pages * page_size, r + d_rope]`` tensor of ``kv_dtype`` per layer, contiguous, on ``device``
+        (SGLang's ``MLATokenToKVPool.kv_buffer``, viewed; ``integrations.sglang``)."""
         super().__init__(num_layers, num_pages, page_size, device, debug_checks)
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype}")
@@ -166,8 +170,11 @@ class MLATokenPool(_TokenPoolBase):
         self.dtype = dtype  # compute dtype
         self.kv_dtype = kv_dtype or dtype  # storage dtype
         self.is_fp8 = self.kv_dtype == FP8_DTYPE
-        self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(num_layers)]
+        if kv_buffers is None:
+            self.kv_buffer = [torch.zeros(self.num_slots, self.width, dtype=self.kv_dtype, device=self.device)
+                              for _ in range(num_layers)]
+        else:
+            self.kv_buffer = self._check_buffers(kv_buffers)
         fp8 = self.is_fp8
         # [1] float32 per layer (in-place updates keep CUDA graphs valid); None for a floating pool
         self.scale: list[Tensor] | None = [torch.ones(1, dtype=torch.float32, device=self.device)
@@ -176,6 +183,26 @@ class MLATokenPool(_TokenPoolBase):
 
     def _buffers(self) -> list[Tensor]:
         return self.kv_buffer
+
+    def _check_buffers(self, kv_buffers: Sequence[Tensor]) -> list[Tensor]:
+        """The wrapped buffers, after checks naming the argument (shape, dtype, device, layout)."""
+        bufs = list(kv_buffers)
+        if len(bufs) != self.num_layers:
+            raise ValueError(f"kv_buffers must hold one buffer per layer ({self.num_layers}), got {len(bufs)}")
+        want = (self.num_slots, self.width)
+        for i, b in enumerate(bufs):
+            if not isinstance(b, Tensor):
+                raise TypeError(f"kv_buffers[{i}] must be a torch.Tensor, got {type(b).__name__}")
+            if tuple(b.shape) != want:
+                raise ValueError(f"kv_buffers[{i}] must be [num_pages * page_size, r + d_rope] = {list(want)}, "
+                                 f"got {tuple(b.shape)}")
+            if b.dtype != self.kv_dtype:
+                raise TypeError(f"kv_buffers[{i}] must be {self.kv_dtype} (the storage dtype), got {b.dtype}")
+            if not same_device(b.device, self.device):
+                raise ValueError(f"kv_buffers[{i}] must be on {self.device}, got {b.device}")
+            if not b.is_contiguous():
+                raise ValueError(f"kv_buffers[{i}] must be contiguous (pages are views of it)")
+        return bufs
 
     # ------------------------------------------------------------------ FP8 scales
     def set_scales(self, scales: Sequence[float] | float, layer: int | None = None) -> None:

@@ -1,0 +1,164 @@
+"""SGLang's MLA attention backends side by side, inside SGLang: ``mla_fa3`` vs ``fa3`` vs ``flashmla``.
+
+One DeepSeek attention layer's decode step as SGLang runs it — the backend's store of the new latent row and its
+attention core, in the form SGLang's DeepSeek model calls each backend (``fa3`` / ``mla_fa3``: q_lat and q_rope apart;
+``flashmla``: one 576-wide query) — captured in a CUDA graph through each backend's own capture / replay hooks and
+timed by CUDA events around graph replays (median of ``--iters``). Every backend reads the same SGLang pool
+(``MLATokenToKVPool``, page 64) of ``bs`` requests at ``ctx`` tokens, built by SGLang's attention test kit.
+
+    python benchmarks/sglang_backends.py --out out/sglang_backends.csv [--quick]
+
+Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay), host_us (the replay update: the backend's
+``init_forward_metadata_out_graph``), ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), kernel (what
+mla_fa3 ran). GPU only; needs SGLang 0.5.17 and sgl-kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 16384), (64, 32768)]
+QUICK = [(1, 65536), (4, 32768), (64, 16384)]
+
+
+def _fixture(kit, mode, heads, bs, ctx, fp8):
+    """SGLang's pools (the kit's MockMLAModelRunner) for ``bs`` requests of ``ctx`` tokens on shuffled pages of 64,
+    filled with random latent rows, and the decode batch writing token ``ctx - 1`` of each (vectorized: the kit's
+    own fixture fills tables element by element)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    page = 64
+    c = kit.MLAAttentionCase(name=f"bench_{heads}_{bs}_{ctx}", backend="mla_fa3", forward_mode=mode,
+                             num_heads=heads, page_size=page, prefix_lens=(ctx - 1,) * bs)
+    cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,
+                                 context_len=ctx)
+    runner = kit.MockMLAModelRunner(case=c, model_config=cfg, dtype=torch.bfloat16, device="cuda",
+                                    max_context_len=ctx, kv_lora_rank=512, qk_rope_head_dim=64,
+                                    disable_cuda_graph=False, fp8_kv_cache=fp8)
+    pages_per_req = ctx // page
+    g = torch.Generator(device="cuda").manual_seed(bs * 7 + ctx)
+    perm = torch.randperm(bs * pages_per_req, device="cuda", generator=g) + 1  # page 0: padding
+    pages = perm.view(bs, pages_per_req).to(torch.int64)
+    slots = (pages.unsqueeze(-1) * page + torch.arange(page, device="cuda")).view(bs, ctx)
+    runner.req_to_token_pool.req_to_token[:bs, :ctx] = slots.to(torch.int32)
+    buf = runner.token_to_kv_pool.kv_buffer[0]
+    rows = torch.randn(buf.shape[0], 1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    buf.copy_(rows.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else rows)
+    del rows
+    seq = torch.full((bs,), ctx, dtype=torch.int32)
+    fb = ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
+                      req_pool_indices=torch.arange(bs, dtype=torch.int32, device="cuda"), seq_lens=seq.cuda(),
+                      seq_lens_cpu=seq, out_cache_loc=slots[:, -1].contiguous(), seq_lens_sum=bs * ctx,
+                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device="cuda"))
+    layer = RadixAttention(num_heads=heads, head_dim=576, scaling=192 ** -0.5, num_kv_heads=1, layer_id=0,
+                           v_head_dim=512)
+    return SimpleNamespace(runner=runner, layer=layer, fb=fb, bs=bs, heads=heads)
+
+
+def _time_backend(name, fx, registry, iters):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    backend = registry[name](fx.runner)
+    layer, fb, bs, H = fx.layer, fx.fb, fx.bs, fx.heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_lat = torch.randn(bs, H, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    q_rope = torch.randn(bs, H, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    c_kv = torch.randn(bs, 1, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    k_rope = torch.randn(bs, 1, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    q_cat, k_cat = torch.cat([q_lat, q_rope], -1), torch.cat([c_kv, k_rope], -1)
+
+    def step():
+        if name == "flashmla":
+            return layer(q_cat.view(bs, -1), k_cat, c_kv, fb)
+        return layer(q_lat.view(bs, -1), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        backend.init_forward_metadata_in_graph(fb)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        host = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            backend.init_forward_metadata_out_graph(fb)
+            host.append(time.perf_counter() - t0)
+            graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    kernel = backend.explain().kernel if name == "mla_fa3" else ""
+    return statistics.median(times), statistics.median(host) * 1e6, kernel
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="CSV path")
+    p.add_argument("--quick", action="store_true", help="three shapes")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sglang_backends: needs a CUDA GPU (sm90) with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
+        return 2
+    from tests.sglang_cpu_shim import prepare_sglang_import
+
+    prepare_sglang_import()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
+
+    from mla_fa3.integrations.sglang import plugin
+
+    plugin.register()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+    for heads in args.heads:
+        for bs, ctx in (QUICK if args.quick else SHAPES):
+            for fp8 in (False, True):
+                fx = _fixture(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
+                res = {}
+                for name in ("fa3", "flashmla", "mla_fa3"):
+                    try:
+                        res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters)
+                    except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
+                        res[name] = (float("nan"), float("nan"), f"error: {type(exc).__name__}: {exc}"[:160])
+                base = res["fa3"][0]
+                for name, (us, host, kernel) in res.items():
+                    row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", backend=name,
+                               us=round(us, 2), host_us=round(host, 1), ratio_vs_fa3=round(base / us, 3),
+                               kernel=kernel)
+                    rows.append(row)
+                    print(",".join(str(v) for v in row.values()), flush=True)
+                del fx
+                torch.cuda.empty_cache()
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

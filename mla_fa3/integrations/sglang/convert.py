@@ -1,0 +1,97 @@
+"""SGLang's ``ForwardBatch`` -> mla_fa3's :class:`~mla_fa3.batch.ForwardBatch` (host work only: no device value is
+read, nothing is copied host->device; SGLang's device tensors are used as they are, cast to int32 where ours are).
+
+The two engines name the modes alike but count one thing differently: in TARGET_VERIFY, SGLang's ``seq_lens`` exclude
+the k draft tokens being verified, ours include them (``docs/ARCHITECTURE.md``, Conventions)::
+
+    SGLang  seq_lens = [10, 7], k = 4, out_cache_loc: 8 slots   ->   ours  seq_lens = [14, 11]
+
+Modes (SGLang 0.5.17 ``model_executor/forward_batch_info.py:ForwardMode``):
+
+    EXTEND, MIXED   -> EXTEND, MIXED   (a MIXED decode row is an extend row of one token over its prefix)
+    DECODE          -> DECODE          (a target-model decode; a draft step carries ``spec_info``: refused)
+    TARGET_VERIFY   -> TARGET_VERIFY   (topk = 1: k draft tokens per request, a chain)
+    IDLE            -> IDLE            (a data-parallel rank with no request this step)
+    others          -> UnsupportedStepError, naming the mode, before anything runs
+
+A CUDA-graph replay passes a batch padded to the captured size: its tail rows (``seq_lens`` = the fill value 1,
+``req_pool_indices`` 0) convert like any row and read the padding slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_fa3.batch import ForwardBatch, ForwardMode
+
+__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of"]
+
+
+class UnsupportedStepError(ValueError):
+    """SGLang sent a step mla_fa3 does not serve (a mode, a layout, a speculative shape): nothing has run."""
+
+
+_MODES = {"EXTEND": ForwardMode.EXTEND, "MIXED": ForwardMode.MIXED, "DECODE": ForwardMode.DECODE,
+          "TARGET_VERIFY": ForwardMode.TARGET_VERIFY, "IDLE": ForwardMode.IDLE}
+
+
+def num_draft_tokens_of(fb, configured: int) -> int:
+    """k of a TARGET_VERIFY batch: its ``spec_info.draft_token_num`` when it carries one, else the server's setting."""
+    spec = getattr(fb, "spec_info", None)
+    k = getattr(spec, "draft_token_num", None) if spec is not None else None
+    return int(k) if k is not None else int(configured)
+
+
+def _host_int32(values, name: str, bs: int) -> torch.Tensor:
+    """A CPU int32 tensor of the first ``bs`` host values (a list or a CPU tensor); a device tensor is refused:
+    reading it would sync."""
+    if values is None:
+        raise UnsupportedStepError(f"forward_batch.{name} is None: mla_fa3 plans each step from host lengths "
+                                   "(SGLang fills it when the backend sets needs_cpu_seq_lens)")
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise UnsupportedStepError(f"forward_batch.{name} must be a host copy, got a tensor on {values.device}")
+        out = values[:bs].to(torch.int32)
+    else:
+        out = torch.tensor(list(values)[:bs], dtype=torch.int32)
+    if out.shape[0] < bs:  # a graph replay's copy of the live rows only: the tail is padding (fill value 1)
+        out = torch.cat([out, torch.ones(bs - out.shape[0], dtype=torch.int32)])
+    return out
+
+
+def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int) -> ForwardBatch:
+    """Our batch for SGLang's ``fb`` (see the module docstring). ``num_draft_tokens``: the server's k."""
+    name = getattr(fb.forward_mode, "name", str(fb.forward_mode))
+    mode = _MODES.get(name)
+    if mode is None:
+        raise UnsupportedStepError(f"forward_mode {name} is not served by mla_fa3 (it serves EXTEND, MIXED, DECODE, "
+                                   "TARGET_VERIFY and IDLE)")
+    if mode is ForwardMode.IDLE or fb.batch_size == 0:
+        return ForwardBatch.idle(device)
+    if mode is ForwardMode.DECODE and getattr(fb, "spec_info", None) is not None:
+        raise UnsupportedStepError("a DECODE batch with spec_info is a speculative draft step: SGLang 0.5.17 builds "
+                                   "draft backends from its own table (speculative/draft_utils.py), which has no "
+                                   "mla_fa3 entry; run the draft model on another backend")
+    bs = int(fb.batch_size)
+    rows = fb.req_pool_indices[:bs].to(torch.int64)
+    seq_cpu = _host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
+    seq = fb.seq_lens[:bs].to(torch.int32)
+    loc = fb.out_cache_loc.to(torch.int64)
+    positions = getattr(fb, "positions", None)
+    positions = None if positions is None or positions.shape[0] != loc.shape[0] else positions.to(torch.int64)
+    common = dict(forward_mode=mode, batch_size=bs, req_pool_indices=rows, out_cache_loc=loc, positions=positions)
+    if mode is ForwardMode.DECODE:
+        return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, **common)
+    if mode is ForwardMode.TARGET_VERIFY:
+        topk = int(getattr(getattr(fb, "spec_info", None), "topk", 1) or 1)
+        if topk > 1:
+            raise UnsupportedStepError(f"a TARGET_VERIFY batch with topk {topk}: mla_fa3 verifies chains (topk = 1) "
+                                       "only; a draft tree needs its tree mask")
+        k = num_draft_tokens_of(fb, num_draft_tokens)
+        return ForwardBatch(seq_lens=seq + k, seq_lens_cpu=seq_cpu + k, num_draft_tokens=k, **common)
+    ext_cpu = _host_int32(fb.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+    pre_cpu = _host_int32(fb.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
+    ext = fb.extend_seq_lens[:bs].to(torch.int32)
+    pre = fb.extend_prefix_lens[:bs].to(torch.int32) if fb.extend_prefix_lens is not None else seq - ext
+    return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, extend_prefix_lens=pre, extend_prefix_lens_cpu=pre_cpu,
+                        extend_seq_lens=ext, extend_seq_lens_cpu=ext_cpu, **common)

@@ -1,0 +1,66 @@
+"""Every point where mla_fa3 touches SGLang (0.5.17), each with the SGLang file it targets — one file to review for
+the next SGLang release.
+
+``register`` is the general plugin SGLang loads from the entry-point group ``sglang.srt.plugins``
+(``srt/plugins/__init__.py:load_plugins``, run in the scheduler, the engine, ``launch_server`` and the data-parallel
+controller); it is idempotent. After it, ``--attention-backend mla_fa3`` is a choice like ``fa3``:
+
+    srt/layers/attention/attention_registry.py   register_attention_backend("mla_fa3") -> create_backend
+    srt/server_args.py                           add_attention_backend_choices (the CLI accepts the name),
+                                                 add_chunked_prefix_cache_attention_backend (prefix chunks on MHA)
+    srt/models/deepseek_common/utils.py          FORWARD_ABSORB_CORE_ATTENTION_BACKENDS: the model hands us
+                                                 q_lat [T, H, r] and q_rope apart (not one 576-wide query)
+    srt/models/deepseek_common/                  AttentionBackendRegistry.register("mla_fa3", handle_attention): the
+      attention_backend_handler.py               form of each DeepSeek step; MHA_ONE_SHOT_SUPPORTED_BACKENDS: the
+                                                 one-shot MHA prefill (prefix + new tokens in one call) is served
+"""
+
+from __future__ import annotations
+
+from sglang.srt import server_args
+from sglang.srt.layers.attention import attention_registry
+from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+from sglang.srt.models.deepseek_common import utils as deepseek_utils
+from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
+
+__all__ = ["BACKEND_NAME", "register", "create_backend", "handle_attention"]
+
+BACKEND_NAME = "mla_fa3"
+
+
+def create_backend(model_runner) -> SGLangMLABackend:
+    """The registry's factory: SGLang calls it with its ``ModelRunner`` (target model, each rank)."""
+    return SGLangMLABackend(model_runner)
+
+
+def handle_attention(attn, forward_batch) -> AttnForwardMethod:
+    """The form a DeepSeek attention layer computes this step. SGLang's own rule for FA-style backends
+    (``_handle_attention_backend``: MHA for a prefill without a prefix or over a prefix past
+    ``chunked_prefix_cache_threshold``, one shot when prefix + new tokens fit, absorbed MLA otherwise), except that
+    a prefill over an FP8 latent cache always takes MHA: our absorbed kernels read e4m3 only with equal query
+    lengths per request (decode, verify)."""
+    if attn.kv_cache_dtype == "fp8_e4m3" and forward_batch.forward_mode.is_extend_without_speculative():
+        if handlers._support_mha_one_shot(attn, forward_batch, BACKEND_NAME):
+            return AttnForwardMethod.MHA_ONE_SHOT
+        return AttnForwardMethod.MHA_CHUNKED_KV
+    return handlers._handle_attention_backend(attn, forward_batch, BACKEND_NAME)
+
+
+def _add_once(names: list, name: str, add) -> None:
+    if name not in names:
+        add(name)
+
+
+def register() -> None:
+    """Make ``mla_fa3`` an SGLang attention backend (idempotent; see the module docstring for each point)."""
+    attention_registry.register_attention_backend(BACKEND_NAME)(create_backend)
+    _add_once(server_args.ATTENTION_BACKEND_CHOICES, BACKEND_NAME,
+              lambda n: server_args.add_attention_backend_choices([n]))
+    _add_once(server_args.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS, BACKEND_NAME,
+              server_args.add_chunked_prefix_cache_attention_backend)
+    _add_once(deepseek_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, BACKEND_NAME,
+              deepseek_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.append)
+    _add_once(handlers.MHA_ONE_SHOT_SUPPORTED_BACKENDS, BACKEND_NAME, handlers.MHA_ONE_SHOT_SUPPORTED_BACKENDS.append)
+    handlers.AttentionBackendRegistry.register(BACKEND_NAME, handle_attention)

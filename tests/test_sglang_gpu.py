@@ -1,0 +1,104 @@
+"""The SGLang plugin on the GPU (FA3 / FlashMLA / split-KV): SGLang's own attention kit — its MLA cases and its runner
+modes (CUDA-graph decode, target verify eager and under graphs) — on ``mla_fa3`` and on SGLang's ``fa3`` with the same
+cases at DeepSeek's latent dims; the FP8 cache read in place against an fp64 oracle over the e4m3-rounded keys; a
+real CUDA graph of the adapter's decode replayed with new lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sglang_world import D_ROPE, R, TESTCASE, case, kit, kit_fixture, needs_sglang
+from tests.test_sglang_plugin import _check, _run_split_form
+
+pytestmark = [pytest.mark.gpu, needs_sglang]
+
+BACKENDS = ["mla_fa3", "fa3"]
+KIT_NAMES = sorted(c.name for c in kit.make_mla_cases("mla_fa3")) if kit is not None else []
+
+
+def _kit_case(name, backend):
+    return {c.name: c for c in kit.make_mla_cases(backend)}[name]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", KIT_NAMES)
+def test_kit_mla_case_gpu(name, backend):
+    kit.run_mla_attention_case(TESTCASE, _kit_case(name, backend), kv_lora_rank=R, qk_rope_head_dim=D_ROPE,
+                               device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", [n for n in KIT_NAMES if "decode" in n])
+def test_kit_cuda_graph_decode_gpu(name, backend):
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
+
+    cg.run_mla_cuda_graph_decode_case(TESTCASE, _kit_case(name, backend), kv_lora_rank=R, qk_rope_head_dim=D_ROPE,
+                                      device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("graph", [False, True])
+def test_kit_target_verify_gpu(backend, graph):
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as tv
+
+    c = case("TARGET_VERIFY", prefix_lens=(14, 5), extend_lens=(3, 3), backend=backend, name=f"verify_{backend}")
+    run = tv.run_mla_eagle_verify_cuda_graph_case if graph else tv.run_mla_eagle_verify_case
+    run(TESTCASE, c, topk=1, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("kernel", ["auto", "splitkv", "flashmla"])
+def test_fp8_decode_gpu(page_size, kernel, monkeypatch):
+    """SGLang's uint8 FP8 pool read in place by FlashMLA FP8 (q rounded to e4m3: a bound from its step) or split-KV
+    (q kept in bf16: the precision-derived bound)."""
+    if kernel == "flashmla" and page_size != 64:
+        pytest.skip("FlashMLA reads pages of 64")
+    monkeypatch.setenv("MLA_FA3_DECODE_KERNEL", kernel)
+    fx = kit_fixture(case("DECODE", prefix_lens=(700, 63, 2, 1500), page_size=page_size, num_heads=16,
+                          name=f"fp8_{kernel}_{page_size}"), device="cuda", fp8=True, max_context_len=2048)
+    out, oracle, tol = _run_split_form(fx)
+    ran = fx.backend.explain().kernel
+    if ran == "flashmla":
+        torch.testing.assert_close(out, oracle, atol=0.08 * oracle.abs().max().item(), rtol=0)
+    else:
+        _check(out, oracle, 2 * tol)  # bf16 output of an fp32-accumulated kernel: twice the reference's bound
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_split_form_gpu_matches_fp64(num_heads):
+    fx = kit_fixture(case("DECODE", prefix_lens=(1000, 64, 1, 333), page_size=64, num_heads=num_heads,
+                          name=f"split_gpu_{num_heads}"), device="cuda", max_context_len=1024)
+    out, oracle, tol = _run_split_form(fx)
+    _check(out, oracle, 2 * tol)
+
+
+def test_real_cuda_graph_replay_with_new_lengths():
+    """The adapter's decode captured in a torch.cuda.graph at bs 4, replayed for 3 live requests of other lengths:
+    the eager answer of the same step, and no tensor allocated inside the replayed step."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    c = case("DECODE", prefix_lens=(100, 37, 64), page_size=64, num_heads=16, name="graph_real")
+    fx = kit_fixture(c, device="cuda", max_context_len=512, runner_batch_size=4)
+    backend, layer = fx.backend, fx.actual_module.attn_mqa
+    H = c.num_heads
+    pad = kit.make_mla_case_with_prefix_lens(c, "graph_pad", c.prefix_lens + (0,))
+    batch = kit._make_forward_batch(pad, fx.runner, max_context_len=512, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(4, H * (R + D_ROPE), device="cuda", generator=g, dtype=torch.bfloat16)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+        backend.init_forward_metadata_out_graph(batch, in_capture=True)
+        layer(q, None, None, batch, save_kv_cache=False)  # warm-up (Triton compiles, FA3 loads)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(q, None, None, batch, save_kv_cache=False)
+        for lens in [(100, 37, 64), (7, 200, 1), (300, 300, 300)]:
+            step = kit.make_mla_case_with_prefix_lens(c, "graph_step", tuple(lens) + (0,))
+            live = kit._make_forward_batch(step, fx.runner, max_context_len=512, device="cuda")
+            backend.init_forward_metadata_out_graph(live)
+            graph.replay()
+            got = out.clone()
+            backend.init_forward_metadata(live)
+            want = layer(q, None, None, live, save_kv_cache=False)
+            torch.testing.assert_close(got[:3], want[:3], atol=2e-2, rtol=2e-2)
