@@ -143,9 +143,10 @@ def _prefix_latents(fx):
     return rows
 
 
-def _run_split_form(fx, *, seed=0, scale_q=1.0):
-    """One step in the form SGLang's DeepSeek sends (q_lat and q_rope apart, the new latent stored by the backend);
-    returns (out [T, H, r], oracle [T, H, r] fp64, tolerance)."""
+def _run_split_form(fx, *, seed=0, scale_q=1.0, concat=False):
+    """One step in the form SGLang's DeepSeek sends (q_lat and q_rope apart, the new latent stored by the backend) —
+    or, ``concat``, the form of backends off the absorbed-core list (one [T, H·(r + d_rope)] query, k the whole
+    latent row); returns (out [T, H, r], oracle [T, H, r] fp64, tolerance)."""
     g = torch.Generator().manual_seed(seed)
     c, fb, layer = fx.case, fx.forward_batch, fx.actual_module.attn_mqa
     T, H, dtype = c.num_input_tokens, c.num_heads, fx.runner.dtype
@@ -155,7 +156,10 @@ def _run_split_form(fx, *, seed=0, scale_q=1.0):
     k_rope = torch.randn(T, 1, D_ROPE, generator=g).to(dtype)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
         fx.backend.init_forward_metadata(fb)
-        out = layer(q_lat.reshape(T, H * R), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
+        if concat:
+            out = layer(torch.cat([q_lat, q_rope], -1).reshape(T, -1), torch.cat([c_kv, k_rope], -1), c_kv, fb)
+        else:
+            out = layer(q_lat.reshape(T, H * R), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
     fp8 = fx.runner.kv_cache_dtype == FP8
     rounded = (lambda x: x.to(FP8).double()) if fp8 else (lambda x: x.double())
     oracle, start = [], 0
@@ -194,6 +198,13 @@ def test_split_form_matches_fp64(name, dtype):
     spec = dict(SPLIT_CASES[name])
     fx = kit_fixture(case(spec.pop("mode_name"), name=name, **spec), dtype=dtype)
     _check(*_run_split_form(fx))
+
+
+@pytest.mark.parametrize("name", ["decode_page16", "extend_prefix"])
+def test_concatenated_form_matches_fp64(name):
+    spec = dict(SPLIT_CASES[name])
+    fx = kit_fixture(case(spec.pop("mode_name"), name=f"{name}_cat", **spec))
+    _check(*_run_split_form(fx, concat=True))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -1,0 +1,120 @@
+"""SGLang's own DeepSeek model through SGLang's offline ``Engine`` on ``--attention-backend mla_fa3`` vs ``fa3`` vs
+transformers (fp32), on a tiny random DeepSeek-V3 with DeepSeek-V3's attention dims (16 heads, r 512, d_nope 128,
+d_rope 64, d_v 128; ``mla_fa3.models.tiny``'s ``v3_mla_dims``).
+
+    python benchmarks/sglang_engine_check.py --out out/engine_check.json [--quick]
+
+Per configuration (backend x page size x KV dtype; CUDA graphs on): the greedy continuation of a prompt long
+enough that its later prefill chunks run SGLang's chunked-prefix MHA path (``--chunked-prefill-size`` 256,
+``SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD`` 64), compared token by token with transformers' greedy continuation; and
+teacher-forced top-1 agreement over the prompt and that continuation (SGLang's top-1 at every input position
+against transformers' argmax). GPU only; needs SGLang 0.5.17 and sgl-kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+
+def _checkpoint(path: str, seed: int) -> str:
+    from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
+
+    model = random_hf_model("v3_mla_dims", seed=seed, max_position_embeddings=4096)
+    model.config.eos_token_id = None
+    return save_hf_checkpoint(model, path), model
+
+
+def _hf_reference(model, prompt: list[int], new: int) -> tuple[list[int], list[int]]:
+    """transformers fp32: greedy continuation, then the argmax at every position of prompt + continuation."""
+    model = model.to("cuda")
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        cont = out[0, len(prompt):].tolist()
+        logits = model(out).logits[0]
+    return cont, logits.argmax(-1).tolist()  # argmax[i]: the token after position i
+
+
+def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], teacher: list[int], new: int):
+    import sglang as sgl
+
+    kw = dict(model_path=ckpt, attention_backend=backend, page_size=page, kv_cache_dtype=kv,
+              sampling_backend="pytorch", grammar_backend="none", chunked_prefill_size=256,
+              mem_fraction_static=0.5, cuda_graph_max_bs_decode=8, disable_prefill_cuda_graph=True,
+              skip_tokenizer_init=True, log_level="error", context_length=4096, dtype="bfloat16")
+    engine = sgl.Engine(**kw)
+    try:
+        sp = dict(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+        out = engine.generate(input_ids=prompt, sampling_params=sp)
+        tokens = list(out["output_ids"])
+        tf = engine.generate(input_ids=teacher, sampling_params=dict(temperature=0.0, max_new_tokens=1),
+                             return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        top = [row[0][1] if row else None for row in tf["meta_info"]["input_top_logprobs"]]
+        t0 = time.perf_counter()
+        engine.generate(input_ids=[prompt] * 4, sampling_params=dict(temperature=0.0, max_new_tokens=64,
+                                                                        ignore_eos=True))
+        wall = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    return tokens, top, wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="page 64 only")
+    p.add_argument("--prompt-len", type=int, default=600)
+    p.add_argument("--new", type=int, default=32)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sglang_engine_check: needs a CUDA GPU with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
+        return 2
+    os.environ["SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD"] = "64"
+    from tests.sglang_cpu_shim import prepare_sglang_import
+
+    prepare_sglang_import()
+    from mla_fa3.integrations.sglang import plugin
+
+    plugin.register()
+    g = torch.Generator().manual_seed(1)
+    tmp = tempfile.mkdtemp(prefix="tiny_v3_")
+    ckpt, model = _checkpoint(tmp, seed=0)
+    prompt = torch.randint(5, 500, (args.prompt_len,), generator=g).tolist()
+    hf_cont, hf_argmax = _hf_reference(model, prompt, args.new)
+    teacher = prompt + hf_cont
+    results = []
+    pages = [64] if args.quick else [1, 64]
+    for backend in ("mla_fa3", "fa3"):
+        for page in pages:
+            for kv in ("auto", "fp8_e4m3"):
+                row = dict(backend=backend, page=page, kv=kv)
+                try:
+                    tokens, top, wall = _run_engine(ckpt, backend, page, kv, prompt, teacher, args.new)
+                    agree = sum(a == b for a, b in zip(tokens, hf_cont))
+                    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, hf_cont)) if a != b), None)
+                    pairs = [(t, h) for t, h in zip(top[1:], hf_argmax[: len(teacher) - 1]) if t is not None]
+                    tf = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+                    row.update(greedy_match=f"{agree}/{len(hf_cont)}", first_divergence=first_diff,
+                               teacher_forced_top1=round(tf, 4), positions=len(pairs), wall_4x64_s=round(wall, 3))
+                except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
+                    row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(prompt_len=len(prompt), new=args.new, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
