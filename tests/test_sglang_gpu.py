@@ -89,9 +89,11 @@ def test_real_cuda_graph_replay_with_new_lengths():
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
         backend.init_forward_metadata_out_graph(batch, in_capture=True)
+        backend.init_forward_metadata_in_graph(batch)
         layer(q, None, None, batch, save_kv_cache=False)  # warm-up (Triton compiles, FA3 loads)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            backend.init_forward_metadata_in_graph(batch)  # SGLang's runner captures it before the layers
             out = layer(q, None, None, batch, save_kv_cache=False)
         for lens in [(100, 37, 64), (7, 200, 1), (300, 300, 300)]:
             step = kit.make_mla_case_with_prefix_lens(c, "graph_step", tuple(lens) + (0,))

@@ -95,6 +95,9 @@ def test_cuda_graph_protocol_decode(name):
         batch = kit._make_forward_batch(replay, fx.runner, max_context_len=128, device="cpu")
         kit.prepare_mla_runner_inputs(fx, replay, batch, inputs, max_context_len=128)
         backend.init_forward_metadata_out_graph(batch)
+        with pytest.raises(RuntimeError, match="in_graph"):  # the device half has not run: refused, not stale
+            kit.run_mla_forward(fx, batch, inputs)
+        backend.init_forward_metadata_in_graph(batch)  # what graph.replay() re-runs
         got = kit.run_mla_forward(fx, batch, inputs)
     ref = kit.expected_mla_output_from_inputs(fx, replay, inputs, None)
     torch.testing.assert_close(got, ref, atol=kit.MLA_ATOL, rtol=kit.MLA_RTOL)
@@ -149,11 +152,11 @@ def _run_split_form(fx, *, seed=0, scale_q=1.0, concat=False):
     latent row); returns (out [T, H, r], oracle [T, H, r] fp64, tolerance)."""
     g = torch.Generator().manual_seed(seed)
     c, fb, layer = fx.case, fx.forward_batch, fx.actual_module.attn_mqa
-    T, H, dtype = c.num_input_tokens, c.num_heads, fx.runner.dtype
-    q_lat = (torch.randn(T, H, R, generator=g) * scale_q).to(dtype)
-    q_rope = (torch.randn(T, H, D_ROPE, generator=g) * scale_q).to(dtype)
-    c_kv = torch.randn(T, 1, R, generator=g).to(dtype)
-    k_rope = torch.randn(T, 1, D_ROPE, generator=g).to(dtype)
+    T, H, dtype, dev = c.num_input_tokens, c.num_heads, fx.runner.dtype, fx.runner.device
+    q_lat = (torch.randn(T, H, R, generator=g) * scale_q).to(dev, dtype)
+    q_rope = (torch.randn(T, H, D_ROPE, generator=g) * scale_q).to(dev, dtype)
+    c_kv = torch.randn(T, 1, R, generator=g).to(dev, dtype)
+    k_rope = torch.randn(T, 1, D_ROPE, generator=g).to(dev, dtype)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
         fx.backend.init_forward_metadata(fb)
         if concat:
@@ -161,7 +164,7 @@ def _run_split_form(fx, *, seed=0, scale_q=1.0, concat=False):
         else:
             out = layer(q_lat.reshape(T, H * R), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
     fp8 = fx.runner.kv_cache_dtype == FP8
-    rounded = (lambda x: x.to(FP8).double()) if fp8 else (lambda x: x.double())
+    rounded = (lambda x: x.cpu().to(FP8).double()) if fp8 else (lambda x: x.cpu().double())
     oracle, start = [], 0
     for b, (pc, pr) in enumerate(_prefix_latents(fx)):
         n = c.input_lens[b]
@@ -173,7 +176,7 @@ def _run_split_form(fx, *, seed=0, scale_q=1.0, concat=False):
         start += n
     oracle = torch.cat(oracle)
     rounding = (oracle.to(dtype).double() - oracle).abs().max().item()
-    return out.reshape(T, H, R).double(), oracle, 2 * rounding + 1e-5
+    return out.reshape(T, H, R).cpu().double(), oracle, 2 * rounding + 1e-5
 
 
 def _check(out, oracle, tol):

@@ -12,7 +12,9 @@ mkdir -p /tmp/site/mla_fa3_plugin-0.dist-info
 printf 'Metadata-Version: 2.1\nName: mla-fa3-plugin\nVersion: 0\n' > /tmp/site/mla_fa3_plugin-0.dist-info/METADATA
 printf '[sglang.srt.plugins]\nmla_fa3 = mla_fa3.integrations.sglang.plugin:register\n' > /tmp/site/mla_fa3_plugin-0.dist-info/entry_points.txt
 # this image's transformers is newer than SGLang's pin: the shim (tests/sglang_cpu_shim.py) in every process
-printf 'try:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
+# and flashinfer, not carried (its closure is GBs), answered by a placeholder whose functions raise if called
+rm -rf /tmp/site/flashinfer
+printf 'try:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    from tools.flashinfer_placeholder import install\n    install()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then

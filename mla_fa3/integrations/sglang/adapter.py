@@ -96,9 +96,19 @@ class SGLangMLABackend(AttentionBackend):
         self._step = (forward_batch, batch, md)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Our capture buffers, once, for up to ``max_bs`` requests at the pool's whole context."""
+        """Our capture buffers, once, for up to ``max_bs`` requests at the pool's whole context. With device
+        metadata: the page table and the kernel's schedule are derived inside the graph
+        (:meth:`init_forward_metadata_in_graph`), so a replay's host update is one host->device copy and checks."""
         self.backend.init_cuda_graph_state(max_bs, self.max_context,
-                                           max_num_draft_tokens=max(self.num_draft_tokens, 1))
+                                           max_num_draft_tokens=max(self.num_draft_tokens, 1), device_metadata=True)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """The graph-recordable half of a captured step (SGLang runs it inside ``graph.capture()``; each replay
+        re-runs it): the page table from ``req_to_token`` and the FlashMLA / split-KV / FA3 schedule from the live
+        lengths, fixed shapes, no host value read (``MLABackend.graph_prologue``). A no-op for eager steps."""
+        plan = self.backend.step_plan
+        if plan is not None and plan.graph_bs is not None and self.backend.device_metadata:
+            self.backend.graph_prologue()  # every call: inside a capture it must be recorded, even after a warm-up
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """Capture: plan the graph of ``forward_batch.batch_size`` requests over the capture buffers. Replay (and
@@ -176,6 +186,10 @@ class SGLangMLABackend(AttentionBackend):
         if plan is None:  # an FP8 extend step: no absorbed kernel reads e4m3 with unequal query lengths
             raise UnsupportedStepError("an absorbed extend over the FP8 latent cache: mla_fa3 routes FP8 prefill to "
                                        "the MHA path (plugin.handle_attention); this call bypassed it")
+        if plan.prologue_pending:  # its page table / schedule would be stale: refuse, loudly
+            raise RuntimeError("a CUDA-graph step's page table and schedule are derived in "
+                               "init_forward_metadata_in_graph: run it (inside the graph, or after a replay update "
+                               "when running the layers eagerly) before the layers")
         ours = self._layer(layer, lid)
         path, kernel = plan.route(ours)
         if path is not AttentionPath.ABSORBED:
