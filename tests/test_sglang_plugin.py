@@ -242,11 +242,14 @@ def test_idle_batch_returns_an_empty_output():
     fb = fx.forward_batch
     fb.forward_mode, fb.batch_size = SGLangMode.IDLE, 0
     H = fx.case.num_heads
+    q = torch.empty(0, H * (R + D_ROPE), dtype=torch.bfloat16)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
         fx.backend.init_forward_metadata(fb)
-        out = fx.backend.forward(torch.empty(0, H * (R + D_ROPE), dtype=torch.bfloat16), None, None,
-                                 fx.actual_module.attn_mqa, fb)
-    assert tuple(out.shape) == (0, H * R)
+        out = fx.backend.forward(q, None, None, fx.actual_module.attn_mqa, fb)
+        assert tuple(out.shape) == (0, H * R)
+        fx.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)  # an IDLE rank's graph-runner update
+        fx.backend.init_forward_metadata_out_graph(fb)
+        assert tuple(fx.backend.forward(q, None, None, fx.actual_module.attn_mqa, fb).shape) == (0, H * R)
 
 
 # ------------------------------------------------------------------------------------------------- MHA calls

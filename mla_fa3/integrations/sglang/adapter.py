@@ -117,6 +117,10 @@ class SGLangMLABackend(AttentionBackend):
         self._step = None
         batch = to_mla_batch(forward_batch, device=self.device, num_draft_tokens=self.num_draft_tokens)
         mode = batch.forward_mode
+        if mode.is_idle():  # a data-parallel rank with nothing this step: no kernel reads the metadata
+            self.backend.init_forward_metadata(batch)
+            self._step = (forward_batch, batch, None)
+            return
         if not mode.is_graph_capturable():
             raise UnsupportedStepError(f"CUDA graphs of {mode.name} steps are not served by mla_fa3 (DECODE and "
                                        "TARGET_VERIFY are); disable prefill CUDA graphs")
@@ -161,9 +165,9 @@ class SGLangMLABackend(AttentionBackend):
             return q.new_empty(0, H * int(layer.v_head_dim))
         if _is_mha_call(fb):
             return self._forward_mha(q, k, v, layer, fb, md, save_kv_cache)
-        return self._forward_absorbed(q, k, layer, batch, save_kv_cache, q_rope, k_rope)
+        return self._forward_absorbed(q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
 
-    def _forward_absorbed(self, q, k, layer, batch: ForwardBatch, save_kv_cache, q_rope, k_rope):
+    def _forward_absorbed(self, q, k, layer, fb, batch: ForwardBatch, save_kv_cache, q_rope, k_rope):
         """The absorbed core: store the new latent rows, then o_lat = softmax(q_lat·c_kv + q_rope·k_rope) · c_kv."""
         r, dr, H = self.kv_lora_rank, self.qk_rope_head_dim, int(layer.tp_q_head_num)
         T = batch.num_tokens
@@ -177,7 +181,7 @@ class SGLangMLABackend(AttentionBackend):
             q_lat, q_rope = q.reshape(T, H, r), q_rope.reshape(T, H, dr)
         lid = self._pool_layer(layer)
         if save_kv_cache and k is not None:
-            loc = batch.out_cache_loc
+            loc = fb.out_cache_loc  # SGLang's own tensor: under CUDA graphs, the static buffer each replay rewrites
             if k_rope is None:
                 self.mla_pool.set_latent(lid, loc, k.reshape(T, r + dr))
             else:
