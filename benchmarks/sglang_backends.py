@@ -91,7 +91,8 @@ def _time_backend(name, fx, registry, iters):
         step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph):  # as SGLang's runner captures: the backend's in-graph half, then the layer
+            backend.init_forward_metadata_in_graph(fb)
             step()
         host = []
         for _ in range(5):
