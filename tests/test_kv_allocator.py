@@ -1,9 +1,10 @@
 """PagedAllocator (and the encoder region of a request row) against a plain-Python model of it.
 
-The allocator fuzz keeps its own model (per request a Python list of the slots handed out) and
-checks after every operation: no slot owned twice, page 0 never handed out, token j of a request at
-offset j % p of the request's (j // p)-th page, req_to_token equal to the model, free + owned pages
-partitioning 1 .. P-1, and an exhausted allocation changing nothing.
+The allocator fuzz keeps its own model (per request a Python list of the slots handed out, and the rows
+freed with no allocation since) and checks after every operation: no slot owned twice, page 0 never handed
+out, token j of a request at offset j % p of the request's (j // p)-th page, req_to_token equal to the
+model, free + owned pages partitioning 1 .. P-1, and an exhausted allocation or a double free changing
+nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from mla_fa3.kv.allocator import PagedAllocator
 from mla_fa3.kv.pools import MLATokenPool
-from mla_fa3.kv.req_to_token import OutOfSlotsError, ReqToTokenPool, encoder_region_columns
+from mla_fa3.kv.req_to_token import OutOfSlotsError, OwnershipError, ReqToTokenPool, encoder_region_columns
 
 def _check_invariants(alloc: PagedAllocator, pool: ReqToTokenPool, model: dict[int, list[int]]) -> None:
     p = alloc.page_size
@@ -46,7 +47,8 @@ def test_allocator_fuzz(page_size: int, seed: int) -> None:
     alloc = PagedAllocator(1 + 40 // page_size + 3, page_size, "cpu")
     rows = pool.alloc(6)
     model: dict[int, list[int]] = {r: [] for r in rows}
-    exhausted = 0
+    released: set[int] = set()  # rows freed by free_request and not allocated since
+    exhausted = double_frees = 0
     for _ in range(300):
         req = rng.choice(rows)
         op = rng.random()
@@ -69,15 +71,25 @@ def test_allocator_fuzz(page_size: int, seed: int) -> None:
                 if start < cur:  # rewound: the old slots are reused, in place
                     assert slots[: cur - start].tolist() == model[req][start:cur][: n]
                 model[req] = model[req][:start] + slots.tolist() + model[req][start + n:]
+                released.discard(req)
         elif op < 0.8:
             keep = rng.randint(0, len(model[req]))
             alloc.truncate_request(pool, req, keep)
             model[req] = model[req][:keep]
+        elif req in released:
+            before = (pool.req_to_token.clone(), alloc.num_free_pages(), alloc.request_pages(req))
+            with pytest.raises(OwnershipError, match="double free"):
+                alloc.free_request(pool, req)
+            assert torch.equal(pool.req_to_token, before[0])
+            assert (alloc.num_free_pages(), alloc.request_pages(req)) == before[1:]
+            double_frees += 1
         else:
             alloc.free_request(pool, req)
             model[req] = []
+            released.add(req)
         _check_invariants(alloc, pool, model)
     assert exhausted > 0, "the fuzz never reached exhaustion: shrink the pool"
+    assert double_frees > 0, "the fuzz never freed a request twice"
 
 
 def test_alloc_continues_the_last_partial_page() -> None:

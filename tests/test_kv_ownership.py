@@ -23,7 +23,8 @@ def world(rows: int = 4, pages: int = 9, page_size: int = 4, ctx: int = 32):
 
 def snapshot(pool: ReqToTokenPool, alloc: PagedAllocator):
     return (pool.req_to_token.clone(), list(pool._free), list(pool._held), list(pool.allocated_len),
-            list(alloc._free), list(alloc._owner), {k: list(v) for k, v in alloc._req_pages.items()})
+            list(pool.released), list(alloc._free), list(alloc._owner),
+            {k: list(v) for k, v in alloc._req_pages.items()})
 
 
 def same(a, b) -> bool:
@@ -141,6 +142,30 @@ def test_request_calls_on_a_row_never_allocated_or_freed(call):
     unchanged(pool, alloc, lambda: fn(9), ValueError, r"req_idx holds 9, outside \[0, 4\)")  # no IndexError
     unchanged(pool, alloc, lambda: fn(True), TypeError, "req_idx")
     unchanged(pool, alloc, lambda: fn([rows[0]]), TypeError, "req_idx")
+
+
+def test_free_request_twice_is_a_double_free():
+    """One contract with ReqToTokenPool.free: the second free_request of a row raises OwnershipError and changes
+    nothing; a row that took tokens since (either allocation call), or was handed out anew, frees again."""
+    pool, alloc = world(rows=2)
+    row, other = pool.alloc(2)
+    alloc.alloc_for_request(pool, row, 0, 6)
+    alloc.alloc_for_request(pool, other, 0, 3)
+    pages = alloc.request_pages(row)
+    assert alloc.free_request(pool, row) == pages and all(alloc.page_owner(p) == FREE for p in pages)
+    unchanged(pool, alloc, lambda: alloc.free_request(pool, row), OwnershipError, f"req_idx {row}.*double free")
+    unchanged(pool, alloc, lambda: alloc.free_request(pool, torch.tensor(row)), OwnershipError, "double free")
+    alloc.alloc_for_request(pool, row, 0, 1)
+    again = alloc.request_pages(row)
+    assert len(again) == 1 and alloc.free_request(pool, row) == again
+    alloc.alloc_for_requests(pool, [row], [0], [2])
+    alloc.free_request(pool, row)
+    unchanged(pool, alloc, lambda: alloc.free_request(pool, row), OwnershipError, "double free")
+    assert alloc.request_pages(other) and pool.allocated_len[other] == 3  # the other request kept its pages
+    pool.free(row)
+    assert pool.alloc(1) == [row]
+    assert alloc.free_request(pool, row) == []  # a row handed out anew holds nothing: not a double free
+    unchanged(pool, alloc, lambda: alloc.free_request(pool, row), OwnershipError, "double free")
 
 
 def test_request_calls_accept_numpy_and_0d_tensor_rows():

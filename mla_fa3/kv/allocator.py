@@ -11,7 +11,8 @@ request lives on the request's page ``j // p`` at offset ``j % p``: a request's 
 Ownership: every page is free, owned by one request row (``alloc_for_request``), or held raw by the
 caller (``alloc_pages``). The owner-aware API is per request: ``alloc_for_request`` /
 ``truncate_request`` / ``free_request`` act only on a row the :class:`ReqToTokenPool` holds, and only on
-that row's pages; ``free_pages`` returns raw pages only and refuses a page a request owns. Each call
+that row's pages; ``free_request`` twice on a row with no tokens taken in between is a double free;
+``free_pages`` returns raw pages only and refuses a page a request owns. Each call
 validates everything first and raises a named error (``OwnershipError``, ``OutOfSlotsError``,
 ``ValueError``, ``TypeError``) with nothing changed. Invariant, per held row:
 ``len(request_pages(row)) == ceil(allocated_len[row] / p)`` (``allocated_len`` lives in the pool,
@@ -152,6 +153,7 @@ class PagedAllocator:
         pages = owned + new
         self._req_pages[row] = pages
         pool.allocated_len[row] = max(pool.allocated_len[row], end)
+        pool.released[row] = False
         tok = torch.arange(start, end, dtype=torch.int64)
         page_of_tok = torch.tensor(pages, dtype=torch.int64)[tok // p] if num_tokens else tok
         slots = to_device(page_of_tok * p + tok % p, self.device)
@@ -177,11 +179,18 @@ class PagedAllocator:
 
     def free_request(self, req_to_token_pool: ReqToTokenPool, req_idx: int) -> list[int]:
         """Free every page of request row ``req_idx`` and zero its row (the row itself stays held: return
-        it with ``ReqToTokenPool.free``). Raises OwnershipError for a row the pool does not hold.
+        it with ``ReqToTokenPool.free``). Raises OwnershipError, changing nothing, for a row the pool does
+        not hold and for a double free (the row's pages already freed here, no tokens taken since).
 
         Returns the freed page ids, for the pools' :meth:`kv.pools._TokenPoolBase.clear_pages`.
         """
-        return self.truncate_request(req_to_token_pool, req_idx, 0)
+        row, _ = self._held_row(req_to_token_pool, req_idx)
+        if req_to_token_pool.released[row]:
+            raise OwnershipError(f"req_idx {row}: its pages were already freed by free_request (a double free); "
+                                 "return the row with ReqToTokenPool.free")
+        freed = self.truncate_request(req_to_token_pool, row, 0)
+        req_to_token_pool.released[row] = True
+        return freed
 
     def alloc_for_requests(self, req_to_token_pool: ReqToTokenPool, req_idx: Sequence[int],
                            starts: Sequence[int], num_tokens: Sequence[int]) -> Tensor:
@@ -219,6 +228,7 @@ class PagedAllocator:
                 self._owner[page] = row
             self._req_pages.setdefault(row, []).extend(fresh[k:k + need])
             pool.allocated_len[row] = max(pool.allocated_len[row], end)
+            pool.released[row] = False
             k += need
         if all(n == 1 for n in num_tokens):  # a decode step: plain ints
             slots = [self._req_pages[row][j // p] * p + j % p for row, j in zip(rows, starts)]

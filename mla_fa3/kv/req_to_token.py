@@ -7,12 +7,14 @@ returned by :meth:`ReqToTokenPool.free`; the slots are written by the allocator
 
 Ownership (host-side, never a device read): every row is either free or held. A held row knows
 ``allocated_len[row]``: its tokens ``0 .. allocated_len-1`` have slots in ``req_to_token`` (the
-allocator sets it; the metadata builder refuses a batch whose ``seq_lens`` exceed it). A row is
-returned with :meth:`free` only once its tokens are released (``allocated_len`` 0, i.e. after the
-allocator's ``free_request``). Every misuse — a double free (also ``free([r, r])``), a row out of
-range, a bool / float / device tensor as an id — raises a named ``ValueError``/``TypeError`` before
-anything changes. Code that writes ``req_to_token`` itself (a benchmark or a test fixture owning its
-layout) takes its rows with :meth:`claim` and says how many tokens each holds.
+allocator sets it; the metadata builder refuses a batch whose ``seq_lens`` exceed it), and
+``released[row]``: its pages were freed by the allocator's ``free_request`` and it took no tokens since
+(a second ``free_request`` is a double free). A row is returned with :meth:`free` only once its tokens
+are released (``allocated_len`` 0, i.e. after the allocator's ``free_request``). Every misuse — a
+double free (also ``free([r, r])``), a row out of range, a bool / float / device tensor as an id —
+raises a named ``ValueError``/``TypeError`` before anything changes. Code that writes ``req_to_token``
+itself (a benchmark or a test fixture owning its layout) takes its rows with :meth:`claim` and says how
+many tokens each holds.
 
 Cross-attention layout: a request's encoder tokens occupy the first
 ``encoder_region_columns(encoder_len, p) = ceil(encoder_len / p) * p`` columns of its
@@ -60,6 +62,7 @@ class ReqToTokenPool:
         # host arrays (NumPy, so that a batch's rows are checked in one vectorized read):
         self._held = np.zeros(size, dtype=bool)  # row handed out (alloc / claim) and not freed
         self.allocated_len = np.zeros(size, dtype=np.int64)  # tokens of the row with a slot in req_to_token
+        self.released = np.zeros(size, dtype=bool)  # pages freed by free_request, no tokens taken since
 
     def available_size(self) -> int:
         return len(self._free)
@@ -93,6 +96,7 @@ class ReqToTokenPool:
         for row in rows:
             self._held[row] = True
             self.allocated_len[row] = 0
+            self.released[row] = False
         return rows
 
     def claim(self, rows: object, num_tokens: object) -> None:
@@ -114,6 +118,7 @@ class ReqToTokenPool:
             self._free.remove(row)
             self._held[row] = True
             self.allocated_len[row] = n
+            self.released[row] = False
 
     def set_allocated_len(self, row: int, num_tokens: int) -> None:
         """Record that tokens ``0 .. num_tokens-1`` of held row ``row`` have slots (the allocator calls it)."""
