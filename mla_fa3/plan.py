@@ -64,7 +64,7 @@ class PathRecord:
 
     mode: str  # ForwardMode name of the step ("DECODE", "EXTEND", ...)
     path: AttentionPath  # path of the step's plain MLA layers
-    kernel: str | None  # "fa3" / "flashmla" for the absorbed path; None when the MLA layers run MHA
+    kernel: str | None  # "fa3" / "flashmla" / "splitkv" chosen for the absorbed path; None when it runs MHA
     reason: str  # why this path / kernel (policy reasons, overrides, constraints, per-layer rules)
     graph: bool = False  # the metadata views CUDA-graph capture buffers (capture or replay)
     impl: str | None = None  # "fa3" / "reference": the ops implementation the step's kernels run
@@ -74,6 +74,14 @@ class PathRecord:
     kv_bytes: int | None = None  # latent-cache bytes one MLA layer reads this step (None: unknown, graphs)
     weight_bytes: int | None = None  # W_UK + W_UV bytes one MLA layer reads (None: heads / dims not given)
     num_splits: int | None = None  # split-KV work items (splits) per head tile, when the kernel is splitkv
+
+    @property
+    def ran(self) -> str | None:
+        """What computed the absorbed path: the chosen kernel ("fa3", "flashmla", "splitkv"), or "reference" where
+        the ops' torch reference ran in its place (impl "reference": on a CPU, or asked for); None for MHA."""
+        if self.kernel is None:
+            return None
+        return "reference" if self.impl == "reference" else self.kernel
 
     def summary(self) -> str:
         """One line for logs: ``DECODE: absorbed/fa3 (reference) — reason``."""

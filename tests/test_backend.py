@@ -246,6 +246,17 @@ def test_flashmla_decode_kernel_matches_oracle(spec_name):
     assert rel_err(out, mla_oracle(case)) <= TOL
 
 
+@pytest.mark.parametrize("kernel", ["fa3", "flashmla"])
+def test_explain_names_what_ran(kernel):
+    """explain().kernel is the kernel chosen; explain().ran what computed it: on a CPU the ops' torch reference
+    (what the ops record as run), on the kernels' implementation the kernel itself."""
+    case = make_mla_case(BatchSpec(DEC, (10, 70), (1, 1), page_size=64), "tiny", seed=4)
+    _, backend = run_step(case, decode_kernel=kernel, impl=None)  # the global setting: auto, the reference here
+    record = backend.explain()
+    assert record.kernel == kernel and record.ran == ops.last_impl().value == "reference"
+    assert replace(record, impl="fa3").ran == kernel and replace(record, kernel=None).ran is None
+
+
 def test_flashmla_step_falls_back_to_fa3_for_a_softcapped_layer():
     spec = BatchSpec(DEC, (10, 70), (1, 1), page_size=64)
     case = make_mla_case(spec, "tiny", seed=4, logit_cap=4.0)

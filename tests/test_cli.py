@@ -5,6 +5,7 @@ generation_config.json, --help / --version, bench dispatch. Error cases: tests/t
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -212,3 +213,77 @@ def test_progress_bars_only_on_a_terminal(tiny_checkpoint, monkeypatch, capsys):
     assert "load:" in err and "decode:" in err and re.search(r"/\d+ \[", err)  # bars with their step totals
     assert cli.main(argv + ["--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("config", ["tiny_v3", "tiny_v2"])
+def test_checkpoint_command_writes_what_generate_and_transformers_load(config, tmp_path, capsys):
+    """``mla-fa3 checkpoint``: the embedded config's random model of --seed, with its tokenizer and
+    generation_config; generate on it gives transformers' greedy tokens on the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    d = str(tmp_path / "tiny")
+    assert cli.main(["checkpoint", "--out", d, "--config", config, "--seed", "7"]) == 0
+    assert d in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(os.listdir(d))
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert type(hf).__name__ == ("DeepseekV3ForCausalLM" if config == "tiny_v3" else "DeepseekV2ForCausalLM")
+    want = dict(random_hf_model(config, seed=7).named_parameters())
+    got = dict(hf.named_parameters())
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert cli.main(["generate", "--quiet", "--checkpoint", d, "--prompt-ids", "1", "2", "3", "--max-new-tokens",
+                     "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == _hf_greedy(hf, [1, 2, 3], 4)
+    text = "tell me about the latent cache"
+    assert cli.main(["generate", "--quiet", "--checkpoint", d, "--prompt", text, "--max-new-tokens", "4",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == _hf_tokenizer(d)(text)["input_ids"]
+
+
+def test_checkpoint_command_refuses_a_directory_in_use(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert cli.main(["checkpoint", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--out" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """Option -> its help text, from the "options:" section of argparse's --help."""
+    out: dict[str, str] = {}
+    current = None
+    for line in help_text.split("\noptions:\n", 1)[1].splitlines():
+        head = re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if head:
+            current = head.group(1).split()[0].rstrip(",")
+            out[current] = head.group(2) or ""
+        elif current and line.strip():
+            out[current] = (out[current] + " " + line.strip()).strip()
+    return out
+
+
+@pytest.mark.parametrize("command", ["checkpoint", "validate", "generate", "plan"])
+def test_help_states_each_default_once_and_every_flag_has_help(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    options = _options(capsys.readouterr().out)
+    assert len(options) > 2
+    for flag, text in options.items():
+        assert text, f"{flag} has no help"
+        assert "(default: None)" not in text and "(default: False)" not in text, (flag, text)
+        assert text.count("default") <= 1, (flag, text)
+    if command == "generate":
+        assert "default" not in options["--checkpoint"]  # required
+        assert all(key in options["--json"] for key in ('"token_ids"', '"text"', '"prompt_ids"'))
+
+
+def test_validate_shows_no_transformers_bars_off_a_terminal(tiny_checkpoint, capsys):
+    """transformers' own "Loading weights" bar follows ours: none with --quiet, none when stderr is not a TTY."""
+    from transformers.utils import logging as hf_logging
+
+    _, path = tiny_checkpoint
+    before = hf_logging.is_progress_bar_enabled()
+    assert cli.main(["validate", "--quiet", "--checkpoint", path, "--steps", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["validate", "--checkpoint", path, "--steps", "1"]) == 0  # capsys: not a terminal
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err and "loading" in err  # the log lines stay
+    assert hf_logging.is_progress_bar_enabled() == before

@@ -104,6 +104,16 @@ CASES = {
     "chat_without_prompt": (None, GEN + ["--chat"], ["--chat needs --prompt"], False),
     "no_tokenizer": (_no_tokenizer, TEXT, ["tokenizer", "--prompt-ids"], False),
     "no_chat_template": (_no_chat_template, TEXT + ["--chat"], ["no chat template"], False),
+    "page_size_not_a_power_of_2": (None, GEN + ["--page-size", "3"], ["--page-size", "power of 2", "3"], False),
+    "page_size_not_a_power_of_2_validate": (None, VAL + ["--page-size", "12"], ["--page-size", "12"], False),
+    "kv_scale_negative": (None, GEN + ["--kv-dtype", "fp8", "--kv-scale", "-1"], ["--kv-scale", "> 0"], False),
+    "kv_scale_nan_validate": (None, VAL + ["--kv-dtype", "fp8", "--kv-scale", "nan"], ["--kv-scale", "nan"], False),
+    "kv_scale_without_fp8": (None, GEN + ["--kv-scale", "0.5"], ["--kv-scale", "--kv-dtype fp8"], False),
+    "flashmla_page_16": (None, GEN + ["--decode-kernel", "flashmla", "--page-size", "16"],
+                         ["--decode-kernel flashmla", "--page-size 64"], False),
+    "fa3_on_fp8": (None, GEN + ["--decode-kernel", "fa3", "--kv-dtype", "fp8"], ["--decode-kernel fa3", "fp8"],
+                   False),
+    "unknown_flag": (None, GEN + ["--no-such-flag"], ["--no-such-flag", "mla-fa3 generate --help"], False),
 }
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 import pytest
 import torch
 
 from mla_fa3 import cli
+from mla_fa3.bench import serve as bench_serve
+from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +34,65 @@ def test_plan_table_and_json(capsys):
 def test_plan_refuses_with_exit_status_2(capsys):
     assert cli.main(["plan", "--weight-dtype", "bf16"]) == 2
     assert "weights" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, *words) -> None:
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert "error:" in lines[-1] and all(w in lines[-1] for w in words), (words, captured.err)
+
+
+def test_plan_refuses_a_page_size_not_a_power_of_2(capsys):
+    assert cli.main(["plan", "--page-size", "3"]) == 2
+    _one_line_error(capsys, "--page-size", "3")
+    assert cli.main(["plan", "--no-such-flag"]) == 2
+    _one_line_error(capsys, "--no-such-flag", "mla-fa3 plan --help")
+
+
+def test_plan_of_a_checkpoint_takes_its_weight_dtype_and_context(tmp_path, capsys):
+    """A float32 checkpoint of max_position_embeddings 256 is planned as float32 weights and 256-token requests,
+    unless the flags say otherwise."""
+    path = save_hf_checkpoint(random_hf_model("tiny_v3", seed=1), str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert cli.main(["plan", "--checkpoint", path, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weight_dtype"] == "fp32" and plan["max_context"] == config["max_position_embeddings"]
+    assert cli.main(["plan", "--checkpoint", path, "--json", "--weight-dtype", "fp8", "--max-context", "128"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weight_dtype"] == "fp8" and plan["max_context"] == 128
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("bench", ["serve", "prefill"])
+def test_bench_on_cuda_without_cuda_is_one_line(bench, capsys):
+    assert cli.main(["bench", bench, "--device", "cuda"]) == 2
+    _one_line_error(capsys, "--device cuda", "CUDA is not available")
+
+
+def test_bench_serve_refuses_a_bad_page_size_before_building_anything(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the error")
+    monkeypatch.setattr(bench_serve, "random_model", refuse)
+    for argv in (["--page-size", "3"], ["--compare", "page_size=16,3"]):
+        assert cli.main(["bench", "serve", "--device", "cpu", *argv]) == 2
+        _one_line_error(capsys, "--page-size" if argv[0] == "--page-size" else "--compare", "3")
+
+
+SMALL_SERVE = ["bench", "serve", "--device", "cpu", "--num-requests", "2", "--prompt-len", "8", "--output-len", "3"]
+
+
+def test_bench_serve_bar_on_a_terminal_only_and_it_names_the_reference(monkeypatch, capsys):
+    """No progress bar when stderr is not a terminal (a bar on one); on a CPU the kernels row names the torch
+    reference that ran, not the kernel it stands in for."""
+    assert cli.main(SMALL_SERVE) == 0  # capsys: not a terminal
+    captured = capsys.readouterr()
+    assert "req" not in captured.err and "%|" not in captured.err
+    kernels = next(line for line in captured.out.splitlines() if line.startswith("kernels/paths"))
+    assert "/reference:" in kernels and "/fa3" not in kernels and "/flashmla" not in kernels
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.main(SMALL_SERVE) == 0
+    assert "2/2" in capsys.readouterr().err
 
 
 def test_bench_serve_cpu_smoke_end_to_end(tmp_path, capsys):

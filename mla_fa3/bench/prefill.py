@@ -269,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--new, --heads and --repeat must be >= 1")
     base = args.out[:-4] if args.out.endswith(".csv") else os.path.join(args.out, "prefill")
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"mla-fa3 bench prefill: error: --device {args.device}: CUDA is not available (torch "
+              f"{torch.__version__}); pass --device cpu for a smoke run on the reference kernels", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)

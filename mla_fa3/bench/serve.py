@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from mla_fa3 import ops
+from mla_fa3.kv.pools import check_page_size
 from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from mla_fa3.models.loader import load_model
 from mla_fa3.policy.decode_kernel import splitkv_possible
@@ -107,10 +108,20 @@ def _span(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _page_size(text: str) -> int:
+    try:
+        return check_page_size(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 1 or a power of 2, got {text!r}") from None
+
+
 def _compare(text: str) -> tuple[str, list[str]]:
     key, _, values = text.partition("=")
     if key not in _COMPARE_KEYS or not values:
         raise argparse.ArgumentTypeError(f"expected KEY=V1,V2 with KEY one of {_COMPARE_KEYS}, got {text!r}")
+    if key == "page_size":
+        for v in values.split(","):
+            _page_size(v)
     return key, values.split(",")
 
 
@@ -127,7 +138,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=_span, default=None, help="A-B or N (default 256)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=None, help="default 64 on cuda, 16 on cpu")
+    p.add_argument("--page-size", type=_page_size, default=None,
+                   help="1 or a power of 2 (default 64 on cuda, 16 on cpu)")
     p.add_argument("--max-running", type=int, default=None, help="default: the number of requests (<= 128)")
     p.add_argument("--token-budget", type=int, default=None, help="new tokens per step (default 8192; 64 on cpu)")
     p.add_argument("--decode-kernel", default="auto", choices=("auto", "fa3", "flashmla"))
@@ -138,7 +150,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"run the workload once per value; KEY in {_COMPARE_KEYS}")
     p.add_argument("--quick", action="store_true", help="8 requests, 8k-32k prompts, 64 new tokens")
     p.add_argument("--out", help="directory for serve.json, CSVs and PNGs")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
     a.config = a.config or ("tiny" if cpu and not a.checkpoint else "v3")
@@ -330,6 +342,10 @@ def write_outputs(report: dict, out_dir: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"mla-fa3 bench serve: error: --device {args.device}: CUDA is not available (torch "
+              f"{torch.__version__}); pass --device cpu for a smoke run on the reference kernels", file=sys.stderr)
+        return 2
     dtype = _DTYPES[args.dtype]
     if args.checkpoint:
         model = load_model(args.checkpoint, dtype=dtype, device=device)
@@ -348,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for setting in _settings(args):
         bar = None
-        if not args.quiet:
+        if not args.quiet and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 

@@ -21,13 +21,14 @@ the vocabulary size, with a chat template) so that text prompts work — all bui
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
 import torch
 
 __all__ = ["TINY_CONFIGS", "TOKENIZER_WORDS", "hf_config", "random_hf_model", "randomize_", "save_hf_checkpoint",
-           "tiny_tokenizer"]
+           "tiny_tokenizer", "transformers_bars_off"]
 
 TOKENIZER_SPECIALS = ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>")  # ids 0 .. 4
 TOKENIZER_WORDS = ("the", "a", "of", "and", "to", "is", "in", "it", "that", "hello", "world", "attention",
@@ -142,18 +143,26 @@ def tiny_tokenizer(vocab_size: int):
                                    chat_template=CHAT_TEMPLATE)
 
 
-def save_hf_checkpoint(model, path: str, *, tokenizer: bool = True) -> str:
-    """``save_pretrained`` as safetensors (config.json + model.safetensors), plus the tiny tokenizer
-    of the model's vocabulary size unless ``tokenizer=False``; returns ``path``."""
+@contextlib.contextmanager
+def transformers_bars_off():
+    """transformers' progress bars ("Loading weights", "Writing model shards") off inside the block; its
+    setting before the block is restored after it."""
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in CLI output
+    hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(path)
+        yield
     finally:
         if bar:
             hf_logging.enable_progress_bar()
+
+
+def save_hf_checkpoint(model, path: str, *, tokenizer: bool = True) -> str:
+    """``save_pretrained`` as safetensors (config.json + model.safetensors), plus the tiny tokenizer
+    of the model's vocabulary size unless ``tokenizer=False``; returns ``path``."""
+    with transformers_bars_off():  # no "Writing model shards" bar in CLI output
+        model.save_pretrained(path)
     if tokenizer:
         tiny_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path

@@ -66,7 +66,7 @@ class StepRecord:
     context_tokens: int  # Σ seq_len over the rows: KV tokens each layer's attention reads
     graph: bool  # replayed a captured CUDA graph
     path: str | None  # backend.explain(): attention path and kernel of the step's MLA layers
-    kernel: str | None
+    kernel: str | None  # what ran for the absorbed path (explain().ran): the kernel, or "reference"
     start_s: float  # serving clock at the step's schedule
     host_ms: float  # schedule + batch + metadata / replay update + launches (host perf_counter)
     prepare_ms: float  # the metadata work alone: GraphRunner.prepare or init_forward_metadata
@@ -334,7 +334,7 @@ class ServingLoop:
         rec = StepRecord(index=len(self.steps), mode=sched.mode.name, batch_size=n, decode_rows=sched.num_decode_rows,
                          prefill_tokens=sched.num_prefill_tokens, num_tokens=sched.num_tokens, context_tokens=sum(seq),
                          graph=graph, path=None if record is None else record.path.name,
-                         kernel=None if record is None else record.kernel, start_s=t0 - self._clock0,
+                         kernel=None if record is None else record.ran, start_s=t0 - self._clock0,
                          host_ms=(time.perf_counter() - t0) * 1e3, prepare_ms=prepare_ms,
                          preempted=len(sched.preempted))
         self.steps.append(rec)
