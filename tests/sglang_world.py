@@ -13,8 +13,16 @@ import unittest
 import pytest
 import torch
 
+import sys
+from pathlib import Path
+
 from tests.sglang_cpu_shim import prepare_sglang_import
 
+# tools/install_sglang_cpu.sh installs SGLang's CPU import set into its own folder (in the environment, its CUDA
+# torchvision would break transformers outside the tests): after the environment's own paths
+SGLANG_CPU_DIR = Path(__file__).resolve().parent.parent / ".sglang-cpu"
+if SGLANG_CPU_DIR.is_dir() and str(SGLANG_CPU_DIR) not in sys.path:
+    sys.path.append(str(SGLANG_CPU_DIR))
 prepare_sglang_import()
 try:
     import sglang.srt.layers.attention.attention_registry as SGLANG  # noqa: N812

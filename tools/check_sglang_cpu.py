@@ -16,6 +16,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.append(os.path.join(ROOT, ".sglang-cpu"))  # where tools/install_sglang_cpu.sh puts SGLang's CPU import set
 
 # (module, names, required)
 IMPORTS = [

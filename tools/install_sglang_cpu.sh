@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.17 into a CPU-torch environment, for the tests of our SGLang plugin.
-#   bash tools/install_sglang_cpu.sh [PYTHON]        (default python3)
+# Install SGLang 0.5.17 for the tests of our SGLang plugin, on a CPU-torch machine, into a folder of its own:
+#   bash tools/install_sglang_cpu.sh [PYTHON] [TARGET]      (defaults: python3, .sglang-cpu in the checkout)
 # sglang 0.5.17 pins torch 2.11 and a multi-GB CUDA closure (flashinfer, sglang-kernel, deep-gemm...).
 # None of that is needed to import the modules our plugin uses (tools/check_sglang_cpu.py lists them),
 # so sglang goes in with --no-deps, plus only what those imports load, each --no-deps too: then pip
 # never touches torch (torchvision, triton, xgrammar, compressed-tensors would all pull a CUDA torch).
-# A requirement whose distribution is already installed, at any version, is left as it is (the
-# project's own numpy, pydantic, transformers... stay); sglang itself must be 0.5.17.
-# Before importing sglang, call tests/sglang_cpu_shim.prepare_sglang_import() (it says why).
+# Everything goes into TARGET, not into the environment: the only torchvision for a CPU torch 2.13 is a
+# CUDA build that does not import without the tests' shim, and transformers imports torchvision whenever it
+# is installed (installed in the environment, it broke `make demo`). The tests (tests/sglang_world.py) put
+# TARGET on sys.path after the environment's own paths and apply tests/sglang_cpu_shim.py first.
+# A requirement the environment already has, at any version, is not installed again (numpy, pydantic,
+# transformers... stay the environment's); sglang itself must be 0.5.17.
 set -euo pipefail
 PY="${1:-python3}"
+TARGET="${2:-$(cd "$(dirname "$0")/.." && pwd)/.sglang-cpu}"
 
 # Exact versions that were verified together on torch 2.13.0+cpu / transformers 5.25.0 / Python 3.11.
 REQS=(
@@ -65,11 +69,12 @@ REQS=(
 
 # Prints the requirements still to install: absent distributions, or sglang at another version.
 missing() {
-    "$PY" - "$@" <<'EOF'
+    "$PY" - "$TARGET" "$@" <<'EOF'
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-for req in sys.argv[1:]:
+sys.path.append(sys.argv[1])  # the environment first, then TARGET: what the tests see
+for req in sys.argv[2:]:
     name, want = req.split("==")
     try:
         have = version(name)
@@ -100,7 +105,7 @@ t0=$(date +%s)
 "$PY" -c 'import sys' 2>/dev/null || { echo "install_sglang_cpu: $PY does not run" >&2; exit 1; }
 mapfile -t TODO < <(missing "${REQS[@]}")
 if [ "${#TODO[@]}" -eq 0 ] && "$PY" -c 'import importlib.metadata as m; m.version("transformers")' 2>/dev/null; then
-    echo "install_sglang_cpu: sglang 0.5.17 and its CPU import set already installed for $PY; nothing done"
+    echo "install_sglang_cpu: sglang 0.5.17 and its CPU import set already in $TARGET for $PY; nothing done"
     exit 0
 fi
 
@@ -112,7 +117,8 @@ if ! "$PY" -c 'import importlib.metadata as m; m.version("transformers")' 2>/dev
 fi
 
 if [ "${#TODO[@]}" -gt 0 ]; then
-    pip_quiet --no-deps "${TODO[@]}"
+    mkdir -p "$TARGET"
+    pip_quiet --no-deps --target "$TARGET" "${TODO[@]}"
 fi
 
 TORCH_AFTER=$(torch_version)
@@ -120,4 +126,4 @@ if [ "$TORCH_AFTER" != "$TORCH_BEFORE" ]; then
     echo "install_sglang_cpu: torch changed from $TORCH_BEFORE to $TORCH_AFTER: this must not happen" >&2
     exit 1
 fi
-echo "install_sglang_cpu: installed ${#TODO[@]} packages (sglang 0.5.17 and its CPU import set, all --no-deps) for $PY in $(( $(date +%s) - t0 ))s; torch $TORCH_AFTER untouched"
+echo "install_sglang_cpu: installed ${#TODO[@]} packages (sglang 0.5.17 and its CPU import set, all --no-deps) into $TARGET for $PY in $(( $(date +%s) - t0 ))s; torch $TORCH_AFTER untouched"
