@@ -67,16 +67,46 @@ def _fixture(kit, mode, heads, bs, ctx, fp8):
     return SimpleNamespace(runner=runner, layer=layer, fb=fb, bs=bs, heads=heads)
 
 
+def sglang_ready(prog: str) -> bool:
+    """A CUDA GPU is here (else one line on stderr and False); the import shim applied; the plugin registered."""
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (sm90) with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
+        return False
+    from tests.sglang_cpu_shim import prepare_sglang_import
+
+    prepare_sglang_import()
+    from mla_fa3.integrations.sglang import plugin
+
+    plugin.register()
+    return True
+
+
+def step_inputs(bs: int, heads: int):
+    """(q_lat [bs, H, 512], q_rope [bs, H, 64], c_kv [bs, 1, 512], k_rope [bs, 1, 64]) bf16, seeded."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = ((bs, heads, 512), (bs, heads, 64), (bs, 1, 512), (bs, 1, 64))
+    return tuple(torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) for s in shapes)
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
+    """Median time of one replay of ``graph`` (CUDA events), in µs."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def _time_backend(name, fx, registry, iters):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     backend = registry[name](fx.runner)
     layer, fb, bs, H = fx.layer, fx.fb, fx.bs, fx.heads
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q_lat = torch.randn(bs, H, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-    q_rope = torch.randn(bs, H, 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    c_kv = torch.randn(bs, 1, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-    k_rope = torch.randn(bs, 1, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    q_lat, q_rope, c_kv, k_rope = step_inputs(bs, H)
     q_cat, k_cat = torch.cat([q_lat, q_rope], -1), torch.cat([c_kv, k_rope], -1)
 
     def step():
@@ -101,16 +131,9 @@ def _time_backend(name, fx, registry, iters):
             host.append(time.perf_counter() - t0)
             graph.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
+        us = replay_us(graph, iters)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
-    return statistics.median(times), statistics.median(host) * 1e6, kernel
+    return us, statistics.median(host) * 1e6, kernel
 
 
 def main(argv=None) -> int:
@@ -120,19 +143,12 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sglang_backends: needs a CUDA GPU (sm90) with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
+    if not sglang_ready("sglang_backends"):
         return 2
-    from tests.sglang_cpu_shim import prepare_sglang_import
-
-    prepare_sglang_import()
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
 
-    from mla_fa3.integrations.sglang import plugin
-
-    plugin.register()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for heads in args.heads:

@@ -76,16 +76,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--new", type=int, default=32)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sglang_engine_check: needs a CUDA GPU with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
-        return 2
+    from benchmarks.sglang_backends import sglang_ready
+
     os.environ["SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD"] = "64"
-    from tests.sglang_cpu_shim import prepare_sglang_import
-
-    prepare_sglang_import()
-    from mla_fa3.integrations.sglang import plugin
-
-    plugin.register()
+    if not sglang_ready("sglang_engine_check"):
+        return 2
     g = torch.Generator().manual_seed(1)
     tmp = tempfile.mkdtemp(prefix="tiny_v3_")
     ckpt, model = _checkpoint(tmp, seed=0)

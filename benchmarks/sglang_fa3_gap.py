@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -25,20 +24,14 @@ import torch  # noqa: E402
 
 
 def _graph_time(fn, iters: int) -> float:
+    from benchmarks.sglang_backends import replay_us
+
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return replay_us(g, iters)
 
 
 def main(argv=None) -> int:
@@ -48,29 +41,19 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sglang_fa3_gap: needs a CUDA GPU with SGLang 0.5.17 and sgl-kernel", file=sys.stderr)
-        return 2
-    from tests.sglang_cpu_shim import prepare_sglang_import
+    from benchmarks.sglang_backends import _fixture, sglang_ready, step_inputs
 
-    prepare_sglang_import()
+    if not sglang_ready("sglang_fa3_gap"):
+        return 2
     from sgl_kernel.flash_attn import flash_attn_with_kvcache
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
 
-    from benchmarks.sglang_backends import _fixture
-    from mla_fa3.integrations.sglang import plugin
-
-    plugin.register()
     fx = _fixture(kit, ForwardMode.DECODE, args.heads, args.bs, args.ctx, False)
     bs, H, layer, fb = fx.bs, fx.heads, fx.layer, fx.fb
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q_lat = torch.randn(bs, H, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-    q_rope = torch.randn(bs, H, 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    c_kv = torch.randn(bs, 1, 512, device="cuda", generator=g, dtype=torch.bfloat16)
-    k_rope = torch.randn(bs, 1, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    q_lat, q_rope, c_kv, k_rope = step_inputs(bs, H)
     kv = fx.runner.token_to_kv_pool.kv_buffer[0].view(-1, 64, 1, 576)
     res = {}
     for name in ("fa3", "mla_fa3"):
