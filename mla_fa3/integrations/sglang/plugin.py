@@ -13,6 +13,23 @@ controller); it is idempotent. After it, ``--attention-backend mla_fa3`` is a ch
     srt/models/deepseek_common/                  AttentionBackendRegistry.register("mla_fa3", handle_attention): the
       attention_backend_handler.py               form of each DeepSeek step; MHA_ONE_SHOT_SUPPORTED_BACKENDS: the
                                                  one-shot MHA prefill (prefix + new tokens in one call) is served
+
+What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
+
+    srt/layers/attention/base_attn_backend.py    AttentionBackend: the hooks SGLangMLABackend implements
+    srt/model_executor/model_runner.py           ModelRunner: device, page_size, dtype, model_config, server_args,
+                                                 token_to_kv_pool, req_to_token_pool, use_mla_backend, tp sizes
+    srt/mem_cache/memory_pool.py                 MLATokenToKVPool.kv_buffer ([size + page, 1, r + d_rope] per
+                                                 layer; FP8 as uint8), kv_lora_rank, qk_rope_head_dim, start_layer;
+                                                 ReqToTokenPool.req_to_token ([rows, context] int32)
+    srt/model_executor/forward_batch_info.py     ForwardBatch: forward_mode, batch_size, req_pool_indices, seq_lens(
+                                                 _cpu), out_cache_loc, positions, extend_(prefix|seq)_lens(_cpu),
+                                                 spec_info (draft_token_num, topk), the MHA prefill's
+                                                 attn_attend_prefix_cache, mha_return_lse, mha_one_shot, prefix_chunk_*
+    srt/layers/radix_attention.py                RadixAttention: layer_id, tp_q_head_num, qk_head_dim, v_head_dim,
+                                                 scaling, logit_cap, sliding_window_size
+    srt/model_executor/forward_context.py        what it reads off the active backend: token_to_kv_pool,
+                                                 req_to_token_pool, forward_metadata
 """
 
 from __future__ import annotations
