@@ -26,7 +26,7 @@ view [T, H, d_rope]: the concatenation is never materialized in the input dtype)
 Up to ``QUANT_PDL_MAX_ROWS`` rows both launch as programmatic dependent launches (as split-KV's phases): launch 2
 starts while launch 1 runs and waits (``griddepcontrol.wait``) for its partials; launch 1 waits likewise for q's
 producer. What each reads and writes is unchanged. Measured on an H100: 0.2-1.2 µs less per call from 16 to 1024
-rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md, "The query quantization's launches chained").
+rows, 0.3 µs more at 8192 (docs/PERFORMANCE_HISTORY.md, "The query quantization's launches chained").
 
 The absorbed query (``absorb_query_e4m3``) replaces launch 1 by the absorption itself: the per-head matmul's programs
 each write their absmax partial of the rounded q_lat (and of q_rope), and launch 2 reads those — one launch fewer,
@@ -35,7 +35,7 @@ the same bytes out as ``quantize_query_e4m3`` of the same q_lat.
 The two-launch split is the price of a global maximum without a grid-wide barrier (and without an
 atomic max, which would need a zeroed buffer: a third launch). One launch in which every program reduces
 the whole of q itself was measured on the H200: 1 µs faster at 16 rows, slower from 64 rows on (15 against
-8 µs at 128), as each program walks q's blocks one after another (docs/PERFORMANCE.md, "a one-launch query
+8 µs at 128), as each program walks q's blocks one after another (docs/PERFORMANCE_HISTORY.md, "a one-launch query
 quantization tried").
 
 The e4m3 bytes are computed in integer arithmetic (:func:`_e4m3_code`: round to nearest even, then
@@ -61,14 +61,14 @@ STORE_BLOCK_W = 128  # columns per store program (576 = 4.5 blocks)
 # rows per program of the store and of the query's two launches, by row count: (up to this many rows, rows per
 # program). Each thread quantizes its elements one after another (a division and the integer rounding of
 # ``_e4m3_code``), so at decode sizes fewer rows per program — more programs, fewer elements per thread — finish
-# sooner. Measured on an H100 (docs/PERFORMANCE.md, 2026-12-06, fifth session): the store 3.9-4.0 µs with 16 rows per
+# sooner. Measured on an H100 (docs/PERFORMANCE_HISTORY.md, 2026-12-06): the store 3.9-4.0 µs with 16 rows per
 # program against 1.5-1.6 with 1 (1-64 rows), 4.3 against 2.4 with 4 (512 rows); the absorbed query 8.0-13.0 µs with
 # 16 against 5.2-10.6 with 4 (16 and 128 heads, up to 2048 (t, h) rows), 16 fastest from 8192 rows on
 STORE_BLOCK_T = ((64, 1), (1024, 4))  # more rows: 16 per program
 QUANT_BLOCK_N = ((2048, 4),)  # (t, h) rows per block of both query launches; more rows: 16
 MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads all their partials)
 # the query's two launches as programmatic dependent launches (CUDA sm_90+) up to this many (t, h) rows: measured on
-# an H100, 0.2-1.2 µs less per call from 16 to 1024 rows, 0.3 µs more at 8192 (docs/PERFORMANCE.md); 0: never
+# an H100, 0.2-1.2 µs less per call from 16 to 1024 rows, 0.3 µs more at 8192 (docs/PERFORMANCE_HISTORY.md); 0: never
 QUANT_PDL_MAX_ROWS = 4096
 
 

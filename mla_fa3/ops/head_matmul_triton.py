@@ -9,7 +9,7 @@ At decode the T rows are few (one query token per request) and the weights many:
 DeepSeek-V3's two projections at 128 heads. ``torch.bmm`` (cuBLAS) runs them as H tiny GEMMs. Here one program per
 (head, block of N columns) loads its [K, BLOCK_N] slice of w[h] once (columns contiguous: coalesced) and every row
 of x against it — a weight-streaming kernel, with enough programs (``block_n``) to keep every SM loading. Measured
-on the H200, weights rotated past the L2 (docs/PERFORMANCE.md, "The absorption and output projection at decode"):
+on the H200, weights rotated past the L2 (docs/PERFORMANCE_HISTORY.md, "The absorption and output projection at decode"):
 6.5 / 6.4 µs against cuBLAS's 6.9 / 6.7 for W_UK / W_UV at 128 heads, one row (2.6 TB/s), 2.7 / 3.3 against 3.4 / 3.7
 at 16 heads; 1.05-1.26x cuBLAS up to 16 rows, 0.95-0.99x at 128 heads, 32 rows (an H100: 1.00-1.03x there)::
 

@@ -22,7 +22,7 @@ With the output projection fused in (``w`` = MLA's W_UVᵀ per head, ``KernelCon
     fence; arrived = atomic_add(count[row], 1)                # count zeroed by phase 1 (``splitkv_partials``)
     if arrived == last: out_row = Σ_vb y[vb] in vb order      # the last program of the row; deterministic
 
-Measured on the H200 (docs/PERFORMANCE.md, 2026-12-06, fourth session): 0.4-5 µs slower per step than the combine
+Measured on the H200 (docs/PERFORMANCE_HISTORY.md, 2026-12-06): 0.4-5 µs slower per step than the combine
 followed by the per-head matmul (whose launch PDL hides), at 16 heads, bs 1-8 and 128 heads, bs 1 — so it is a
 switch, off by default: each program's weight rows and the serial last pass cost more than the launch saved.
 

@@ -63,7 +63,7 @@ class KernelConfig:
                   combine for up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens (bs·sq) and
                   ``FUSED_PROJECTION_MAX_COLUMNS`` output columns; else (False, the default, or more) a per-head
                   matmul after the combine (``ops.head_matmul``). Off: measured 0.4-5 µs
-                  slower per step on the H200 (docs/PERFORMANCE.md, 2026-12-06, fourth session)
+                  slower per step on the H200 (docs/PERFORMANCE_HISTORY.md, 2026-12-06)
     """
 
     block_n: int = 32
@@ -108,8 +108,8 @@ class KernelConfig:
 # (heads, bs, ctx) -> config for a bf16 / fp16 cache; measured on the H200 (bf16, page 64) by ``bench.splitkv --sweep``
 # on 2026-12-03, the 16-head rows again on 2026-12-04 after the kernel's loads became multi-buffered (3 stages now
 # pay), programmatic dependent launch A/B-tested per shape on 2026-12-04 (on at 16 heads, off at 128), the latent
-# chunks on 2026-12-05 (``--ab latent_chunks``: 4 at 16 heads; docs/PERFORMANCE.md). The time of each shape's winner
-# in the comment; docs/PERFORMANCE.md has the peers' times.
+# chunks on 2026-12-05 (``--ab latent_chunks``: 4 at 16 heads; docs/PERFORMANCE_HISTORY.md). The time of each shape's winner
+# in the comment; docs/PERFORMANCE_HISTORY.md has the peers' times.
 CONFIG_TABLE: dict = {
     (16, 1, 65536): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=4),  # 30.4 us
     (16, 2, 131072): KernelConfig(block_n=32, num_warps=4, num_stages=3, max_rows=64, waves=2.0, half_partials=True, reload_kv=False, pdl=True, latent_chunks=4),  # 82.8 us
@@ -142,8 +142,8 @@ def combine_tile(rows: int) -> Tuple[int, int]:
     """(splits per load, columns) of a combine program for ``rows`` = bs·sq·H output rows. The narrow tile's 32
     columns were measured on the H200 (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1
     with the wide tile; no change at bs 4 or 128 heads); its 128 splits per load (instead of 64) on an H100 in three
-    runs over two sessions (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; the wide tile stays at bs >= 4, where 128
-    splits per load lose) — docs/PERFORMANCE.md."""
+    runs on two days (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; the wide tile stays at bs >= 4, where 128
+    splits per load lose) — docs/PERFORMANCE_HISTORY.md."""
     return COMBINE_NARROW if rows < 64 else COMBINE_WIDE
 
 

@@ -61,11 +61,11 @@ through one shared-memory layout. A bf16 tile meets (2) as it is (the transposed
 staged tile); an e4m3 tile under mma.sync (< 64 rows) does not — it must be converted in registers, and
 the transposed conversion is a register shuffle — so the launcher sets ``RELOAD`` for it (converting the
 tile once instead, staged as fp16 for both dots, was measured 1.1-1.4x slower: a block-wide barrier per key
-block; docs/PERFORMANCE.md, "The e4m3 split-KV kernel"). Without (1),
-the compiler kept one buffer and every iteration waited out the load's full latency (fifth session and
-before: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now). The read-ahead (``PREFETCH``) is on under
+block; docs/PERFORMANCE_HISTORY.md, "The e4m3 split-KV kernel"). Without (1),
+the compiler kept one buffer and every iteration waited out the load's full latency (until
+2026-12-03: 40.4 µs at 16 heads, bs 1, 64k; 28.4 µs for this phase now). The read-ahead (``PREFETCH``) is on under
 mma.sync; at >= 64 rows (wgmma, 128 heads) it is ``KernelConfig.prefetch_pages``' choice, off in the table: measured
-no faster there, the 64-row kernel being bound by its dots (docs/PERFORMANCE.md, 2026-12-06, third session).
+no faster there, the 64-row kernel being bound by its dots (docs/PERFORMANCE_HISTORY.md, 2026-12-06).
 
 Programmatic dependent launch (``KernelConfig.pdl``, CUDA sm_90+): both phases are launched with the
 programmatic-serialization attribute, so each is launched before its predecessor has finished — phase 1
@@ -268,7 +268,7 @@ def _splitkv_partial_kernel(
             acc = new_acc
             m = m_new
         if PDL:  # the keys are done: the combine may launch (its programs wait for this grid's writes); signalled at
-            # the start instead, its waiting programs slowed phase 1 (docs/PERFORMANCE.md)
+            # the start instead, its waiting programs slowed phase 1 (docs/PERFORMANCE_HISTORY.md)
             tl.extra.cuda.gdc_launch_dependents()
 
         seen = l > 0.0

@@ -20,7 +20,7 @@ bs 1-2, 16k-32k, within 1 % at 16 heads bs 1 64k, and slower everywhere else (up
 Those are kernels alone. The same 32 shapes as WHOLE backend steps per forced kernel
 (``docs/perf/2026-12-03/session5/decode_whole_step.csv``, ``bench decode --whole-step``) differ where the kernels'
 surroundings do: FlashMLA's step adds the q concatenation, and split-KV's schedule is planned per step (on the
-device inside the graph since the fifth session; on the host before, which made it lose everywhere). As whole
+device inside the graph since 2026-12-03; on the host before, which made it lose everywhere). As whole
 steps split-KV wins at 16 heads, bs 1 at 16k-64k (1.03-1.09x) and bs 2 at 16k (1.06x), FA3 elsewhere at bs <= 2,
 FlashMLA or FA3 at bs 4-8 within a few %, split-KV nowhere at 128 heads (1.0-3.3x slower). The table holds those
 whole-step rows at these shapes (the backend step then stays within 0.96-1.05x of the plain unfused step).
@@ -51,7 +51,7 @@ decode_2026-12-02_run1 (kernels alone): 171/174 scored rows within 5 %, worst 1.
 whole-step sweep re-measured, where the table follows the whole step by design; the 6 rows where split-KV is picked
 have no split-KV time there (not scored); leave-one-out over its 180 rows: 172/180 within 5 %, 177/180 within
 15 %, worst 1.215x. The skew-blind table that sweep ran with: 106/180, worst 2.10x. With the kernel-alone
-small-batch rows instead (``decode_small_batch``, the table of the third session): split-KV picked at 16 heads bs 1
+small-batch rows instead (``decode_small_batch``, the table of 2026-12-03): split-KV picked at 16 heads bs 1
 16k and 32k, bs 2 16k, 32/32 of those kernel times within 5 %.
 
 The table (``Measured``, ``MEASURED``) lives in ``policy/decode_table.py`` and is re-exported here, as is

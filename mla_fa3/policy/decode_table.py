@@ -11,7 +11,7 @@ per-layer decode times of five H200 sweeps (page 64, bf16, CUDA-graph replay), m
   kernel forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph): the
   16-head rows measured last (``decode_whole_step_16_pdl.csv``: multi-buffered loads, programmatic dependent
   launch, one-pass combine), the 128-head rows from ``2026-12-03/session5/decode_whole_step.csv`` (there the
-  kernel launches in order and measured within 1 % of that session's: ``splitkv_pdl_ab_final_bf16.md``);
+  kernel launches in order and measured within 1 % of that run's: ``splitkv_pdl_ab_final_bf16.md``);
 - ``docs/perf/2026-12-04/session4/final/decode_whole_step.csv`` — the same 32 whole steps again, after FA3's tile
   schedule moved to once per step (``ops.get_fa3_schedule``, bs <= 8) and FA3's split cap at 128 heads, bs <= 2:
   every one of those rows replaced;

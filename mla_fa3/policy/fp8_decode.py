@@ -10,11 +10,11 @@ Two kernels read an e4m3 latent cache in place (FA3 cannot: ``HeaddimV > 256 req
   rescale; the more accurate read: see
   docs/PERFORMANCE.md, "FP8 latent cache"); any page size.
 
-Measured on the H200 (docs/PERFORMANCE.md, "The FP8 pool read by split-KV"): split-KV is the more accurate
+Measured on the H200 (docs/PERFORMANCE_HISTORY.md, "The FP8 pool read by split-KV"): split-KV is the more accurate
 read (top-1 gap to the bf16 cache +0.83 / +0.86 points against FlashMLA FP8's +1.51 / +1.33). Kernel alone
 at 16 heads it is the faster one at bs 1 up to 32k and the slower one from 64k or from bs 2 (16.9 µs against
 FlashMLA FP8's 22.1 at bs 1, 16k; 34.7 against 32.6 at bs 1, 64k): its e4m3 tile is converted per dot, P·V's
-operand gathered byte by byte (docs/PERFORMANCE.md, "The e4m3 split-KV kernel"). ``auto`` picks by speed,
+operand gathered byte by byte (docs/PERFORMANCE_HISTORY.md, "The e4m3 split-KV kernel"). ``auto`` picks by speed,
 ``decode_kernel='splitkv'`` by accuracy.
 
 The choice (host arithmetic on host numbers, like ``policy.decode_kernel``):
