@@ -24,8 +24,10 @@ Commands::
         The serving memory plan (mla_fa3.serve.memory): weights, workspace, graphs, headroom and the KV
         tokens that fit; exit status 2 with the reason when the configuration does not fit. With
         --checkpoint, the weight dtype and the context default to the checkpoint's.
-    mla-fa3 bench decode|prefill|serve [args...]
-        Dispatches to mla_fa3.bench.<name>:main(argv).
+    mla-fa3 bench decode|prefill|serve|fp8 [args...]
+        Dispatches to mla_fa3.bench.<name>:main(argv). The benchmarks time the CUDA kernels; without CUDA each
+        refuses in one line (exit status 2) unless given --device cpu: a smoke run on the reference kernels,
+        labelled, about a minute (mla_fa3.bench.smoke).
 
 Results go to stdout; progress bars (tqdm; off with --quiet or when stderr is not a terminal) and the
 library's log messages go to stderr. Every usage or checkpoint error is one line on stderr naming the
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    b = sub.add_parser("bench", help="benchmarks (mla_fa3.bench.*)")
+    b = sub.add_parser("bench", help="benchmarks of the CUDA kernels (mla_fa3.bench.*; --device cpu: a smoke run)")
     b.add_argument("which", choices=_BENCHES, help="which benchmark")
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     parser.commands = dict(sub.choices)

@@ -11,6 +11,7 @@ import torch
 
 from mla_fa3 import cli
 from mla_fa3.bench import serve as bench_serve
+from mla_fa3.bench.smoke import SMOKE_LABEL
 from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
 
 
@@ -101,7 +102,7 @@ def test_bench_serve_cpu_smoke_end_to_end(tmp_path, capsys):
                      "--output-len", "2-9", "--token-budget", "24", "--compare", "decode_kernel=fa3,auto",
                      "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "CPU SMOKE RUN" in text and "decode_kernel=fa3" in text and "TTFT p99 ms" in text
+    assert text.startswith(SMOKE_LABEL + "\n") and "decode_kernel=fa3" in text and "TTFT p99 ms" in text
     report = json.loads((out / "serve.json").read_text())
     assert report["cpu_smoke"] and len(report["runs"]) == 2
     from mla_fa3.bench.serve import Workload, make_requests

@@ -50,6 +50,7 @@ from mla_fa3.layer import MLAWeights
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.bench import roofline
+from mla_fa3.bench.smoke import add_device_argument, refused, start_smoke
 from mla_fa3.bench.timing import (L2_BYTES_H200, MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, time_cuda,
                                   time_graph, time_per_call)
 from mla_fa3.graphs.runner import GraphRunner, InputSpec
@@ -64,6 +65,10 @@ MAX_ROTATE = 64  # at most this many cache copies cycled per replay to defeat th
 FULL = dict(heads=(16, 32, 64, 128), batch=(1, 4, 16, 64, 128), context=(1024, 4096, 16384, 65536, 131072),
             page=(1, 64), lengths=("equal", "skewed"))
 QUICK = dict(heads=(16, 128), batch=(1, 64), context=(4096, 65536), page=(64,), lengths=("equal",))
+# --device cpu (bench.smoke): the shapes of a smoke run on the reference kernels, in place of FULL and QUICK
+SMOKE = dict(heads=(16, 128), batch=(1, 4), context=(256, 2048), page=(64,), lengths=("equal", "skewed"))
+SMOKE_MAX_ITERS = 3  # timed calls per measurement in a smoke run
+PROG = "mla-fa3 bench decode"
 
 
 @dataclass
@@ -340,13 +345,14 @@ def _words(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="mla-fa3 bench decode", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--heads", type=_ints, help="e.g. 16,128 (default 16,32,64,128)")
     p.add_argument("--batch", type=_ints, help="e.g. 1,64 (default 1,4,16,64,128)")
     p.add_argument("--context", type=_ints, help="e.g. 8192 or 8k,128k (default 1k,4k,16k,64k,128k)")
     p.add_argument("--page", type=_ints, help="page sizes, e.g. 64 (default 1,64)")
     p.add_argument("--lengths", type=_words, help="equal,skewed (default both)")
-    p.add_argument("--quick", action="store_true", help="a small subset: H 16,128 x bs 1,64 x ctx 4k,64k, page 64")
+    p.add_argument("--quick", action="store_true",
+                   help="a small subset: H 16,128 x bs 1,64 x ctx 4k,64k, page 64 (on cpu: the smoke shapes)")
     p.add_argument("--skip", type=_words, default=(), help="parts to skip: backend,fa3,flashmla,splitkv")
     p.add_argument("--whole-step", action="store_true",
                    help="time each kernel column as the backend's whole step with that kernel forced (store, "
@@ -354,13 +360,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--out", help="directory for decode.csv, decode.md, decode_roofline.png")
     p.add_argument("--mem-cap-gb", type=float, default=40.0, help="skip shapes whose latent pool exceeds this")
     p.add_argument("--budget-ms", type=float, default=120.0, help="timed milliseconds per measurement")
-    p.add_argument("--max-iters", type=int, default=100)
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (reference kernels, smoke runs)")
+    p.add_argument("--max-iters", type=int, default=None,
+                   help=f"timed calls per measurement, at most (default: 100; {SMOKE_MAX_ITERS} on cpu)")
+    add_device_argument(p)
     p.add_argument("--impl", default="auto", choices=["auto", "fa3", "reference"])
     p.add_argument("--dry-run", action="store_true", help="list the shapes and their roofline, run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
-    base = QUICK if a.quick else FULL
+    cpu = a.device == "cpu"
+    base = SMOKE if cpu else QUICK if a.quick else FULL
     bad = set(a.skip) - {"backend", "fa3", "flashmla", "splitkv"}
     if bad:
         p.error(f"--skip takes backend, fa3, flashmla, splitkv; got {sorted(bad)}")
@@ -369,8 +377,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
         p.error(f"--lengths takes equal, skewed; got {lengths}")
     cfg = Config(heads=a.heads or base["heads"], batch=a.batch or base["batch"], context=a.context or base["context"],
                  page=a.page or base["page"], lengths=lengths, device=a.device, impl=a.impl, mem_cap_gb=a.mem_cap_gb,
-                 budget_ms=a.budget_ms, max_iters=a.max_iters, skip=set(a.skip), quiet=a.quiet,
-                 whole_step=a.whole_step)
+                 budget_ms=a.budget_ms, max_iters=a.max_iters or (SMOKE_MAX_ITERS if cpu else 100), skip=set(a.skip),
+                 quiet=a.quiet, whole_step=a.whole_step)
     return cfg, a
 
 
@@ -403,9 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for page, bs, ctx in skipped:
             print(f"skip page {page} bs {bs} ctx {ctx}: over the {cfg.mem_cap_gb:g} GB cap")
         return 0
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device: run on the H200, or pass --device cpu for a smoke run on the reference", file=sys.stderr)
+    if refused(PROG, cfg.device):
         return 2
+    start_smoke(cfg.device)
     rows = sweep(cfg)
     label = roofline.smoke_label(cfg.device, cfg.impl)  # a CPU / reference run must not read as H200 FA3
     print(roofline.markdown_table(rows, h200_ceilings(), label))

@@ -35,13 +35,16 @@ from typing import Sequence
 
 import torch
 
-from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints, rotations
+from mla_fa3.bench.decode import SMOKE_MAX_ITERS, DIMS, BackendBench, Cell, Config, _ints, rotations
+from mla_fa3.bench.smoke import SMOKE_LABEL, add_device_argument, refused, start_smoke
 from mla_fa3.bench.timing import Progress
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.kv.pools import MLATokenPool
 
 FULL = dict(heads=(16, 128), batch=(1, 4, 16, 64), context=(4096, 16384, 32768, 65536))
 QUICK = dict(heads=(16, 128), batch=(1, 64), context=(16384, 65536))
+SMOKE = dict(heads=(16, 128), batch=(1, 4), context=(256, 2048))  # --device cpu (bench.smoke), in place of FULL / QUICK
+PROG = "mla-fa3 bench fp8"
 PAGE = 64
 
 
@@ -135,31 +138,33 @@ def markdown(rows: Sequence[Row]) -> str:
 
 
 def parse_args(argv) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="mla-fa3 bench fp8", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--heads", type=_ints)
     p.add_argument("--batch", type=_ints)
     p.add_argument("--context", type=_ints)
-    p.add_argument("--quick", action="store_true", help="H 16,128 x bs 1,64 x ctx 16k,64k")
+    p.add_argument("--quick", action="store_true", help="H 16,128 x bs 1,64 x ctx 16k,64k (on cpu: the smoke shapes)")
     p.add_argument("--out", help="directory for fp8.csv and fp8.md")
     p.add_argument("--budget-ms", type=float, default=120.0)
-    p.add_argument("--max-iters", type=int, default=100)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--max-iters", type=int, default=None,
+                   help=f"timed calls per measurement, at most (default: 100; {SMOKE_MAX_ITERS} on cpu)")
+    add_device_argument(p)
     p.add_argument("--impl", default="auto", choices=["auto", "fa3", "reference"])
     p.add_argument("--auto", action="store_true", help="also time the FP8 pool with decode_kernel='auto'")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    base = QUICK if a.quick else FULL
+    cpu = a.device == "cpu"
+    base = SMOKE if cpu else QUICK if a.quick else FULL
     cfg = Config(heads=a.heads or base["heads"], batch=a.batch or base["batch"], context=a.context or base["context"],
                  page=(PAGE,), lengths=("equal",), device=a.device, impl=a.impl, budget_ms=a.budget_ms,
-                 max_iters=a.max_iters, quiet=a.quiet)
+                 max_iters=a.max_iters or (SMOKE_MAX_ITERS if cpu else 100), quiet=a.quiet)
     return cfg, a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        print("no CUDA device: run on the H200, or pass --device cpu for a smoke run", file=sys.stderr)
+    if refused(PROG, cfg.device):
         return 2
+    smoke = start_smoke(cfg.device)
     rows = sweep(cfg, args.auto)
     table = markdown(rows)
     print(table)
@@ -172,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 w.writerow({**asdict(r), "speedup": round(r.speedup, 4)})
         card = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else cfg.device
         with open(os.path.join(args.out, "fp8.md"), "w") as f:  # the card that measured it, never assumed
-            f.write(f"# FP8 vs bf16 latent pool: backend decode step per layer ({card})\n\n" + table + "\n")
+            f.write(f"# FP8 vs bf16 latent pool: backend decode step per layer ({card})\n\n"
+                    + (SMOKE_LABEL + "\n\n" if smoke else "") + table + "\n")
         print(f"wrote {args.out}/fp8.csv, {args.out}/fp8.md", file=sys.stderr)
     return 0
 

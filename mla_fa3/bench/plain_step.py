@@ -29,6 +29,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench.decode import DIMS, BackendBench, Cell, Config, _ints
+from mla_fa3.bench.smoke import refused
 from mla_fa3.bench.timing import Progress, time_per_call
 from mla_fa3.layer import MLAWeights
 
@@ -121,8 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=100)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("plain-step bench: needs a CUDA GPU (FA3 runs only there)", file=sys.stderr)
+    if refused(p.prog, cpu_smoke=False):
         return 2
     cfg = Config(heads=a.heads or DEFAULT["heads"], batch=a.batch or DEFAULT["batch"],
                  context=a.context or DEFAULT["context"], page=(PAGE,), lengths=("equal",), device="cuda",

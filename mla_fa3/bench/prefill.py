@@ -26,8 +26,10 @@ events (median, eager — the way the backend runs extend steps):
 
 Usage: ``python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2`` (or ``mla-fa3 bench prefill``):
 writes ``prefill_run{i}.csv`` / ``.md`` per repeat under the directory and prints the table, the MHA
-run-to-run spread and the re-fitted cost constants (``policy.prefill_fit``), ready to paste into
+run-to-run spread and, on a GPU, the re-fitted cost constants (``policy.prefill_fit``), ready to paste into
 ``H200_COSTS``. ``--heads 16 --new 512 --prefix 65536`` narrow the sweep. Budget: < 3 minutes on the H200.
+``--device cpu``: a smoke run on the reference kernels (``bench.smoke``: the ``SMOKE`` shapes, a few iterations, no
+constants fitted from its timings).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 
 from mla_fa3 import absorb
 from mla_fa3.batch import ForwardBatch
-from mla_fa3.bench.roofline import smoke_label
+from mla_fa3.bench.smoke import SMOKE_LABEL, add_device_argument, refused, start_smoke
 from mla_fa3.bench.timing import Progress, time_cuda
 from mla_fa3.chunked_prefix import forward_mha_prefill
 from mla_fa3.kv.pools import MLATokenPool
@@ -94,6 +96,8 @@ class PrefillRow:
     graph_host_us: float = math.nan  # host time of one graph-replayed layer call (copy in, replay, clone out)
 
 
+PROG = "mla-fa3 bench prefill"
+SMOKE = dict(heads=[16, 128], new=[64], prefix=[0, 512])  # --device cpu (bench.smoke), in place of the defaults
 PEAK_TFLOPS = 790.0  # H200 dense bf16 GEMM rate reached in practice (shared/device/README.md)
 SKIP_RATIO = 10.0  # absorbed modelled this many times slower than MHA: not timed
 
@@ -246,11 +250,12 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mla-fa3 bench prefill", description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=_ints, default=[16, 128])
-    p.add_argument("--new", type=_ints, default=[1024, 4096, 8192], help="new tokens per shape")
-    p.add_argument("--prefix", type=_ints, default=[16384, 65536, 131072], help="cached prefix tokens")
-    p.add_argument("--quick", action="store_true", help="heads 16,128 x new 1024,4096 x prefix 16k,64k")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=_ints, default=None, help="head counts (default 16,128)")
+    p.add_argument("--new", type=_ints, default=None, help="new tokens per shape (default 1024,4096,8192)")
+    p.add_argument("--prefix", type=_ints, default=None, help="cached prefix tokens (default 16384,65536,131072)")
+    p.add_argument("--quick", action="store_true",
+                   help="heads 16,128 x new 1024,4096 x prefix 16k,64k (on cpu: the smoke shapes)")
     p.add_argument("--workspace-bytes", type=int, default=PREFILL_WORKSPACE_BYTES,
                    help="MHA workspace budget in bytes (default 512 MiB); tokens per chunk follow per head count")
     p.add_argument("--workspace", type=int, default=None, help="tokens per chunk (overrides --workspace-bytes)")
@@ -258,21 +263,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs of the sweep (run-to-run spread)")
     p.add_argument("--graph", action="store_true",
                    help="also time the MHA path replayed from a CUDA graph (column mha_graph_ms; CUDA only)")
-    p.add_argument("--budget-ms", type=float, default=60.0, help="timed ms per path and shape (sets iters)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="timed ms per path and shape (sets iters; default 60, on cpu 0: the fewest iterations)")
+    add_device_argument(p)
     p.add_argument("--out", default="prefill", help="directory of the CSV / markdown files (or a .csv path)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.quick:
-        args.new, args.prefix = [1024, 4096], [16384, 65536]
+    smoke = args.device == "cpu"
+    shapes = SMOKE if smoke else dict(heads=[16, 128], new=[1024, 4096] if args.quick else [1024, 4096, 8192],
+                                      prefix=[16384, 65536] if args.quick else [16384, 65536, 131072])
+    args.heads, args.new, args.prefix = (args.heads or shapes["heads"], args.new or shapes["new"],
+                                         args.prefix or shapes["prefix"])
+    if args.budget_ms is None:
+        args.budget_ms = 0.0 if smoke else 60.0
     if any(n < 1 for n in args.new) or min(args.heads) < 1 or args.repeat < 1:
         p.error("--new, --heads and --repeat must be >= 1")
     base = args.out[:-4] if args.out.endswith(".csv") else os.path.join(args.out, "prefill")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"mla-fa3 bench prefill: error: --device {args.device}: CUDA is not available (torch "
-              f"{torch.__version__}); pass --device cpu for a smoke run on the reference kernels", file=sys.stderr)
+    if refused(PROG, args.device):
         return 2
+    start_smoke(args.device)
+    device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -300,20 +310,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_csv(rows, out)  # keep partial results if the run is cut short
             with open(f"{base}_run{run + 1}.md", "w") as f:
                 f.write(f"Command: python -m mla_fa3.bench.prefill {' '.join(argv if argv is not None else sys.argv[1:])}\n\n")
+                f.write(SMOKE_LABEL + "\n\n" if smoke else "")
                 f.write(f"MHA ceiling: attention 2*H*T*(P + T/2)*320 + decompression (P + T)*512*H*256*2 FLOPs "
                         f"at {PEAK_TFLOPS:.0f} TFLOP/s\n\n" + table(rows) + "\n")
-    label = smoke_label(device.type)  # a CPU run must not read as an H200 FA3 measurement
     for rows in runs:
-        print((label + "\n\n" if label else "") + table(rows))
+        print(table(rows))
     if len(runs) > 1:
         spread = [max(r.mha_ms for r in group) / min(r.mha_ms for r in group) - 1 for group in zip(*runs)]
         print(f"\nMHA run-to-run spread: max {100 * max(spread):.1f} % over {len(spread)} shapes")
-    rows = runs[-1]
-    wrong = [r for r in rows if r.auto_over_best > 1.0]
-    worst = max((r.auto_over_best for r in rows), default=1.0)
-    print(f"\nauto chose the faster path in {len(rows) - len(wrong)}/{len(rows)} shapes; worst auto/best {worst:.3f}")
-    fitted = fit_cost_constants([s for rows in runs for s in samples(rows)], V3)
-    print("re-fitted cost constants (paste into policy/prefill_cost.py H200_COSTS):\n" + constants_source(fitted))
+    if not smoke:  # the cost model is judged and fitted on GPU timings only, never on the CPU reference's
+        rows = runs[-1]
+        wrong = [r for r in rows if r.auto_over_best > 1.0]
+        worst = max((r.auto_over_best for r in rows), default=1.0)
+        print(f"\nauto chose the faster path in {len(rows) - len(wrong)}/{len(rows)} shapes; worst auto/best {worst:.3f}")
+        fitted = fit_cost_constants([s for rows in runs for s in samples(rows)], V3)
+        print("re-fitted cost constants (paste into policy/prefill_cost.py H200_COSTS):\n" + constants_source(fitted))
     print(f"wrote {base}_run*.csv / .md ({time.perf_counter() - t0:.0f} s)")
     return 0
 

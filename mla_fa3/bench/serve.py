@@ -18,8 +18,9 @@ the same workload once per value in one process and prints the settings side by 
 
 ``--out DIR`` writes ``serve.json`` (everything), ``serve_requests.csv``, ``serve_steps.csv`` and, with
 matplotlib, ``serve_latency.png`` (TTFT and E2E vs prompt length) and ``serve_timeline.png`` (batch
-composition and step time per step). A CPU run is a smoke run of the machinery (reference kernels):
-its times are not performance and the report says so.
+composition and step time per step). A CPU run (``--device cpu``; without CUDA the benchmark refuses otherwise) is
+a smoke run of the machinery on the reference kernels with a tiny workload (``bench.smoke``): its times are not
+performance and the report says so, first.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Sequence
 import torch
 
 from mla_fa3 import ops
+from mla_fa3.bench.smoke import SMOKE_LABEL, add_device_argument, refused, start_smoke
 from mla_fa3.kv.pools import check_page_size
 from mla_fa3.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from mla_fa3.models.loader import load_model
@@ -52,6 +54,7 @@ __all__ = ["Workload", "make_requests", "random_model", "run_setting", "main"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _COMPARE_KEYS = ("decode_kernel", "kv_dtype", "graphs", "page_size", "token_budget")
+PROG = "mla-fa3 bench serve"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +129,8 @@ def _compare(text: str) -> tuple[str, list[str]]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="mla-fa3 bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    add_device_argument(p)
     p.add_argument("--checkpoint", metavar="DIR", help="HF checkpoint dir (else an embedded config)")
     p.add_argument("--config", choices=("v3", "tiny"), default=None, help="default: v3 on cuda, tiny on cpu")
     p.add_argument("--heads", type=int, default=16, help="v3: attention heads (16 = one TP-8 rank, or 128)")
@@ -341,11 +344,10 @@ def write_outputs(report: dict, out_dir: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"mla-fa3 bench serve: error: --device {args.device}: CUDA is not available (torch "
-              f"{torch.__version__}); pass --device cpu for a smoke run on the reference kernels", file=sys.stderr)
+    if refused(PROG, args.device):
         return 2
+    start_smoke(args.device)
+    device = torch.device(args.device)
     dtype = _DTYPES[args.dtype]
     if args.checkpoint:
         model = load_model(args.checkpoint, dtype=dtype, device=device)
@@ -357,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"DeepSeek-V3 attention, {args.heads} heads, {args.layers} layers (random weights)"
     workload = Workload(args.num_requests, args.prompt_len, args.output_len, args.request_rate, args.seed,
                         model.config.vocab_size)
-    cpu_note = " — CPU SMOKE RUN (reference kernels: times are not performance)" if device.type == "cpu" else ""
+    cpu_note = f" — {SMOKE_LABEL}" if device.type == "cpu" else ""  # the plots' and serve.json's label too
     label = (f"bench serve: {what}, {args.dtype}, {args.num_requests} requests, prompts {args.prompt_len[0]}-"
              f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}, rate {args.request_rate}"
              f"{cpu_note}")

@@ -45,6 +45,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
+from mla_fa3.bench.smoke import refused
 from mla_fa3.bench.splitkv_candidates import (AB_FIELDS, SWEEP_NARROW, SWEEP_NARROW_E4M3, SWEEP_WIDE, parse_ab,
                                               sweep_candidates)
 from mla_fa3.bench.timing import MIN_CALLS_PER_REPLAY, Progress, h200_ceilings, rotating_inputs, time_per_call
@@ -289,7 +290,7 @@ def sweep(shapes: Sequence[tuple], *, device, iters: int, out: Optional[str], qu
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mla_fa3.bench.splitkv", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for splitkv.csv / splitkv.md")
     p.add_argument("--quick", action="store_true", help=f"only {QUICK_SHAPES} (H, bs, L)")
     p.add_argument("--sweep", action="store_true",
@@ -320,8 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ab = parse_ab(a.ab) if a.ab else None
     except ValueError as exc:
         p.error(str(exc))
-    if not torch.cuda.is_available():
-        print("splitkv bench: needs a CUDA GPU (the Triton kernel and FA3 run only there)", file=sys.stderr)
+    if refused(p.prog, cpu_smoke=False):
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -36,6 +36,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.bench import roofline
+from mla_fa3.bench.smoke import refused
 from mla_fa3.bench.splitkv import D, PAGE, R, SCALE, Shape
 from mla_fa3.bench.timing import h200_ceilings, time_per_call
 from mla_fa3.ops import validate
@@ -257,7 +258,7 @@ def parse_tiles(text: str) -> list:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mla_fa3.bench.splitkv_phases", description=__doc__.split("\n")[0])
     p.add_argument("--heads", type=int, nargs="+", default=DEFAULT_SHAPES["heads"])
     p.add_argument("--batch", type=int, nargs="+", default=DEFAULT_SHAPES["batch"])
     p.add_argument("--context", type=int, nargs="+", default=DEFAULT_SHAPES["context"])
@@ -280,8 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(exc))
     if any(k < 0 for k in blocks):
         p.error(f"--prefix-blocks: block counts are >= 0, got {a.prefix_blocks!r}")
-    if not torch.cuda.is_available():
-        print("splitkv_phases bench: needs a CUDA GPU (the Triton kernels run only there)", file=sys.stderr)
+    if refused(p.prog, cpu_smoke=False):
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
