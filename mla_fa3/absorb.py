@@ -168,23 +168,14 @@ def attend_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLay
     if kernel is DecodeKernel.FA3:
         return _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl)
     bs, sq = _check_whole_row(kernel, q_lat, layer, metadata, schedule)
-    width = layer.mla.latent_dim
-    descales = dict(descale_k=kv_scale) if fp8 else {}
+    kv_scale = kv_scale if fp8 else None
     if kernel is DecodeKernel.SPLITKV:
-        o, _ = ops.splitkv_mla_with_kvcache(q_lat.reshape(bs, sq, H, r), kv_paged, metadata.page_table,
-                                            metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
-                                            softmax_scale=layer.scaling, causal=True,
-                                            q_rope=q_rope.reshape(bs, sq, H, width - r), impl=impl, **descales)
-        return o.view(T, H, r)
+        return _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl)
     if fp8:
-        q_cat, descales["descale_q"] = ops.quantize_query_e4m3(q_lat, q_rope, impl=impl)
+        q_cat, q_scale = ops.quantize_query_e4m3(q_lat, q_rope, impl=impl)
     else:
-        q_cat = torch.cat([q_lat, q_rope], dim=-1)
-    o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
-                                   metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
-                                   softmax_scale=layer.scaling, causal=True, out_dtype=q_lat.dtype, impl=impl,
-                                   **descales)
-    return o.view(T, H, r)
+        q_cat, q_scale = torch.cat([q_lat, q_rope], dim=-1), None
+    return _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, q_lat.dtype, impl)
 
 
 def _check_fp8_read(kernel: DecodeKernel, kv_paged: torch.Tensor, kv_scale, layer: AttentionLayer) -> bool:
@@ -236,15 +227,22 @@ def _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_s
     per-head matmul after its combine, or inside the combine with ``KernelConfig.fused_projection``). An FP8 cache
     adds ``descale_k`` only (q is never rounded to e4m3)."""
     bs, sq = _check_whole_row(DecodeKernel.SPLITKV, q_nope, layer, metadata, schedule)
-    T, H = q_nope.shape[0], layer.num_heads
-    r, width, w = layer.mla.kv_lora_rank, layer.mla.latent_dim, layer.mla_weights
+    w = layer.mla_weights
+    return _splitkv(absorb_query(q_nope, w, impl=impl), q_rope, bs, sq, layer, metadata, kv_paged, schedule,
+                    kv_scale, impl, w_uv=w.w_uv)
+
+
+def _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl, w_uv=None) -> torch.Tensor:
+    """The split-KV call of a checked step: o [T, H, r] (o_lat), or [T, H, d_v] projected by ``w_uv``; q_lat and
+    q_rope read where they lie; ``kv_scale`` (FP8 cache) is the only descale."""
+    T, H = q_lat.shape[0], layer.num_heads
+    r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
     descales = {} if kv_scale is None else dict(descale_k=kv_scale)
-    q_lat = absorb_query(q_nope, w, impl=impl)
-    o, _ = ops.splitkv_mla_with_kvcache(q_lat.view(bs, sq, H, r), kv_paged, metadata.page_table,
+    o, _ = ops.splitkv_mla_with_kvcache(q_lat.reshape(bs, sq, H, r), kv_paged, metadata.page_table,
                                         metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
-                                        softmax_scale=layer.scaling, causal=True, q_rope=q_rope.view(bs, sq, H, width - r),
-                                        w_uv=w.w_uv, impl=impl, **descales)
-    return o.view(T, H, w.v_head_dim)
+                                        softmax_scale=layer.scaling, causal=True,
+                                        q_rope=q_rope.reshape(bs, sq, H, width - r), w_uv=w_uv, impl=impl, **descales)
+    return o.view(T, H, o.shape[-1])
 
 
 def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
@@ -255,15 +253,24 @@ def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_sca
     bs, sq = _check_whole_row(DecodeKernel.FLASHMLA, q_nope, layer, metadata, schedule)
     T, H = q_nope.shape[0], layer.num_heads
     r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
-    descales = {} if kv_scale is None else dict(descale_k=kv_scale)
-    kw = dict(head_dim_v=r, schedule=schedule, softmax_scale=layer.scaling, causal=True, impl=impl)
+    q_scale = None
     if kv_scale is not None:
         q_cat, q_scale = ops.absorb_query_e4m3(q_nope, layer.mla_weights.w_uk, q_rope, impl=impl)
-        descales["descale_q"] = q_scale
     else:
         q_cat = torch.empty(T, H, width, dtype=q_nope.dtype, device=q_nope.device)
         absorb_query(q_nope, layer.mla_weights, out=q_cat[..., :r], impl=impl)
         q_cat[..., r:].copy_(q_rope)
+    return _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, q_nope.dtype, impl)
+
+
+def _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, out_dtype, impl) -> torch.Tensor:
+    """The FlashMLA call of a checked step on the whole-row query ``q_cat`` [T, H, r + d_rope] -> o_lat [T, H, r];
+    an FP8 cache passes both descales (``q_scale``: the query's, per step)."""
+    T, H, width = q_cat.shape
+    r = layer.mla.kv_lora_rank
+    descales = {} if kv_scale is None else dict(descale_k=kv_scale, descale_q=q_scale)
     o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
-                                   metadata.cache_seqlens, out_dtype=q_nope.dtype, **kw, **descales)
+                                   metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
+                                   softmax_scale=layer.scaling, causal=True, out_dtype=out_dtype, impl=impl,
+                                   **descales)
     return o.view(T, H, r)

@@ -79,7 +79,7 @@ class SGLangMLABackend(AttentionBackend):
                                   prefill_path="auto" if self.kv_fp8 else "absorbed")
         self.max_context = int(req_to_token.shape[1])
         self._layers: dict[int, AttentionLayer] = {}
-        self._step: tuple[object, ForwardBatch, AttentionMetadata] | None = None  # (SGLang's fb, ours, metadata)
+        self._step: tuple[ForwardBatch, AttentionMetadata | None] | None = None  # (our batch, its metadata)
 
     # ------------------------------------------------------------------------------ per step
     def init_forward_metadata(self, forward_batch) -> None:
@@ -93,7 +93,7 @@ class SGLangMLABackend(AttentionBackend):
         else:
             self.backend.init_forward_metadata(batch)
             md = self.backend.step_plan.metadata
-        self._step = (forward_batch, batch, md)
+        self._step = (batch, md)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Our capture buffers, once, for up to ``max_bs`` requests at the pool's whole context. With device
@@ -119,7 +119,7 @@ class SGLangMLABackend(AttentionBackend):
         mode = batch.forward_mode
         if mode.is_idle():  # a data-parallel rank with nothing this step: no kernel reads the metadata
             self.backend.init_forward_metadata(batch)
-            self._step = (forward_batch, batch, None)
+            self._step = (batch, None)
             return
         if not mode.is_graph_capturable():
             raise UnsupportedStepError(f"CUDA graphs of {mode.name} steps are not served by mla_fa3 (DECODE and "
@@ -129,12 +129,12 @@ class SGLangMLABackend(AttentionBackend):
                 batch.batch_size, mode, num_draft_tokens=max(batch.num_draft_tokens, 1))
         else:
             md = self.backend.init_forward_metadata_replay_cuda_graph(batch, bs=batch.batch_size)
-        self._step = (forward_batch, batch, md)
+        self._step = (batch, md)
 
     @property
     def forward_metadata(self) -> AttentionMetadata | None:
         """The current step's metadata (our ``AttentionMetadata``), None before a step."""
-        return None if self._step is None else self._step[2]
+        return None if self._step is None else self._step[1]
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.backend.get_cuda_graph_seq_len_fill_value()
@@ -159,7 +159,7 @@ class SGLangMLABackend(AttentionBackend):
                                        "...): this model needs another SGLang backend")
         if self._step is None:
             raise ValueError("forward_batch: init_forward_metadata (or a CUDA-graph update) must run before forward")
-        _, batch, md = self._step
+        batch, md = self._step
         H = int(layer.tp_q_head_num)
         if batch.forward_mode.is_idle():
             return q.new_empty(0, H * int(layer.v_head_dim))
