@@ -51,6 +51,7 @@ __all__ = [
     "decompress_kv",
     "forward_absorbed",
     "attend_latent",
+    "attend_prefix",
     "check_query",
 ]
 
@@ -178,6 +179,30 @@ def attend_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLay
     return _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, q_lat.dtype, impl)
 
 
+def attend_prefix(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata,
+                  kv_paged: torch.Tensor, *, kernel: DecodeKernel = DecodeKernel.FA3,
+                  schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | ops.FA3Schedule | None = None,
+                  kv_scale: torch.Tensor | None = None, impl=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix part of a tree step: every query row of request b over all ``cache_seqlens[b]`` keys, with no
+    causal mask -> (o_lat [T, H, r], lse [T, H] float32 natural log). One call of the step's decode kernel with
+    ``max_seqlen_q`` query rows per request (FA3 varlen q; FlashMLA / split-KV ``[bs, sq, ...]``), schedules and
+    FP8 rules as :func:`attend_latent` (a FlashMLA / split-KV schedule planned for these lengths and rows)."""
+    fp8 = _check_fp8_read(kernel, kv_paged, kv_scale, layer)
+    if kernel is DecodeKernel.FA3:
+        return _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl, causal=False, return_lse=True)
+    bs, sq = _check_whole_row(kernel, q_lat, layer, metadata, schedule)
+    kv_scale = kv_scale if fp8 else None
+    if kernel is DecodeKernel.SPLITKV:
+        return _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl, causal=False,
+                        return_lse=True)
+    if fp8:
+        q_cat, q_scale = ops.quantize_query_e4m3(q_lat, q_rope, impl=impl)
+    else:
+        q_cat, q_scale = torch.cat([q_lat, q_rope], dim=-1), None
+    return _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, q_lat.dtype, impl,
+                     causal=False, return_lse=True)
+
+
 def _check_fp8_read(kernel: DecodeKernel, kv_paged: torch.Tensor, kv_scale, layer: AttentionLayer) -> bool:
     """Whether ``kv_paged`` is an e4m3 cache, after refusing the reads it cannot take (named errors, no kernel run)."""
     fp8 = kv_paged.dtype == FP8_DTYPE
@@ -190,8 +215,9 @@ def _check_fp8_read(kernel: DecodeKernel, kv_paged: torch.Tensor, kv_scale, laye
     return fp8
 
 
-def _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl) -> torch.Tensor:
-    """o_lat [T, H, r] through FA3 with ``qv``: q = q_rope over the k_rope view, qv = q_lat over the c_kv view."""
+def _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl, *, causal=True, return_lse=False):
+    """o_lat [T, H, r] through FA3 with ``qv``: q = q_rope over the k_rope view, qv = q_lat over the c_kv view
+    (with ``return_lse``: (o_lat, lse [T, H]))."""
     r = layer.mla.kv_lora_rank
     cu_seqlens_q, max_seqlen_q, cache_seqlens, page_table = _kernel_tables(layer, metadata)
     schedule = schedule if isinstance(schedule, ops.FA3Schedule) else None
@@ -199,9 +225,9 @@ def _fa3_latent(q_lat, q_rope, layer, metadata, kv_paged, schedule, impl) -> tor
         q_rope, kv_paged[..., r:], kv_paged[..., :r], qv=q_lat,
         page_table=page_table, cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        softmax_scale=layer.scaling, causal=True, window_size=layer.window_size,
+        softmax_scale=layer.scaling, causal=causal, window_size=layer.window_size,
         softcap=layer.logit_cap, num_splits=0 if schedule is None else schedule.key.num_splits, schedule=schedule,
-        impl=impl,
+        return_lse=return_lse, impl=impl,
     )
 
 
@@ -232,17 +258,20 @@ def _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_s
                     kv_scale, impl, w_uv=w.w_uv)
 
 
-def _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl, w_uv=None) -> torch.Tensor:
+def _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl, w_uv=None, *, causal=True,
+             return_lse=False):
     """The split-KV call of a checked step: o [T, H, r] (o_lat), or [T, H, d_v] projected by ``w_uv``; q_lat and
-    q_rope read where they lie; ``kv_scale`` (FP8 cache) is the only descale."""
+    q_rope read where they lie; ``kv_scale`` (FP8 cache) is the only descale. ``return_lse``: (o, lse [T, H])."""
     T, H = q_lat.shape[0], layer.num_heads
     r, width = layer.mla.kv_lora_rank, layer.mla.latent_dim
     descales = {} if kv_scale is None else dict(descale_k=kv_scale)
-    o, _ = ops.splitkv_mla_with_kvcache(q_lat.reshape(bs, sq, H, r), kv_paged, metadata.page_table,
-                                        metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
-                                        softmax_scale=layer.scaling, causal=True,
-                                        q_rope=q_rope.reshape(bs, sq, H, width - r), w_uv=w_uv, impl=impl, **descales)
-    return o.view(T, H, o.shape[-1])
+    o, lse = ops.splitkv_mla_with_kvcache(q_lat.reshape(bs, sq, H, r), kv_paged, metadata.page_table,
+                                          metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
+                                          softmax_scale=layer.scaling, causal=causal,
+                                          q_rope=q_rope.reshape(bs, sq, H, width - r), w_uv=w_uv, impl=impl,
+                                          **descales)
+    o = o.view(T, H, o.shape[-1])
+    return (o, lse.view(T, H)) if return_lse else o
 
 
 def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_scale, impl) -> torch.Tensor:
@@ -263,14 +292,17 @@ def _flashmla_latent(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_sca
     return _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, q_nope.dtype, impl)
 
 
-def _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, out_dtype, impl) -> torch.Tensor:
-    """The FlashMLA call of a checked step on the whole-row query ``q_cat`` [T, H, r + d_rope] -> o_lat [T, H, r];
-    an FP8 cache passes both descales (``q_scale``: the query's, per step)."""
+def _flashmla(q_cat, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, q_scale, out_dtype, impl, *, causal=True,
+              return_lse=False):
+    """The FlashMLA call of a checked step on the whole-row query ``q_cat`` [T, H, r + d_rope] -> o_lat [T, H, r]
+    (``return_lse``: (o_lat, lse [T, H])); an FP8 cache passes both descales (``q_scale``: the query's, per step)."""
     T, H, width = q_cat.shape
     r = layer.mla.kv_lora_rank
     descales = {} if kv_scale is None else dict(descale_k=kv_scale, descale_q=q_scale)
     o = ops.flash_mla_with_kvcache(q_cat.view(bs, sq, H, width), kv_paged, metadata.page_table,
                                    metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
-                                   softmax_scale=layer.scaling, causal=True, out_dtype=out_dtype, impl=impl,
-                                   **descales)
+                                   softmax_scale=layer.scaling, causal=causal, out_dtype=out_dtype,
+                                   return_lse=return_lse, impl=impl, **descales)
+    if return_lse:
+        return o[0].view(T, H, r), o[1].view(T, H)
     return o.view(T, H, r)

@@ -11,6 +11,7 @@ The step, as the engine and the model drive it:
             store the new latent rows at batch.out_cache_loc                 (kv/pools.py)
             path, kernel = plan.route(layer); schedule = plan.schedule_for(layer, kernel)
             ABSORBED     -> absorb.forward_absorbed(q, layer, metadata, pool, kernel, schedule)
+                            (a tree step: absorb_tree.forward_absorbed_tree — prefix + tree part, LSE merge)
             MHA_ONESHOT / MHA_CHUNKED -> chunked_prefix.forward_mha_prefill(q, latent, layer, metadata,
                                                                              pool, plan.prefill)
             MHA / CROSS layers        -> mha_fallback.forward(...)
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fa3 import absorb, chunked_prefix, mha_fallback, ops
+from mla_fa3 import absorb, absorb_tree, chunked_prefix, mha_fallback, ops
 from mla_fa3.backend_config import resolve_config
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
@@ -65,6 +66,7 @@ from mla_fa3.plan import PathRecord, StepPlan, StepPlanner, mean_seqlen
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
+from mla_fa3.tree import DraftTreeError
 
 __all__ = ["MLABackend"]
 
@@ -187,6 +189,12 @@ class MLABackend:
         plan = self._plan_for(q, layer, batch)
         if plan.path is AttentionPath.IDLE:
             return torch.empty(0, layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device)
+        tree = plan.metadata is not None and plan.metadata.tree is not None
+        if tree and layer.kind is not LayerKind.MLA:
+            raise DraftTreeError(f"layer {layer.layer_id} (LayerKind.{layer.kind.name}): a tree step runs MLA layers "
+                                 "only (the MHA fallback has no tree form)")
+        if tree:
+            absorb_tree.check_tree_layer(layer)
         if layer.kind is not LayerKind.MLA:
             if self.mha_pool is None:
                 raise ValueError(f"kv_pool has no MHATokenPool for layer {layer.layer_id} (LayerKind.{layer.kind.name})")
@@ -208,8 +216,9 @@ class MLABackend:
             return chunked_prefix.forward_mha_prefill(q, latent_new, layer, plan.metadata, kv_paged, plan.prefill,
                                                       kv_scale=kv_scale, absorbed_kernel=kernel,
                                                       schedule=schedule, impl=self.impl, graphs=self.prefill_graphs)
-        return absorb.forward_absorbed(q, layer, plan.metadata, kv_paged, kernel=kernel, schedule=schedule,
-                                       kv_scale=kv_scale, impl=self.impl, validate=False)
+        attend = absorb_tree.forward_absorbed_tree if tree else absorb.forward_absorbed
+        return attend(q, layer, plan.metadata, kv_paged, kernel=kernel, schedule=schedule, kv_scale=kv_scale,
+                      impl=self.impl, validate=False)
 
     # ------------------------------------------------------------------------------ checks and store
     def _plan_for(self, q, layer: AttentionLayer, batch: ForwardBatch) -> StepPlan:
@@ -307,26 +316,30 @@ class MLABackend:
         plan.prologue_pending = False
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
-                                                 num_draft_tokens: int = 1, kernel: DecodeKernel | None = None):
+                                                 num_draft_tokens: int = 1, kernel: DecodeKernel | None = None,
+                                                 tree_shape: tuple[int, int] | None = None):
         """Plan a graph of ``bs`` requests in ``mode`` over views of the capture buffers; returns its metadata.
 
         ``kernel``: the absorbed kernel to record (one of :meth:`graph_kernels`); None chooses one for
         ``bs`` at ``max_context``. Capture once per kernel to let each replay pick the faster one.
         ``bs`` may also be the graph's static ``ForwardBatch`` (mode, size and draft tokens are read from
-        it; how ``graphs.runner.GraphRunner`` calls it). Call OUTSIDE ``torch.cuda.graph(...)``: it plans
+        it; how ``graphs.runner.GraphRunner`` calls it). ``tree_shape`` (m, n): a tree step's graph (a static batch
+        with a tree gives its shape), replayed only by batches whose tree has that shape. Call OUTSIDE ``torch.cuda.graph(...)``: it plans
         on the host (the kernel choice, the split-KV schedule) and allocates the captured FlashMLA schedule.
         """
         batch = None
         if isinstance(bs, ForwardBatch):
             batch = bs
             bs, mode, num_draft_tokens = batch.batch_size, batch.forward_mode, max(batch.num_draft_tokens, 1)
+            tree_shape = None if batch.tree is None else batch.tree.shape
         if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
             raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE for a CUDA graph, got {mode!r}")
         check_int(bs, "bs")
         if kernel is not None and kernel not in self.graph_kernels():
             raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {self.graph_kernels()}")
         k = queries_per_request(mode, num_draft_tokens)
-        md = self.builder.capture(bs, mode, num_draft_tokens=k)
+        md = self.builder.capture(bs, mode, num_draft_tokens=k, tree_shape=tree_shape)
+        k = _graph_shape(k, tree_shape)
         if kernel is None:
             kernel, reason = self.planner.kernel_choice.choose_decode_kernel(bs, md.max_seqlen_k)
         else:
@@ -350,7 +363,7 @@ class MLABackend:
         ``bs``: the captured batch size to replay (default: the smallest captured one that fits).
         """
         mode = batch.forward_mode
-        k = queries_per_request(mode, batch.num_draft_tokens)
+        k = _graph_shape(queries_per_request(mode, batch.num_draft_tokens), None if batch.tree is None else batch.tree.shape)
         captured = self._graph_sizes.get((mode, k))
         if captured is None:  # sizes and kernels of (mode, k), sorted once per capture
             captured = self._graph_sizes[(mode, k)] = _captured_sizes(self._graph, mode, k)
@@ -391,6 +404,11 @@ class MLABackend:
         plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
         self.step_plan = plan
         return md
+
+
+def _graph_shape(k: int, tree_shape: tuple[int, int] | None) -> int | tuple:
+    """The per-request shape a graph is keyed by: ``k`` queries (a chain), or ``("tree", m, n)``."""
+    return k if tree_shape is None else ("tree", *tree_shape)
 
 
 def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int], dict[int, list[DecodeKernel]]]:

@@ -10,6 +10,12 @@ Symbols (per request ``b`` of a batch of ``bs`` requests):
 - ``T``         = ``sum_b new_b``: rows of the token-major tensors (queries, ``out_cache_loc``,
   ``positions``), ordered request by request.
 
+Tree steps (EAGLE with topk > 1, :mod:`mla_fa3.tree`): a TARGET_VERIFY or DRAFT_DECODE batch with a
+``tree`` (:class:`~mla_fa3.tree.DraftTree`, mask ``[bs, m, n]``): ``m`` queries per request (k for verify,
+``topk`` for a draft step, then also ``num_draft_tokens``), the last ``n`` tokens of each row are the tree
+keys, ``seq_lens - n`` the prefix every query sees whole (``>= 1``). Without a tree, verify is the causal
+chain of today.
+
 Every length lives twice: on the device (for kernels) and as a ``*_cpu`` int32 copy (for host-side
 maxima, shapes and checks), so that no hot path ever syncs device->host. The constructors
 (:meth:`ForwardBatch.extend`, :meth:`ForwardBatch.decode`, :meth:`ForwardBatch.verify`,
@@ -32,6 +38,7 @@ import torch
 from torch import Tensor
 
 from mla_fa3.checks import check_int
+from mla_fa3.tree import DraftTree, DraftTreeError, check_tree_fits, tree_positions
 
 __all__ = ["ForwardMode", "ForwardBatch", "to_device", "queries_per_request"]
 
@@ -73,8 +80,13 @@ class ForwardMode(enum.Enum):
 
 def queries_per_request(mode: ForwardMode, num_draft_tokens: int) -> int:
     """Query tokens per request of a decode-like or verify step: ``num_draft_tokens`` for TARGET_VERIFY
-    (k draft tokens verified at once), else 1. Extend-like steps have per-request lengths instead."""
-    return num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 1
+    (k draft tokens verified at once); for DRAFT_DECODE 1, or ``topk`` (= ``num_draft_tokens`` > 1) for a
+    step of a draft tree; else 1. Extend-like steps have per-request lengths instead."""
+    if mode is ForwardMode.TARGET_VERIFY:
+        return num_draft_tokens
+    if mode is ForwardMode.DRAFT_DECODE:
+        return max(num_draft_tokens, 1)
+    return 1
 
 
 def to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
@@ -173,11 +185,13 @@ class ForwardBatch:
     encoder_lens: Tensor | None = None  # [bs] int32, device — cross-attention encoder tokens
     encoder_lens_cpu: Tensor | None = None  # [bs] int32, cpu
     encoder_out_cache_loc: Tensor | None = None  # [sum enc new] int64, device — where encoder K/V go
-    num_draft_tokens: int = 0  # TARGET_VERIFY: k draft tokens per request (T = bs * k)
+    num_draft_tokens: int = 0  # TARGET_VERIFY: k draft tokens per request (T = bs * k); DRAFT_DECODE of a
+    #   tree: topk, its queries per request (T = bs * topk); else 0
     draft_step: int = 0  # DRAFT_DECODE: step i of a multi-step draft
     positions: Tensor | None = None  # [T] int64, device — absolute position of each new token
     req_pool_indices_cpu: Tensor | None = None  # [bs] int64, cpu — copy of req_pool_indices (None: given
     #   on the device only; the builder then checks row ownership on the host only for CPU / debug_checks)
+    tree: DraftTree | None = None  # TARGET_VERIFY / DRAFT_DECODE with topk > 1: mask [bs, m, n] (mla_fa3.tree)
 
     def __post_init__(self) -> None:
         self.check()
@@ -231,9 +245,16 @@ class ForwardBatch:
             if num_tokens != bs * k:
                 raise ValueError(f"out_cache_loc must hold batch_size * num_draft_tokens = {bs * k} "
                                  f"slots, got {num_tokens}")
-        elif mode.is_decode_like() and num_tokens != bs:
-            raise ValueError(f"out_cache_loc must hold one slot per request ({bs}) in {mode.name}, "
-                             f"got {num_tokens}")
+        elif mode.is_decode_like():
+            per = queries_per_request(mode, check_int(self.num_draft_tokens, "num_draft_tokens", minimum=0))
+            if num_tokens != bs * per:
+                raise ValueError(f"out_cache_loc must hold {per} slot(s) per request ({bs * per}) in {mode.name}, "
+                                 f"got {num_tokens}")
+        if self.tree is not None:
+            self._check_tree(bs)
+        elif mode is ForwardMode.DRAFT_DECODE and self.num_draft_tokens > 1:
+            raise DraftTreeError(f"num_draft_tokens = {self.num_draft_tokens} queries per request in DRAFT_DECODE "
+                                 "needs a tree (the branches' masks)")
         seq = self.seq_lens_cpu.numpy()
         if bs and int(seq.min()) < self.new_tokens_per_request_min():
             raise ValueError(f"seq_lens must be >= the new tokens of each request, got "
@@ -250,6 +271,14 @@ class ForwardBatch:
         # host maxima read once per batch (seq_lens_max / seq_lens_sum), with the checks
         self.__dict__["_seq_stats"] = (int(seq.max()), int(seq.sum(dtype=np.int64))) if bs else (0, 0)
         self.__dict__["_checked"] = True
+
+    def _check_tree(self, bs: int) -> None:
+        mode = self.forward_mode
+        if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE):
+            raise DraftTreeError(f"tree is for TARGET_VERIFY and DRAFT_DECODE steps, got {mode.name}")
+        check_tree_fits(self.tree, verify=mode is ForwardMode.TARGET_VERIFY, batch_size=bs,
+                        queries=queries_per_request(mode, self.num_draft_tokens), seq_lens=self.seq_lens,
+                        seq_lens_cpu=self.seq_lens_cpu)
 
     # ------------------------------------------------------------------ derived host values
     @property
@@ -279,9 +308,7 @@ class ForwardBatch:
             return 0
         if self.forward_mode.is_extend_like():
             return int(self.extend_seq_lens_cpu.min())
-        if self.forward_mode is ForwardMode.TARGET_VERIFY:
-            return self.num_draft_tokens
-        return 1
+        return queries_per_request(self.forward_mode, self.num_draft_tokens)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -320,27 +347,40 @@ class ForwardBatch:
     @classmethod
     def verify(cls, req_pool_indices: IntsLike, seq_lens: IntsLike, out_cache_loc: IntsLike,
                device: torch.device | str, num_draft_tokens: int,
-               positions: IntsLike | None = None, encoder_lens: IntsLike | None = None) -> "ForwardBatch":
-        """TARGET_VERIFY batch: ``k = num_draft_tokens`` queries per request; ``seq_lens`` include them."""
+               positions: IntsLike | None = None, encoder_lens: IntsLike | None = None,
+               tree: DraftTree | None = None) -> "ForwardBatch":
+        """TARGET_VERIFY batch: ``k = num_draft_tokens`` queries per request; ``seq_lens`` include them.
+
+        ``tree`` (EAGLE topk > 1): the k tokens' tree (``DraftTree.from_parents`` / ``from_mask`` /
+        ``from_sglang_custom_mask``); default positions are then ``prefix + depth``. None: the causal chain."""
         check_int(num_draft_tokens, "num_draft_tokens")
         device = torch.device(device)
         seq_cpu = _cpu_int32(seq_lens, "seq_lens")
         loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        if positions is None and tree is not None:
+            positions = tree_positions(seq_cpu, tree)
         return cls._make(ForwardMode.TARGET_VERIFY, req_pool_indices, seq_cpu, loc, device,
                          torch.full_like(seq_cpu, num_draft_tokens), positions, encoder_lens, None,
-                         num_draft_tokens=num_draft_tokens)
+                         num_draft_tokens=num_draft_tokens, tree=tree)
 
     @classmethod
     def draft_decode(cls, req_pool_indices: IntsLike, seq_lens: IntsLike, out_cache_loc: IntsLike,
                      device: torch.device | str, step: int, positions: IntsLike | None = None,
-                     encoder_lens: IntsLike | None = None) -> "ForwardBatch":
-        """DRAFT_DECODE step ``step``: one query per request; ``seq_lens`` include this step's token."""
+                     encoder_lens: IntsLike | None = None, tree: DraftTree | None = None) -> "ForwardBatch":
+        """DRAFT_DECODE step ``step``: one query per request; ``seq_lens`` include this step's token.
+
+        ``tree`` (``DraftTree.draft``, mask [bs, topk, n]): ``topk`` queries per request (``out_cache_loc``
+        holds bs * topk slots), ``seq_lens`` = prefix + the n tree keys (see :mod:`mla_fa3.tree`)."""
         check_int(step, "step", minimum=0)
         device = torch.device(device)
         seq_cpu = _cpu_int32(seq_lens, "seq_lens")
         loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        per = 1 if tree is None else tree.num_queries
+        if positions is None and tree is not None:
+            positions = tree_positions(seq_cpu, tree)
         return cls._make(ForwardMode.DRAFT_DECODE, req_pool_indices, seq_cpu, loc, device,
-                         torch.ones_like(seq_cpu), positions, encoder_lens, None, draft_step=step)
+                         torch.full_like(seq_cpu, per), positions, encoder_lens, None, draft_step=step,
+                         num_draft_tokens=0 if tree is None else per, tree=tree)
 
     @classmethod
     def idle(cls, device: torch.device | str) -> "ForwardBatch":
@@ -358,7 +398,7 @@ class ForwardBatch:
               device: torch.device, new_cpu: Tensor, positions: IntsLike | None,
               encoder_lens: IntsLike | None, encoder_out_cache_loc: IntsLike | None, *,
               prefix_cpu: Tensor | None = None, num_draft_tokens: int = 0,
-              draft_step: int = 0) -> "ForwardBatch":
+              draft_step: int = 0, tree: DraftTree | None = None) -> "ForwardBatch":
         bs = seq_cpu.shape[0]
         rows, rows_cpu = _index_tensors(req_pool_indices, "req_pool_indices", device)
         if rows.shape[0] != bs:
@@ -392,7 +432,7 @@ class ForwardBatch:
                    extend_seq_lens_cpu=new_cpu if extend_like else None,
                    encoder_lens=enc_dev, encoder_lens_cpu=enc_cpu, encoder_out_cache_loc=enc_loc,
                    num_draft_tokens=num_draft_tokens, draft_step=draft_step, positions=pos,
-                   req_pool_indices_cpu=rows_cpu)
+                   req_pool_indices_cpu=rows_cpu, tree=tree)
 
 
 def _check(t: object, name: str, dtypes: tuple, length: int | None, *, cpu: bool = False) -> None:

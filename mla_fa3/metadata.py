@@ -5,12 +5,17 @@ Symbols (request ``b`` of ``bs``; ``p`` = page size): ``L_b`` = ``seq_lens[b]`` 
 step (prefix + new, every mode), ``n_b`` new tokens (queries), ``P_b = L_b - n_b`` cached prefix.
 
 - ``cache_seqlens[b] = L_b``;  ``cu_seqlens_k = [0, L_0, L_0+L_1, ...]``;
-- ``cu_seqlens_q``: DECODE / DRAFT_DECODE ``arange(bs+1)``; TARGET_VERIFY ``arange(0, bs*k+1, k)``;
+- ``cu_seqlens_q``: DECODE / DRAFT_DECODE ``arange(bs+1)``; TARGET_VERIFY ``arange(0, bs*k+1, k)`` (a draft
+  tree's step: ``arange(0, bs*topk+1, topk)``);
   EXTEND / MIXED / DRAFT_EXTEND ``[0, n_0, n_0+n_1, ...]``;
 - ``max_seqlen_q`` / ``max_seqlen_k``: host ints from the ``*_cpu`` copies (1, k or max n_b; max L_b);
 - ``page_table[b, j] = req_to_token[row_b, c0_b + j*p] // p`` for ``j < ceil(L_b / p)``, else 0, over
   ``ceil(max L / p)`` columns (``c0_b`` = the request's encoder region width, 0 without one). FA3 with
   bottom-right causal masking then gives query ``i`` of ``n_b`` the keys ``0 .. P_b + i``.
+
+Tree steps (a batch with a ``tree``, :mod:`mla_fa3.tree`): the metadata is the *prefix's* — ``L_b`` above is
+``seq_lens[b] - n`` (the n tree keys excluded), the page table covers the prefix — and ``tree``
+(:class:`~mla_fa3.tree.TreeMetadata`) holds the mask and the tree keys' slots for the tree part.
 
 Sliding window needs no metadata: FA3 takes ``window_size=(left, 0)`` per layer over the same page
 table, so the layer passes it (``AttentionLayer.sliding_window``). Local (chunked) attention does need
@@ -39,7 +44,9 @@ from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.kv.pools import check_page_size, same_device
 from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, capture_views, derive_tables,
                                    replay_into)
+from mla_fa3.graphs.tree_buffers import TreeBuffers
 from mla_fa3.pages import cumsum_padded, gather_page_table, local_layout
+from mla_fa3.tree import DraftTreeError, TreeMetadata, check_tree_step, tree_key_slots
 
 __all__ = ["AttentionMetadata", "LocalAttentionMetadata", "EncoderMetadata", "MetadataBuilder"]
 
@@ -89,6 +96,7 @@ class AttentionMetadata:
     extend_lens_cpu: Tensor | None = None  # [bs] int32, cpu — new tokens per request
     local: LocalAttentionMetadata | None = None  # when the builder has attention_chunk_size
     encoder: EncoderMetadata | None = None  # when the batch has encoder_lens
+    tree: TreeMetadata | None = None  # a tree step (then cache_seqlens are the prefixes, see the module doc)
     is_capture: bool = False  # tensors are views of CUDA-graph buffers (updated by replay)
 
     @property
@@ -135,6 +143,7 @@ class MetadataBuilder:
         self.debug_checks = bool(debug_checks)
         self.num_slots = num_slots
         self.capture_buffers: CaptureBuffers | None = None
+        self.tree_buffers: dict[tuple[int, int], TreeBuffers] = {}  # per captured tree shape (m, n)
         self._col_index = torch.arange(-(-self.max_context // page_size), dtype=torch.int64, device=self.device)
         self._zero32 = torch.zeros(1, dtype=torch.int32, device=self.device)
 
@@ -163,7 +172,11 @@ class MetadataBuilder:
         rows = batch.req_pool_indices.cpu() if check_values else batch.req_pool_indices_cpu
         if rows is not None:
             self._check_rows(batch, rows)
-        if check_values:
+        if batch.tree is not None:
+            check_tree_step(batch.tree, self.req_to_token, rows, batch.seq_lens_cpu, batch.out_cache_loc,
+                            has_encoder=batch.encoder_lens is not None, check_values=check_values,
+                            reread=self.debug_checks)
+        if check_values and (batch.tree is None or batch.tree.verify):
             self._check_out_cache_loc(batch, rows)
         if self.debug_checks:
             for dev, cpu in (("req_pool_indices", "req_pool_indices_cpu"), ("seq_lens", "seq_lens_cpu"),
@@ -211,7 +224,7 @@ class MetadataBuilder:
         """Host values (CPU tensors, or a GPU under debug_checks): every new token's slot is in the pool,
         is the slot ``req_to_token`` gives that token of its request (so the request owns it and the
         kernels read it back), and no two tokens share one. A CUDA-graph padding request (every new
-        token to slot 0, no cached keys) is exempt: it writes and reads only the padding page."""
+        token to slot 0, no cached keys — a tree step's: one) is exempt: it writes and reads only the padding page."""
         loc = batch.out_cache_loc.cpu()
         if not loc.numel():
             return
@@ -223,7 +236,8 @@ class MetadataBuilder:
         new = self.new_tokens_cpu(batch).to(torch.int64)
         seq = batch.seq_lens_cpu.to(torch.int64)
         req = torch.repeat_interleave(torch.arange(batch.batch_size), new)  # request of each new token
-        pad_req = (seq == new) & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
+        pad_seq = new if batch.tree is None else new + 1  # a tree's padding request keeps a prefix of 1
+        pad_req = (seq == pad_seq) & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
         live = ~pad_req[req]
         loc_live = loc[live]
         if loc_live.unique().numel() != loc_live.numel():
@@ -273,15 +287,15 @@ class MetadataBuilder:
                                      cu_seqlens_q=self._zero32, cu_seqlens_k=self._zero32, max_seqlen_q=0,
                                      max_seqlen_k=0, page_table=empty.view(0, 0),
                                      cache_seqlens_cpu=batch.seq_lens_cpu, num_draft_tokens=batch.num_draft_tokens)
-        seq_lens = batch.seq_lens
-        max_k = int(batch.seq_lens_cpu.max())
+        seq_lens, seq_cpu, tree = batch.seq_lens, batch.seq_lens_cpu, batch.tree
+        if tree is not None:  # the prefix part's metadata (module doc)
+            seq_lens, seq_cpu = seq_lens - tree.num_keys, seq_cpu - tree.num_keys
+        max_k = int(seq_cpu.max())
         if mode.is_extend_like():
             cu_q, max_q = cumsum_padded(batch.extend_seq_lens), int(batch.extend_seq_lens_cpu.max())
-        elif mode is ForwardMode.TARGET_VERIFY:
-            k = batch.num_draft_tokens
-            cu_q, max_q = torch.arange(0, bs * k + 1, k, dtype=torch.int32, device=self.device), k
         else:
-            cu_q, max_q = torch.arange(0, bs + 1, dtype=torch.int32, device=self.device), 1
+            k = queries_per_request(mode, batch.num_draft_tokens)
+            cu_q, max_q = torch.arange(0, bs * k + 1, k, dtype=torch.int32, device=self.device), k
         encoder = self._build_encoder(batch) if batch.encoder_lens is not None else None
         first_col = encoder.decoder_first_col if encoder is not None else None
         page_table = gather_page_table(self.req_to_token, batch.req_pool_indices, seq_lens,
@@ -291,13 +305,17 @@ class MetadataBuilder:
         md = AttentionMetadata(
             mode=mode, batch_size=bs, page_size=p, cache_seqlens=seq_lens, cu_seqlens_q=cu_q,
             cu_seqlens_k=cumsum_padded(seq_lens), max_seqlen_q=max_q, max_seqlen_k=max_k,
-            page_table=page_table, cache_seqlens_cpu=batch.seq_lens_cpu,
+            page_table=page_table, cache_seqlens_cpu=seq_cpu,
             num_draft_tokens=batch.num_draft_tokens,
             prefix_lens=batch.extend_prefix_lens if extend_like else None,
             prefix_lens_cpu=batch.extend_prefix_lens_cpu if extend_like else None,
             extend_lens_cpu=batch.extend_seq_lens_cpu if extend_like else None,
             encoder=encoder)
-        if self.attention_chunk_size is not None:
+        if tree is not None:
+            md.tree = TreeMetadata(num_queries=tree.num_queries, num_keys=tree.num_keys, mask=tree.mask,
+                                   key_slots=tree_key_slots(self.req_to_token, batch.req_pool_indices, seq_lens,
+                                                            tree.num_keys))
+        elif self.attention_chunk_size is not None:
             md.local = self._build_local(batch, first_col)
         return md
 
@@ -353,6 +371,7 @@ class MetadataBuilder:
             raise ValueError(f"max_context must be an int in [1, {self.max_context}], got {max_context!r}")
         device_tables = bool(device_tables) and not with_encoder and self.attention_chunk_size is None \
             and isinstance(max_bs, int) and max_bs * -(-max_context // self.page_size) <= DEVICE_TABLES_MAX_ENTRIES
+        self.tree_buffers = {}
         self.capture_buffers = CaptureBuffers.allocate(
             max_bs, max_context, self.page_size, self.device, max_num_draft_tokens=max_num_draft_tokens,
             with_encoder=with_encoder, attention_chunk_size=self.attention_chunk_size, pad_seqlen=pad_seqlen,
@@ -369,9 +388,16 @@ class MetadataBuilder:
         if buf.device_tables:
             derive_tables(buf, metadata.batch_size, self.req_to_token)
 
-    def capture(self, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1) -> AttentionMetadata:
-        """Metadata whose tensors are views ``[:bs]`` of the capture buffers, holding padding values."""
+    def capture(self, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1,
+                tree_shape: tuple[int, int] | None = None) -> AttentionMetadata:
+        """Metadata whose tensors are views ``[:bs]`` of the capture buffers, holding padding values.
+
+        ``tree_shape`` (m, n): a tree step's graph (TARGET_VERIFY with ``m = n = num_draft_tokens``, or DRAFT_DECODE
+        with ``m = num_draft_tokens`` = topk), its tree part in :class:`TreeBuffers` of that shape."""
         buf = self._buffers()
+        tree = None
+        if tree_shape is not None:
+            tree = TreeBuffers.for_capture(self.tree_buffers, buf, mode, num_draft_tokens, tree_shape)
         v = capture_views(buf, bs, mode, num_draft_tokens)
         encoder = local = None
         if buf.with_encoder:
@@ -388,8 +414,9 @@ class MetadataBuilder:
             mode=mode, batch_size=bs, page_size=self.page_size, cache_seqlens=v["cache_seqlens"],
             cu_seqlens_q=v["cu_seqlens_q"], cu_seqlens_k=v["cu_seqlens_k"], max_seqlen_q=v["max_seqlen_q"],
             max_seqlen_k=buf.max_context, page_table=v["page_table"],
-            num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 0,
-            local=local, encoder=encoder, is_capture=True)
+            num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY or tree is not None else 0,
+            local=None if tree is not None else local, encoder=encoder,
+            tree=None if tree is None else tree.views(bs), is_capture=True)
 
     def replay(self, batch: ForwardBatch, metadata: AttentionMetadata) -> None:
         """Update a captured ``metadata`` in place for ``batch`` (copy_/index ops only, no sync).
@@ -403,9 +430,17 @@ class MetadataBuilder:
         if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
             raise ValueError("metadata must come from MetadataBuilder.capture")
         self.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
+        tree = metadata.tree
+        if (tree is None) != (batch.tree is None) or (tree is not None and batch.tree.shape != (
+                tree.num_queries, tree.num_keys)):
+            want = "no tree" if tree is None else f"a tree of shape (m, n) = ({tree.num_queries}, {tree.num_keys})"
+            raise DraftTreeError(f"batch.tree does not fit the captured step: it was captured with {want}")
         replay_into(buf, batch, metadata.mode, metadata.batch_size, metadata.num_draft_tokens,
                     self.req_to_token, self._col_index,
                     self._span_np(batch) if batch.encoder_lens_cpu is not None else None)
+        if tree is not None:
+            self.tree_buffers[(tree.num_queries, tree.num_keys)].replay(
+                batch, metadata.batch_size, self.req_to_token, buf.cache_seqlens[:batch.batch_size])
         if metadata.encoder is not None:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
         if self.debug_checks and not buf.device_tables:  # device tables: derived later, inside the graph

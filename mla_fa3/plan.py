@@ -74,6 +74,7 @@ class PathRecord:
     kv_bytes: int | None = None  # latent-cache bytes one MLA layer reads this step (None: unknown, graphs)
     weight_bytes: int | None = None  # W_UK + W_UV bytes one MLA layer reads (None: heads / dims not given)
     num_splits: int | None = None  # split-KV work items (splits) per head tile, when the kernel is splitkv
+    tree: tuple[int, int] | None = None  # a tree step's (m queries, n tree keys) per request (mla_fa3.tree)
 
     @property
     def ran(self) -> str | None:
@@ -89,6 +90,7 @@ class PathRecord:
         kernel += f" ({self.num_splits} splits)" if self.num_splits is not None else ""
         impl = f" ({self.impl})" if self.impl else ""
         graph = " [graph]" if self.graph else ""
+        graph += f" [tree {self.tree[0]}x{self.tree[1]}]" if self.tree else ""
         others = ", also " + ", ".join(sorted(p.value for p in self.other_paths)) if self.other_paths else ""
         kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
         reads = [f"{name} {n / 2**20:.2f} MiB" for name, n in (("kv", self.kv_bytes), ("weights", self.weight_bytes))
@@ -169,6 +171,10 @@ def _same_step(a: ForwardBatch, b: ForwardBatch) -> bool:
              (a.extend_prefix_lens_cpu, b.extend_prefix_lens_cpu), (a.encoder_lens_cpu, b.encoder_lens_cpu)]
     if a.req_pool_indices_cpu is not None and b.req_pool_indices_cpu is not None:  # rows, when both know them
         pairs.append((a.req_pool_indices_cpu, b.req_pool_indices_cpu))
+    if a.tree is not b.tree:  # trees: the same object, or equal host copies
+        if a.tree is None or b.tree is None or a.tree.mask_cpu is None or b.tree.mask_cpu is None:
+            return False
+        pairs.append((a.tree.mask_cpu, b.tree.mask_cpu))
     for x, y in pairs:
         if (x is None) != (y is None) or (x is not None and x is not y and not torch.equal(x, y)):
             return False
@@ -231,6 +237,8 @@ class StepPlanner:
         (measured slower there), an FP8 pool (FA3 cannot read it), or heads / dims / dtype not given. Its split
         count is the policy's (``fa3_num_splits``); the layers ask FA3 for the same."""
         dims = self.mla_dims
+        if metadata.tree is not None:  # the tree's prefix call is not causal; this schedule is planned causal
+            return None
         if self.kv_fp8 or self.num_heads is None or dims is None or self._weight_dtype is None \
                 or not 0 < metadata.batch_size <= FA3_STEP_SCHEDULE_MAX_BATCH:
             return None
@@ -306,8 +314,14 @@ class StepPlanner:
                 schedule = self.fa3_schedule(metadata)
             if schedule is not None:
                 reason += "; FA3's tile schedule planned once for the step's layers"
+        tree = metadata.tree
+        if tree is not None:
+            reason += (f"; tree of {tree.num_queries} queries x {tree.num_keys} keys per request: the prefix on "
+                       f"{kernel.value} (no causal mask), the tree part dense in torch (ops.tree_attention), merged "
+                       "by LSE")
         record = self._record(metadata.mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=graph,
-                              kv_bytes=self._kv_bytes(batch), num_splits=splits)
+                              kv_bytes=self._kv_bytes(batch), num_splits=splits,
+                              tree=None if tree is None else (tree.num_queries, tree.num_keys))
         flashmla = schedule if kernel is DecodeKernel.FLASHMLA else None
         splitkv = schedule if kernel is DecodeKernel.SPLITKV else None
         fa3 = schedule if kernel is DecodeKernel.FA3 else None

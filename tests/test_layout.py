@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mla_fa3"
 # lowest first; a module may import modules of its own layer or of layers listed before it
 LAYERS: list[tuple[str, ...]] = [
     ("ops", "checks"),  # the kernel layer; argument checkers
-    ("batch",),  # what an engine hands the backend each step
+    ("batch", "tree"),  # what an engine hands the backend each step; speculative draft trees
     ("layer", "kv"),  # the per-layer description; KV memory (rows, pages, pools)
     ("pages",),  # page-table and local-attention index math
     ("graphs",),  # CUDA-graph capture buffers, static inputs, the graph runner
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("prefill_plan", "prefill_graph"),  # the MHA prefill's per-step chunks and row split; its CUDA graphs
     ("plan",),  # the typed per-step plan
     ("backend_config",),  # the backend's pools, decode kernel and FP8 rules, checked at construction
-    ("lse", "absorb", "chunked_prefix", "mha_fallback"),  # the compute paths
+    ("lse", "absorb", "absorb_tree", "chunked_prefix", "mha_fallback"),  # the compute paths
     ("backend",),  # plan once per step, route each layer
     ("draft_backend",),  # one backend per draft step
     ("models",),  # DeepSeek V2/V3 on the backend, the HF loader

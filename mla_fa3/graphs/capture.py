@@ -151,8 +151,8 @@ class CaptureBuffers:
 def _graph_queries_per_request(buf: CaptureBuffers, mode: ForwardMode, num_draft_tokens: int) -> int:
     if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
         raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE for a CUDA graph, got {mode!r}")
-    if mode is ForwardMode.TARGET_VERIFY:
-        check_int(num_draft_tokens, "num_draft_tokens", 1, buf.max_num_draft_tokens)
+    if mode is ForwardMode.TARGET_VERIFY or (mode is ForwardMode.DRAFT_DECODE and num_draft_tokens > 1):
+        check_int(num_draft_tokens, "num_draft_tokens", 1, buf.max_num_draft_tokens)  # a verify / draft tree's rows
     return queries_per_request(mode, num_draft_tokens)
 
 
@@ -185,7 +185,7 @@ def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs:
     if batch.forward_mode is not mode:
         raise ValueError(f"batch.forward_mode must be {mode.name} (the captured mode), got {batch.forward_mode.name}")
     q = _graph_queries_per_request(buf, mode, num_draft_tokens)
-    if mode is ForwardMode.TARGET_VERIFY and batch.num_draft_tokens != num_draft_tokens:
+    if queries_per_request(mode, batch.num_draft_tokens) != q:
         raise ValueError(f"batch.num_draft_tokens must be {num_draft_tokens} (captured), got {batch.num_draft_tokens}")
     n = batch.batch_size
     if n > bs:
@@ -198,12 +198,15 @@ def replay_into(buf: CaptureBuffers, batch: ForwardBatch, mode: ForwardMode, bs:
         span = seq if span is None else span
         raise ValueError(f"seq_lens exceed the captured max_context {buf.max_context} (encoder region "
                          f"included): {span.tolist()}")
-    _write(buf, bs, q, batch if n else None, req_to_token, seq)
+    tree_keys = 0 if batch.tree is None else batch.tree.num_keys
+    if tree_keys:  # a tree step's metadata is its prefix's: cache_seqlens = seq_lens - n (mla_fa3.tree)
+        seq = seq - tree_keys
+    _write(buf, bs, q, batch if n else None, req_to_token, seq, tree_keys)
 
 
 # ---------------------------------------------------------------------------------------- writes
 def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req_to_token: Tensor | None,
-           seq: np.ndarray | None) -> None:
+           seq: np.ndarray | None, tree_keys: int = 0) -> None:
     """Stage every 1-D table on the host, one copy to the device, then the page tables (``batch`` None:
     all padding; ``seq`` = ``batch.seq_lens_cpu`` as NumPy)."""
     p, pad, reg = buf.page_size, buf.pad_seqlen, buf.regions
@@ -249,7 +252,7 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
         _write_table(buf, "encoder", buf.enc_page_table, n, enc_pages, req_to_token, rows,
                      buf.enc_cache_seqlens[:n], None)
         first_col = buf.enc_first_col[:n]
-    pages = -(-batch.seq_lens_max // p) if n else 0
+    pages = -(-(batch.seq_lens_max - tree_keys) // p) if n else 0
     _write_table(buf, "decoder", buf.page_table, n, pages, req_to_token, rows, buf.cache_seqlens[:n], first_col)
     if buf.attention_chunk_size is not None:
         local_rows = torch.index_select(rows, 0, buf.local_req[:live]) if live else None

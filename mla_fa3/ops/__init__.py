@@ -45,6 +45,7 @@ from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_imp
                         resolve_impl, set_impl, use_impl)
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
+from .tree_attention import tree_attention
 from .triton_ops import (HEAD_MATMUL_MAX_ROWS, absorb_query_e4m3, fp8_fused_available, get_splitkv_schedule,
                          head_matmul, quantize_query_e4m3, replan_splitkv_schedule,
                          splitkv_available, splitkv_mla_with_kvcache, store_e4m3, store_rows)
@@ -107,6 +108,7 @@ __all__ = [
     "absorb_query_e4m3",
     "head_matmul",
     "HEAD_MATMUL_MAX_ROWS",
+    "tree_attention",
 ]
 
 Tensor = torch.Tensor
