@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the checkout root, after .kit1-3 (sgl-kernel) were set up in /tmp/site:
-# installs the SGLang wheels carried in .whl (and .whl2), makes the plugin's entry point visible, then runs
-#   $1 = tests | bench | engine | all  (results under $OUT)
+# On the GPU machine, from the checkout root, after the pieces of tools/device_pack.sh were copied to /tmp/up:
+# assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
+#   $1 = tests | bench | engine | onebatch | all  (results under $OUT)
+# MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
+# otherwise flashinfer is answered by tools/flashinfer_placeholder.py, whose functions raise if called.
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site
-for d in .whl .whl2; do
-  [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl 2>&1 | grep -v "^WARNING" | tail -2
-done
+if [ ! -f /tmp/payload/done ]; then
+  n=$(ls /tmp/up/p* 2>/dev/null | wc -l)
+  echo "assembling $n pieces"
+  mkdir -p /tmp/payload && cat /tmp/up/p* | tar -x -C /tmp/payload || { echo "pieces missing: upload .up1 .. again" >&2; exit 3; }
+  mkdir -p /tmp/kit && cp /tmp/payload/kit/* /tmp/kit/ && mkdir -p .kit3 && cp /tmp/payload/kit/setup.sh /tmp/payload/kit/fo.part2 /tmp/payload/kit/sgl_rest.tar.xz .kit3/
+  bash .kit3/setup.sh || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/payload/whl/*.whl 2>&1 | grep -v "^WARNING" | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fi /tmp/payload/fi/*.whl 2>&1 | grep -v "^WARNING" | tail -2
+  touch /tmp/payload/done
+fi
 # the entry point SGLang's plugin loader looks up (an installed distribution's metadata; the code is on PYTHONPATH)
 mkdir -p /tmp/site/mla_fa3_plugin-0.dist-info
 printf 'Metadata-Version: 2.1\nName: mla-fa3-plugin\nVersion: 0\n' > /tmp/site/mla_fa3_plugin-0.dist-info/METADATA
 printf '[sglang.srt.plugins]\nmla_fa3 = mla_fa3.integrations.sglang.plugin:register\n' > /tmp/site/mla_fa3_plugin-0.dist-info/entry_points.txt
-# this image's transformers is newer than SGLang's pin: the shim (tests/sglang_cpu_shim.py) in every process
-# and flashinfer, not carried (its closure is GBs), answered by a placeholder whose functions raise if called
-rm -rf /tmp/site/flashinfer
-printf 'try:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    from tools.flashinfer_placeholder import install\n    install()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
+# this image's transformers is newer than SGLang's pin: the shim (tests/sglang_cpu_shim.py) in every process;
+# flashinfer: the carried one (MLA_FA3_FLASHINFER=real) or the placeholder
+if [ "${MLA_FA3_FLASHINFER:-placeholder}" = real ]; then export PYTHONPATH=$PYTHONPATH:/tmp/fi; fi
+printf 'import os\ntry:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    if os.environ.get("MLA_FA3_FLASHINFER", "placeholder") != "real":\n        from tools.flashinfer_placeholder import install\n        install()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -26,6 +35,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   tail -60 $OUT/sglang_backends.txt
 fi
 if [ "$what" = engine ] || [ "$what" = all ]; then
-  timeout 500 python3 benchmarks/sglang_engine_check.py --out $OUT/engine_check.json ${ENGINE_ARGS:-} > $OUT/engine_check.txt 2>&1
-  tail -30 $OUT/engine_check.txt
+  timeout ${ENGINE_TIMEOUT:-300} python3 benchmarks/sglang_engine_check.py --out $OUT/engine_check.json ${ENGINE_ARGS:-} > $OUT/engine_check.txt 2>&1
+  grep '^{' $OUT/engine_check.txt | cut -c1-400
+  # nothing ran with the placeholder: once more with the carried flashinfer
+  if [ "${MLA_FA3_FLASHINFER:-placeholder}" != real ] && ! grep -q greedy_match $OUT/engine_check.txt; then
+    tail -40 $OUT/engine_check.txt | cut -c1-300
+    MLA_FA3_FLASHINFER=real PYTHONPATH=$PYTHONPATH:/tmp/fi timeout ${ENGINE_TIMEOUT:-300} python3 benchmarks/sglang_engine_check.py \
+      --out $OUT/engine_check_fi.json ${ENGINE_ARGS:-} > $OUT/engine_check_fi.txt 2>&1
+    grep '^{' $OUT/engine_check_fi.txt | cut -c1-400
+  fi
+fi
+if [ "$what" = onebatch ] || [ "$what" = all ]; then
+  timeout ${ONEBATCH_TIMEOUT:-540} python3 benchmarks/sglang_one_batch.py --out $OUT/one_batch.csv ${ONEBATCH_ARGS:-} > $OUT/one_batch.txt 2>&1
+  tail -40 $OUT/one_batch.txt | cut -c1-300
 fi

@@ -10,6 +10,7 @@ placeholder whose names are functions that raise when called. Used by ``tools/de
 from __future__ import annotations
 
 import importlib.abc
+import logging
 import importlib.machinery
 import sys
 import types
@@ -23,6 +24,8 @@ class _Placeholder(types.ModuleType):
             raise AttributeError(name)
 
         where = f"{self.__name__}.{name}"
+        if name == "logger" or name.endswith("_logger"):
+            return logging.getLogger(where)  # SGLang sets flashinfer's log level (configure_logger)
 
         def missing(cls, *args, **kwargs):
             raise RuntimeError(f"{where}: flashinfer is not installed on this machine")

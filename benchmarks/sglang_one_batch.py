@@ -1,0 +1,172 @@
+"""SGLang's own benchmark, ``sglang.bench_one_batch`` (plugins loaded first), on ``mla_fa3`` vs ``fa3`` vs ``flashmla``.
+
+The whole decode step of SGLang's DeepSeek model (``DeepseekV3ForCausalLM``: projections, MLP, lm_head, sampling,
+CUDA graphs), run by SGLang's ``ModelRunner`` in one process, on a DeepSeek-V3-shaped model with few layers and
+random weights (``--load-format dummy``: only config.json and a tokenizer are written): hidden 7168, q_lora 1536,
+kv_lora 512, qk_nope 128, qk_rope 64, v 128, 16 or 128 heads (16 = DeepSeek-V3's heads per rank at tp 8), dense
+MLP of ``--intermediate`` (default 2048, one routed expert's width), vocab 32768. Page 64.
+
+    python benchmarks/sglang_one_batch.py --out out/one_batch.csv [--quick] [--heads 16 128] [--layers 4]
+
+One process per (heads, KV dtype, backend): SGLang's ``load_model`` once (CUDA graphs captured for the batch sizes
+used), then SGLang's ``latency_test_run_once`` per (bs, ctx) — prefill of the batch, then ``--output-len`` decode
+steps; the first shape runs once more first as the warm-up, as ``bench_one_batch`` does. Its median decode latency
+goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one: > 1 is faster than fa3). SGLang's benchmark
+prefills the whole batch in one forward, so shapes stop where that prefill fits (``SHAPES``). GPU only; needs
+SGLang 0.5.17 and sgl-kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# (bs, ctx) per head count: SGLang's benchmark prefills bs x ctx tokens in one forward
+SHAPES = {16: [(1, 32768), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 8192)],
+          128: [(1, 32768), (4, 32768), (16, 16384)]}
+QUICK = {16: [(1, 65536), (4, 32768)], 128: [(1, 32768)]}
+BACKENDS = ("mla_fa3", "fa3", "flashmla")
+
+
+def write_model(path: str, heads: int, layers: int, intermediate: int) -> str:
+    """config.json of a DeepSeek-V3-shaped model (all layers dense) and a word-level tokenizer; no weights."""
+    from mla_fa3.models.tiny import tiny_tokenizer
+
+    vocab = 32768
+    cfg = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=vocab, hidden_size=7168,
+        intermediate_size=intermediate, moe_intermediate_size=intermediate, num_hidden_layers=layers,
+        first_k_dense_replace=layers, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+        rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rms_norm_eps=1e-6, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        hidden_act="silu", routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc",
+        scoring_func="sigmoid", attention_bias=False)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    tiny_tokenizer(256).save_pretrained(path)
+    return path
+
+
+def _worker(argv) -> int:
+    """One model, backend and KV dtype: SGLang's bench_one_batch steps (``sglang.benchmark.one_batch``) per shape.
+    SGLang's plugins are loaded first: unlike launch_server and Engine, bench_one_batch does not load them."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.benchmark import one_batch as ob
+
+    w = argparse.ArgumentParser()
+    w.add_argument("--shapes", required=True)
+    w.add_argument("--output-len", type=int, required=True)
+    mine, rest = w.parse_known_args(argv)
+    shapes = [tuple(map(int, s.split("x"))) for s in mine.shapes.split(",")]
+    parser = argparse.ArgumentParser()
+    ob.ServerArgs.add_cli_args(parser)
+    server_args = ob.ServerArgs.from_cli_args(parser.parse_args(rest))
+    if server_args.cuda_graph_config is not None:  # as bench_one_batch's main: graphs up to the largest batch
+        server_args.cuda_graph_config[ob.Phase.DECODE].max_bs = max(bs for bs, _ in shapes)
+    ob._set_envs_and_config(server_args)
+    port_args = ob.PortArgs.init_new(server_args)
+    ob.initialize_moe_config(server_args)
+    ob.initialize_fp8_gemm_config(server_args)
+    ob.initialize_fp4_gemm_config(server_args)
+    ob.configure_logger(server_args, prefix=" TP0")
+    runner, _ = ob.load_model(server_args, port_args, 0, 0)
+    for i, (bs, ctx) in enumerate([shapes[0]] + shapes):
+        reqs = ob.prepare_synthetic_inputs_for_latency_test(bs, ctx)
+        ret = ob.latency_test_run_once("one_batch", runner, print, reqs, bs, ctx, mine.output_len, 0, False, False,
+                                       ("CPU", "GPU"), "", "all", 0)
+        if i and ret is not None:
+            print("RESULT " + json.dumps(ret), flush=True)
+    return 0
+
+
+def _run(model: str, backend: str, kv: str, shapes, out_len: int, log) -> list[dict]:
+    max_bs = max(bs for bs, _ in shapes)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shapes", ",".join(f"{b}x{c}" for b, c in shapes),
+           "--output-len", str(out_len), "--model-path", model, "--load-format", "dummy",
+           "--attention-backend", backend, "--kv-cache-dtype", kv, "--page-size", "64", "--dtype", "bfloat16",
+           "--sampling-backend", "pytorch", "--grammar-backend", "none", "--mem-fraction-static", "0.8",
+           "--context-length", str(max(c for _, c in shapes) + out_len + 64),
+           "--max-running-requests", str(max_bs), "--cuda-graph-max-bs-decode", str(max_bs), "--disable-prefill-cuda-graph"]
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    try:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300).stdout
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out += "\nTIMEOUT"
+    log.write(out)
+    log.flush()
+    got = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    rows = [dict(bs=r["batch_size"], ctx=r["input_len"], decode_ms=round(r["median_decode_latency"] * 1e3, 4),
+                 tok_s=round(r["median_decode_throughput"], 1), prefill_s=round(r["prefill_latency"], 3))
+            for r in got]
+    done = {(r["bs"], r["ctx"]) for r in rows}
+    tail = out.strip().splitlines()[-1][:200] if out.strip() else ""
+    rows += [dict(bs=b, ctx=c, error=tail) for b, c in shapes if (b, c) not in done]
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=12)
+    p.add_argument("--kv", nargs="+", default=["auto", "fp8_e4m3"])
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--flashmla-fp8", action="store_true", help="also SGLang's flashmla backend on an FP8 cache")
+    args = p.parse_args(argv)
+    from benchmarks.sglang_backends import sglang_ready
+
+    if not sglang_ready("sglang_one_batch"):
+        return 2
+    tmp = tempfile.mkdtemp(prefix="v3_shaped_")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    with open(os.path.join(out_dir, "one_batch_log.txt"), "a") as log:
+        for heads in args.heads:
+            model = write_model(os.path.join(tmp, f"h{heads}"), heads, args.layers, args.intermediate)
+            for kv in args.kv:
+                for backend in args.backends:
+                    if kv != "auto" and backend == "flashmla" and not args.flashmla_fp8:
+                        continue
+                    for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len, log):
+                        rows.append(dict(heads=heads, kv=kv, backend=backend, **r))
+                        print(json.dumps(rows[-1]), flush=True)
+    base = {(r["heads"], r["kv"], r["bs"], r["ctx"]): r["decode_ms"] for r in rows
+            if r.get("backend") == "fa3" and "decode_ms" in r}
+    for r in rows:
+        ref = base.get((r["heads"], r["kv"], r["bs"], r["ctx"]))
+        r["ratio_vs_fa3"] = round(ref / r["decode_ms"], 3) if ref and "decode_ms" in r else ""
+    cols = ["heads", "kv", "backend", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s", "error"]
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c, "") for c in cols})
+    for r in rows:
+        print(",".join(str(r.get(c, "")) for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
