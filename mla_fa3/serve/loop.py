@@ -208,6 +208,7 @@ class ServingLoop:
         self.logits: dict[int, list[Tensor]] = {}
         self.prefill_logits: dict[int, list[Tensor]] = {}
         self._clock0 = time.perf_counter()
+        self._now: Callable[[], float] = self.clock  # the serving clock of the current run (run's ``clock``)
         self._prev_tokens: Tensor | None = None  # the last launched step's samples (device)
         self._forcing = False  # a request of the current run has teacher-forced tokens (Request.forced)
         self._pending_events: list = []  # (record, CUDA events, attention events) until _finish_timing
@@ -225,9 +226,10 @@ class ServingLoop:
             clock: Callable[[], float] | None = None) -> list[Request]:
         """Serve ``requests`` (each joins at its ``arrival``) until all finish; returns them in finishing order.
 
-        ``clock``: the time arrivals are compared with (default: seconds since the run started, and an
-        idle loop sleeps until the next arrival); any other clock (e.g. the step count, for tests) is
-        jumped forward to the next arrival when nothing runs.
+        ``clock``: the serving clock — what arrivals are compared with, and what token times, finish times
+        and ``StepRecord.start_s`` are read from (default: seconds since the run started, and an idle
+        loop sleeps until the next arrival); any other clock (e.g. the step count, for tests) is jumped
+        forward to the next arrival when nothing runs.
         """
         arrivals = sorted(requests, key=lambda r: r.arrival)
         total = len(arrivals)
@@ -235,7 +237,7 @@ class ServingLoop:
             self.scheduler.check(r)
         self._forcing = any(r.forced is not None for r in arrivals)
         self._clock0 = time.perf_counter()
-        now_fn = clock or self.clock
+        now_fn = self._now = clock or self.clock
         prev: _Launched | None = None
         done_before = len(self.scheduler.finished)
         while arrivals or self.scheduler.has_work() or prev is not None:
@@ -265,6 +267,7 @@ class ServingLoop:
 
     # ------------------------------------------------------------------ launch (no sync)
     def _launch(self, sched: StepSchedule) -> _Launched:
+        start_s = self._now()
         t0 = time.perf_counter()
         events = None
         if self.on_cuda:
@@ -334,7 +337,7 @@ class ServingLoop:
         rec = StepRecord(index=len(self.steps), mode=sched.mode.name, batch_size=n, decode_rows=sched.num_decode_rows,
                          prefill_tokens=sched.num_prefill_tokens, num_tokens=sched.num_tokens, context_tokens=sum(seq),
                          graph=graph, path=None if record is None else record.path.name,
-                         kernel=None if record is None else record.ran, start_s=t0 - self._clock0,
+                         kernel=None if record is None else record.ran, start_s=start_s,
                          host_ms=(time.perf_counter() - t0) * 1e3, prepare_ms=prepare_ms,
                          preempted=len(sched.preempted))
         self.steps.append(rec)
@@ -382,7 +385,7 @@ class ServingLoop:
         if step.done is not None:
             step.done.synchronize()
         toks = step.host.tolist()
-        now = self.clock()
+        now = self._now()
         logits = step.logits.cpu() if step.logits is not None else None
         if step.prefill_logits is not None:
             for req, start, rows in step.prefill_logits:
