@@ -6,8 +6,10 @@ dense attention with the mask written from the definitions (:func:`visible`). :f
 builds an encoder-decoder step over a :class:`specs.CrossSpec` (request b's ``E_b`` encoder tokens in
 the first ``ceil(E_b / p) * p`` columns of its ``req_to_token`` row, its decoder tokens right after) and
 :func:`cross_oracle` its non-causal attention over the encoder K/V. The FP8 functions quantize the cache and
-the query exactly as the path does. Shared by ``test_mha_fallback.py``, ``test_mha_fallback_cross.py``
-and ``test_mha_fallback_gpu.py``.
+the query from the definitions (per-tensor K/V scales; the query scale per tensor or per request and KV-head
+group, :func:`fp8_query`); an FP8 oracle dequantizes the K/V the test WROTE (``quantized=True``) rather than
+reading the pool under test back (``from_pool=True``, kept for graph replays that write other values). Shared by ``test_mha_fallback.py``, ``test_mha_fallback_cross.py`` and
+``test_mha_fallback_gpu.py``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_cases import CacheLayout, make_batch, make_layout
+from mla_cases import CacheLayout, make_batch, make_layout, rel_err
 from oracle import dense_attention
 from specs import CROSS_SPECS, DEC, LOCAL_SPECS, SPECS, BatchSpec, CrossSpec, q_rows_of
 
 from mla_fa3 import mha_fallback
-from mla_fa3.batch import ForwardBatch
+from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.kv.pools import MHATokenPool
 from mla_fa3.layer import AttentionLayer, LayerKind
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
@@ -30,6 +32,11 @@ FP32_TOL = 2e-5  # fp32 reference (online softmax, fp32 accumulation) vs fp64 or
 FP8_TOL = 2 ** -8  # FP8 inputs: fp32 accumulation, output rounded once to bf16 (FA3's fp8 output dtype)
 E4M3 = torch.float8_e4m3fn
 Q_AMAX = 7.0  # FP8 cases: max|q| = 7 in every (token, KV-head group), so any q_scale is 7/448 = 2^-6
+# FP8 cases with query groups of very different magnitudes: request b's KV-head group g is scaled by
+# Q_GROUP_MAGS[b % 3][g % 2] (MQA: its one group takes the first column), so the per-tensor, per-request and
+# per-(request, KV-head group) q scales all differ and a path using another granularity than the documented
+# one rounds q differently (1 / 64: the large groups' scores stay moderate in fp32)
+Q_GROUP_MAGS = ((1.0, 1.0), (64.0, 1.0), (1.0, 64.0))
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,22 @@ def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp(-448.0, 448.0).to(E4M3)
 
 
+def dequantized_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an e4m3 pool with per-tensor ``scale`` gives back for ``x``: float(e4m3(x / scale)) * scale, fp64 cpu."""
+    return quantize_e4m3(x.cpu(), scale).double() * torch.tensor(scale, dtype=torch.float32).double()
+
+
+def scale_query_groups(q: torch.Tensor, q_rows: list[tuple[int, int]], num_kv_heads: int,
+                       mags=Q_GROUP_MAGS) -> torch.Tensor:
+    """q with request b's KV-head group g multiplied by ``mags[b % len(mags)][g % 2]`` (a new tensor)."""
+    q = q.clone()
+    view = q.view(q.shape[0], num_kv_heads, -1)
+    for b, (s, e) in enumerate(q_rows):
+        for g in range(num_kv_heads):
+            view[s:e, g] *= mags[b % len(mags)][g % 2]
+    return q
+
+
 def pin_amax(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """|q| <= 7 with max exactly 7 in every token's every KV-head group: the FP8 path's q scale is then
     2^-6 whatever its granularity (per tensor or per request and KV head), and q / scale is exact."""
@@ -108,17 +131,49 @@ def pin_amax(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q
 
 
-def fp8_query(q: torch.Tensor) -> torch.Tensor:
-    """q as the FP8 path sees it: e4m3(q / s) * s with s = max|q| / 448 (= 2^-6 after pin_amax)."""
-    s = float(q.abs().max()) / 448.0
-    return quantize_e4m3(q, s).float() * s
+def fp8_query(q: torch.Tensor, *, rows: list[tuple[int, int]] | None = None, num_kv_heads: int = 1) -> torch.Tensor:
+    """q as the FP8 path sees it: e4m3(q / s) * s, fp32, with s = max|q| / 448 (fp32) over
+
+    - the whole tensor (``rows`` None: one per-tensor scale; 2^-6 after pin_amax), or
+    - each query run ``rows[i] = (start, end)`` and KV-head group (heads ``g * H / H_kv .. (g+1) * H / H_kv``).
+    """
+    if rows is None:
+        s = float(q.abs().max()) / 448.0
+        return quantize_e4m3(q, s).float() * s
+    out = torch.empty(q.shape, dtype=torch.float32)
+    qf, o = q.float().cpu(), out.view(q.shape[0], num_kv_heads, -1, q.shape[-1])
+    grouped = qf.view(q.shape[0], num_kv_heads, -1, q.shape[-1])
+    for s, e in rows:
+        for g in range(num_kv_heads):
+            block = grouped[s:e, g]
+            scale = (block.abs().max() / 448.0).clamp(min=1e-12)  # fp32, as the definition states
+            o[s:e, g] = (block / scale).clamp(-448.0, 448.0).to(E4M3).float() * scale
+    return out
+
+
+def q_scale_runs(mode: ForwardMode, q_rows: list[tuple[int, int]], local: bool) -> list[tuple[int, int]] | None:
+    """The query runs that each get their own q scale per KV-head group, from ``mha_fallback``'s documented rule:
+    every request's run when all requests have the same number of queries (decode, draft decode; target-verify
+    unless local attention splits its runs at chunk borders); None (one per-tensor scale) otherwise."""
+    if mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE) or (mode is ForwardMode.TARGET_VERIFY and not local):
+        return q_rows
+    return None
+
+
+def rel_err_per_request(out, ref, q_rows) -> list[float]:
+    """rel_err of each request's rows (each against its own max|ref|)."""
+    return [rel_err(out[s:e], ref[s:e]) for s, e in q_rows if e > s]
 
 
 def make_mha_case(spec: BatchSpec | str, cfg: MHAConfig | str = "gqa_8_2", *, dtype=torch.float32,
                   kv_dtype=None, device="cpu", seed: int = 0, num_layers: int = 2, layer_id: int = 1,
                   logit_cap: float = 0.0, sliding_window: int = -1, chunk: int | None = None,
-                  k_scale: float = 0.05, v_scale: float = 0.03) -> MHACase:
-    """A poisoned MHA pool holding each request's prefix, the step's batch and metadata, q and new K/V."""
+                  k_scale: float = 0.05, v_scale: float = 0.03, q_group_mags=None) -> MHACase:
+    """A poisoned MHA pool holding each request's prefix, the step's batch and metadata, q and new K/V.
+
+    FP8: q is pinned (:func:`pin_amax`) unless ``q_group_mags`` is given, which scales each request's
+    KV-head groups instead (:func:`scale_query_groups`).
+    """
     spec = SPECS[spec] if isinstance(spec, str) else spec
     cfg = MHA_CONFIGS[cfg] if isinstance(cfg, str) else cfg
     p, fp8 = spec.page_size, kv_dtype == E4M3
@@ -139,7 +194,9 @@ def make_mha_case(spec: BatchSpec | str, cfg: MHAConfig | str = "gqa_8_2", *, dt
             pool.v_buffer[layer_id][loc] = (quantize_e4m3(vb, v_scale) if fp8 else vb.to(dtype)).to(device)
     T = sum(spec.extend_lens)
     q = torch.randn(T, cfg.num_heads, cfg.head_dim, generator=g)
-    if fp8:
+    if q_group_mags is not None:
+        q = scale_query_groups(q, q_rows_of(spec.extend_lens), cfg.num_kv_heads, q_group_mags)
+    elif fp8:
         q = pin_amax(q, cfg.num_kv_heads)
     k_new = torch.cat([keys[b][pre:] for b, pre in enumerate(spec.prefix_lens)]) if T else \
         torch.empty(0, cfg.num_kv_heads, cfg.head_dim)
@@ -171,7 +228,10 @@ def visible(n: int, L: int, *, window: int = -1, chunk: int | None = None) -> to
 
 
 def stored_kv(case: MHACase, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of request b's live tokens as the pool holds them (dequantized by hand for FP8), fp64 cpu."""
+    """K, V of request b's live tokens as the pool holds them (dequantized by hand for FP8), fp64 cpu.
+
+    This reads the pool under test back (``from_pool``): for a step whose K/V the test cannot name otherwise
+    (a graph replay writing new values). Oracles of the path's own stores use :func:`quantized_kv`."""
     loc = case.layout.token_slots(b, 0, case.spec.seq_lens[b]).to(case.pool.device)
     k = case.pool.k_buffer[case.layer.layer_id][loc].double().cpu()
     v = case.pool.v_buffer[case.layer.layer_id][loc].double().cpu()
@@ -180,16 +240,35 @@ def stored_kv(case: MHACase, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def mha_oracle(case: MHACase, *, from_pool: bool = False, q: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_kv(case: MHACase, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of request b's live tokens as an e4m3 pool with the case's scales holds them, fp64 cpu: quantized
+    here from the values the test wrote (prefix) and handed to the step (new tokens), not read from the pool."""
+    if not case.pool.is_fp8:
+        raise ValueError("quantized_kv: the case's pool is not FP8")
+    pre = case.spec.prefix_lens[b]
+
+    def written(x):  # the prefix as make_mha_case stored it; the new tokens as the step got them (model dtype)
+        return torch.cat([x[:pre], x[pre:].to(case.q.dtype).float()])
+
+    return (dequantized_e4m3(written(case.keys[b]), case.k_scale),
+            dequantized_e4m3(written(case.values[b]), case.v_scale))
+
+
+def mha_oracle(case: MHACase, *, quantized: bool = False, from_pool: bool = False,
+               q: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 dense attention per request with explicit masks -> [T, H, d_v].
 
-    ``from_pool``: use the K/V the pool holds after the step (dequantized for FP8) instead of the
-    ground truth rounded to the model dtype.
+    ``quantized`` (FP8 pools): the K/V as e4m3 storage gives them back, quantized here from the values written
+    (:func:`quantized_kv`), instead of the ground truth rounded to the model dtype. ``from_pool``: the K/V the
+    pool holds after the step (:func:`stored_kv`: it reads the pool under test back, so it cannot see a
+    store with the wrong scale; only for steps whose K/V the case does not hold).
     """
     q = (case.q if q is None else q).double().cpu()
     outs = []
     for b, (s, e) in enumerate(case.q_rows):
-        if from_pool:
+        if quantized:
+            k, v = quantized_kv(case, b)
+        elif from_pool:
             k, v = stored_kv(case, b)
         else:
             k = case.keys[b].to(case.q.dtype).double()
@@ -259,7 +338,8 @@ class CrossCase:
 
 def make_cross_case(spec: CrossSpec | str, cfg: MHAConfig | str = "gqa_8_2", *, dtype=torch.float32,
                     kv_dtype=None, device="cpu", seed: int = 0, logit_cap: float = 0.0,
-                    k_scale: float = 0.05, v_scale: float = 0.03, reserve: int = 3) -> CrossCase:
+                    k_scale: float = 0.05, v_scale: float = 0.03, reserve: int = 3,
+                    q_group_mags=None) -> CrossCase:
     spec = CROSS_SPECS[spec] if isinstance(spec, str) else spec
     cfg = MHA_CONFIGS[cfg] if isinstance(cfg, str) else cfg
     p, bs, fp8 = spec.page_size, len(spec.encoder_lens), kv_dtype == E4M3
@@ -304,7 +384,9 @@ def make_cross_case(spec: CrossSpec | str, cfg: MHAConfig | str = "gqa_8_2", *, 
     md = MetadataBuilder(layout.req_to_token_pool, p, device, num_slots=layout.num_slots).build(batch)
     T = sum(spec.extend_lens)
     q = torch.randn(T, cfg.num_heads, d, generator=g)
-    if fp8:
+    if q_group_mags is not None:
+        q = scale_query_groups(q, q_rows_of(spec.extend_lens), h_kv, q_group_mags)
+    elif fp8:
         q = pin_amax(q, h_kv)
     common = dict(num_heads=cfg.num_heads, num_kv_heads=h_kv, head_dim=d, v_head_dim=dv, scaling=cfg.scale,
                   logit_cap=logit_cap)
@@ -319,10 +401,13 @@ def make_cross_case(spec: CrossSpec | str, cfg: MHAConfig | str = "gqa_8_2", *, 
                      dec_v_new, enc_keys, enc_values, dec_keys, dec_values, k_scale, v_scale)
 
 
-def cross_oracle(case: CrossCase, *, from_pool: bool = False, q: torch.Tensor | None = None) -> torch.Tensor:
+def cross_oracle(case: CrossCase, *, quantized: bool = False, from_pool: bool = False,
+                 q: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 non-causal attention of each request's queries over its encoder K/V -> [T, H, d_v].
 
-    ``from_pool``: read the encoder K/V back from the pool (dequantized by hand for FP8).
+    ``quantized`` (FP8 pools): the encoder K/V as e4m3 storage with the case's scales gives them back,
+    quantized here from the values the test wrote or handed to the step (never read from the pool).
+    ``from_pool``: read the encoder K/V back from the pool under test (dequantized by hand for FP8).
     """
     q = (case.q if q is None else q).double().cpu()
     H, dv = case.cfg.num_heads, case.cfg.v_head_dim
@@ -332,7 +417,13 @@ def cross_oracle(case: CrossCase, *, from_pool: bool = False, q: torch.Tensor | 
         if E == 0:
             outs.append(torch.zeros(e - s, H, dv, dtype=torch.float64))
             continue
-        if from_pool:
+        if quantized:
+            if not case.pool.is_fp8:
+                raise ValueError("cross_oracle(quantized=True): the case's pool is not FP8")
+            given = (lambda x: x.to(case.q.dtype).float()) if case.enc_k is not None else (lambda x: x)  # model dtype
+            k = dequantized_e4m3(given(case.enc_keys[b]), case.k_scale)
+            v = dequantized_e4m3(given(case.enc_values[b]), case.v_scale)
+        elif from_pool:
             loc = case.encoder_slots(b).to(case.pool.device)
             k = case.pool.k_buffer[CROSS_LAYER][loc].double().cpu()
             v = case.pool.v_buffer[CROSS_LAYER][loc].double().cpu()

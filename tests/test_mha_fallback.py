@@ -11,9 +11,12 @@ definitions:
                                               and (W < 0 or j >= p - W)       (sliding window W)
                                               and (C = None or j // C == p // C)   (local chunk C)
 
-FP8 (e4m3) pools are compared with the oracle run on the DEQUANTIZED cache (stored e4m3 * scale, read
-back from the pool's buffers) and the e4m3-rounded query (per-tensor q scale ``max|q| / 448``, made a
-power of two by construction so the rounding is unambiguous).
+FP8 (e4m3) pools are compared with the oracle run on the DEQUANTIZED cache (e4m3(x / scale) * scale of the
+K/V the test wrote or handed to the step, quantized here, never read back from the pool under test) and the
+e4m3-rounded query. The query's KV-head groups get very different magnitudes per request
+(``mha_cases.Q_GROUP_MAGS``), so the q scale's granularity matters, and the oracle quantizes q with the
+granularity ``mha_fallback`` documents for the step (``mha_cases.q_scale_runs``): ``max|q| / 448`` per request and
+KV-head group for decode, draft decode and target-verify without local attention, per tensor otherwise.
 
 The cases (``MHA_CONFIGS``, ``make_mha_case``, ``mha_oracle``) are in ``mha_cases.py``; the specs
 (``SPECS``, ``LOCAL_SPECS``) in ``specs.py``.
@@ -24,8 +27,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mha_cases import (E4M3, FP8_CASES, FP8_TOL, FP32_TOL, MHAConfig, fp8_query, make_mha_case, mha_oracle,
-                       quantize_e4m3, same_bits)
+from mha_cases import (E4M3, FP8_CASES, FP8_TOL, FP32_TOL, Q_GROUP_MAGS, MHAConfig, fp8_query, make_mha_case,
+                       mha_oracle, q_scale_runs, quantize_e4m3, rel_err_per_request, same_bits)
 from mla_cases import rel_err
 from specs import DEC, LOCAL_CHUNKS, LOCAL_SPECS, NONIDLE_SPECS, BatchSpec
 
@@ -80,22 +83,49 @@ def test_local_attention_differs_from_global():
     assert rel_err(out_plain, mha_oracle(plain)) < FP32_TOL
 
 
-@pytest.mark.parametrize("name", FP8_CASES)
+def fp8_oracle_query(case) -> torch.Tensor:
+    return fp8_query(case.q, rows=q_scale_runs(case.spec.mode, case.q_rows, case.chunk is not None),
+                     num_kv_heads=case.cfg.num_kv_heads)
+
+
+# the FP8 cases, plus a local-attention decode step (one query per virtual request: per-request q scales)
+FP8_CPU_CASES = {**FP8_CASES, "local_decode": (LOCAL_SPECS["decode_borders_p4"], "gqa_8_2", {}, 8)}
+
+
+@pytest.mark.parametrize("name", FP8_CPU_CASES)
 def test_fp8_matches_dequantized_oracle(name):
-    spec, cfg, opts, chunk = FP8_CASES[name]
-    case = make_mha_case(spec, cfg, kv_dtype=E4M3, chunk=chunk, **opts)
+    spec, cfg, opts, chunk = FP8_CPU_CASES[name]
+    case = make_mha_case(spec, cfg, kv_dtype=E4M3, chunk=chunk, q_group_mags=Q_GROUP_MAGS, **opts)
     out = case.forward()
     assert out.dtype == case.q.dtype
-    # the new tokens were quantized into the pool: the oracle reads the pool back, dequantizing by hand
+    # the new tokens' K and V are stored quantized at out_cache_loc (checked against e4m3 of the given values)
+    lid = case.layer.layer_id
     for b, pre in enumerate(case.spec.prefix_lens):
         loc = case.layout.token_slots(b, pre, case.spec.seq_lens[b])
-        assert torch.equal(case.pool.k_buffer[1][loc].float(), quantize_e4m3(case.keys[b][pre:], case.k_scale).float())
-    ref = mha_oracle(case, from_pool=True, q=fp8_query(case.q))
-    assert rel_err(out, ref) < FP8_TOL
-    # and the whole FP8 round trip stays close to full precision
-    full = mha_oracle(case)
-    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), full.flatten(), dim=0)
+        assert same_bits(case.pool.k_buffer[lid][loc], quantize_e4m3(case.keys[b][pre:], case.k_scale))
+        assert same_bits(case.pool.v_buffer[lid][loc], quantize_e4m3(case.values[b][pre:], case.v_scale))
+    # the oracle: K/V quantized here from the values written, q quantized with the documented granularity
+    ref = mha_oracle(case, quantized=True, q=fp8_oracle_query(case))
+    assert max(rel_err_per_request(out, ref, case.q_rows)) < FP8_TOL
+    # and with moderate queries (|q| <= 7) the whole FP8 round trip stays close to full precision (the groups
+    # 64x larger above make softmaxes so sharp that e4m3 rounding of q and K moves them by more than this)
+    pinned = make_mha_case(spec, cfg, kv_dtype=E4M3, chunk=chunk, **opts)
+    full = mha_oracle(pinned)
+    cos = torch.nn.functional.cosine_similarity(pinned.forward().double().flatten(), full.flatten(), dim=0)
     assert cos > 0.995
+
+
+@pytest.mark.parametrize("name", ["decode_gqa", "verify_window", "extend_prefix_mqa"])
+def test_fp8_query_scale_granularity_is_visible(name):
+    """The other granularity (per tensor for decode / verify, per request for extend) gives a different answer,
+    well past FP8_TOL: the oracle above can tell which one ran."""
+    spec, cfg, opts, chunk = FP8_CASES[name]
+    case = make_mha_case(spec, cfg, kv_dtype=E4M3, chunk=chunk, q_group_mags=Q_GROUP_MAGS, **opts)
+    runs = q_scale_runs(case.spec.mode, case.q_rows, chunk is not None)
+    other = fp8_query(case.q, rows=None if runs else case.q_rows, num_kv_heads=case.cfg.num_kv_heads)
+    right = mha_oracle(case, quantized=True, q=fp8_oracle_query(case))
+    wrong = mha_oracle(case, quantized=True, q=other)
+    assert max(rel_err_per_request(wrong, right, case.q_rows)) > 4 * FP8_TOL
 
 
 @pytest.mark.parametrize("uniform", [False, True])

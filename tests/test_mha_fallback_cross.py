@@ -21,8 +21,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mha_cases import (CROSS_LAYER, E4M3, FP8_TOL, FP32_TOL, SELF_LAYER, CrossCase, cross_oracle, fp8_query,
-                       make_cross_case, visible)
+from mha_cases import (CROSS_LAYER, E4M3, FP8_TOL, FP32_TOL, Q_GROUP_MAGS, SELF_LAYER, CrossCase, cross_oracle,
+                       fp8_query, make_cross_case, q_scale_runs, quantize_e4m3, rel_err_per_request, same_bits,
+                       visible)
 from mla_cases import rel_err
 from oracle import dense_attention
 from specs import CROSS_SPECS, DEC, EXT, CrossSpec
@@ -85,10 +86,21 @@ def test_cross_deepseek_v3_dims():
 
 @pytest.mark.parametrize("name", ["several_extend_write_p1", "several_decode_p16", "several_mixed_p64"])
 def test_cross_fp8_matches_dequantized_oracle(name):
-    case = make_cross_case(name, "gqa_8_2", kv_dtype=E4M3)
+    """Query groups of very different magnitudes (``Q_GROUP_MAGS``): the oracle quantizes q per request and
+    KV-head group for the decode step, per tensor for extend / mixed (``q_scale_runs``), and the encoder K/V
+    from the values the test wrote or handed to the step (never read back from the pool)."""
+    case = make_cross_case(name, "gqa_8_2", kv_dtype=E4M3, q_group_mags=Q_GROUP_MAGS)
     out = case.forward_cross()
     assert out.dtype == torch.float32
-    assert rel_err(out, cross_oracle(case, from_pool=True, q=fp8_query(case.q))) < FP8_TOL
+    if case.enc_k is not None:  # the step wrote the encoder K/V: stored quantized at encoder_out_cache_loc
+        for b in range(len(case.spec.encoder_lens)):
+            loc = case.encoder_slots(b)
+            assert same_bits(case.pool.k_buffer[CROSS_LAYER][loc], quantize_e4m3(case.enc_keys[b], case.k_scale))
+            assert same_bits(case.pool.v_buffer[CROSS_LAYER][loc], quantize_e4m3(case.enc_values[b], case.v_scale))
+    q8 = fp8_query(case.q, rows=q_scale_runs(case.spec.mode, case.q_rows, local=False),
+                   num_kv_heads=case.cfg.num_kv_heads)
+    ref = cross_oracle(case, quantized=True, q=q8)
+    assert max(rel_err_per_request(out, ref, case.q_rows)) < FP8_TOL
 
 
 def test_encoder_kv_written_at_encoder_loc_only():
