@@ -238,3 +238,50 @@ def padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     out = torch.zeros(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
     out[: x.shape[0]] = x
     return out
+
+
+def sub_case(case: TreeCase, idx: list[int], masks: list[torch.Tensor] | None = None) -> TreeCase:
+    """Requests ``idx`` of ``case`` (in that order) as a case of their own, over the same pool and slots; ``masks``
+    (one [m, n] per kept request): other trees over the same keys (a verify step's tree keys are its new tokens,
+    so any tree of k fits; a draft step's masks must see each branch's own token)."""
+    b = case.batch
+    m, n = b.tree.shape
+    masks = [case.masks[i] for i in idx] if masks is None else masks
+    rows = [int(b.req_pool_indices_cpu[i]) for i in idx]
+    seq = [int(b.seq_lens_cpu[i]) for i in idx]
+    loc = torch.cat([b.out_cache_loc.cpu()[i * m:(i + 1) * m] for i in idx])
+    tok = torch.tensor([i * m + j for i in idx for j in range(m)])
+    if b.tree.verify:
+        batch = ForwardBatch.verify(rows, seq, loc, b.device, num_draft_tokens=m,
+                                    tree=DraftTree.from_mask(torch.stack(masks), b.device))
+    else:
+        batch = ForwardBatch.draft_decode(rows, seq, loc, b.device, step=b.draft_step,
+                                          tree=DraftTree.draft(torch.stack(masks), b.device))
+    return TreeCase(case.cfg, case.layout, case.pool, case.layer, case.kv_b_proj, [case.prefix_lens[i] for i in idx],
+                    n, masks, [case.latent[i] for i in idx], case.q[tok.to(case.q.device)],
+                    case.new_latent[tok.to(case.q.device)], batch)
+
+
+def draft_steps(prefix_lens, topk: int, num_steps: int, *, reparent: bool = False, **kw) -> list[TreeCase]:
+    """Every step of one ``num_steps``-step draft tree in SGLang's key layout (key j*num_steps + s), as cases over
+    ONE pool (step 0's: the prefixes written, every draft key poison) — a multi-step run writes each step's keys
+    itself. ``reparent``: branch j of step s descends from a random branch of step s-1 (EAGLE re-ranks its top-k
+    each step), so it sees that branch's keys and its own; else its own keys of steps 0..s (SGLang's mask)."""
+    cases = [make_draft_case(prefix_lens, topk, num_steps, s, **kw) for s in range(num_steps)]
+    base = cases[0]
+    if reparent:
+        rng = random.Random(kw.get("seed", 0) + 99)
+        for b in range(base.batch_size):
+            seen = [{j * num_steps} for j in range(topk)]
+            for s in range(1, num_steps):
+                seen = [seen[rng.randrange(topk)] | {j * num_steps + s} for j in range(topk)]
+                mask = torch.zeros(topk, topk * num_steps, dtype=torch.bool)
+                for j in range(topk):
+                    mask[j, sorted(seen[j])] = True
+                cases[s].masks[b] = mask
+    out = []
+    for c in cases:  # each step over step 0's pool (same seed: same layout, rows, slots and latent rows)
+        c = TreeCase(c.cfg, base.layout, base.pool, base.layer, base.kv_b_proj, c.prefix_lens, c.num_keys, c.masks,
+                     c.latent, c.q, c.new_latent, c.batch)
+        out.append(sub_case(c, list(range(c.batch_size))) if reparent else c)
+    return out

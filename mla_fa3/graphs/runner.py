@@ -1,7 +1,8 @@
 """CUDA-graph capture and replay of decode / verify / draft steps for a set of batch sizes.
 
 Symbols: ``B = {b_1 < … < b_m}`` the captured batch sizes, ``q`` the query tokens per request of the
-runner's mode (1 for DECODE and DRAFT_DECODE, ``k = num_draft_tokens`` for TARGET_VERIFY), ``n`` the
+runner's mode (1 for DECODE and DRAFT_DECODE, ``k = num_draft_tokens`` for TARGET_VERIFY, ``topk`` for a
+DRAFT_DECODE tree), ``n`` the
 live batch's requests and ``b = min{b_i ∈ B : b_i >= n}`` the padded size it replays at.
 
 A ``torch.cuda.CUDAGraph`` replays fixed device addresses, so everything the step reads lives in
@@ -31,6 +32,17 @@ the replay against the same.
 DRAFT_DECODE: one graph per (size, draft step ``i``); a run replays ``batch.draft_step``'s graph
 after updating step ``i``'s metadata (``MultiStepDraftBackend.step(i)``, each step its own buffers).
 
+Tree steps (EAGLE topk > 1, :mod:`mla_fa3.tree`): ``tree_shape=(m, n)`` fixes the tree shape of every
+graph of the runner — TARGET_VERIFY ``(k, k)``; DRAFT_DECODE ``(topk, n)`` with ``num_draft_tokens = topk``,
+the same ``n`` at every draft step (SGLang's layout keeps all ``topk · num_steps`` draft keys in the row from
+step 0, the future ones masked out: ``tree.sglang_draft_mask``). Each graph is captured with that tree shape
+(the backend's tree buffers, ``graphs.tree_buffers``); a run copies the live masks with the other live rows
+and pads with the padding tree and ``seq_lens = n + 1`` (``graphs.static``). A batch without a tree, or with
+a tree of another shape or kind, raises ``DraftTreeError`` (a ``ValueError``) in step 1, before any write;
+a runner without ``tree_shape`` refuses tree batches the same way. Chain and tree steps of one mode take
+two runners, each over its own backend (a capture starts with ``init_cuda_graph_state``, which drops the
+backend's earlier graphs).
+
 ``forward_fn(batch, inputs)`` is the step to capture: ``batch`` a :class:`ForwardBatch` whose tensors
 are the static views, ``inputs`` a dict of the static input views (``name -> [b·q, *shape]``). It must
 call the backend's ``forward`` (NOT ``init_forward_metadata``; the runner does the capture / replay
@@ -48,6 +60,7 @@ import torch
 from torch import Tensor
 
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.tree import DraftTreeError
 from mla_fa3.graphs.static import (InputSpec, StaticBuffers, copy_all, fill_inputs, pad_batch, padded_size, static_batch)
 
 __all__ = ["InputSpec", "StaticBuffers", "GraphRunner", "padded_size", "pad_batch", "fill_inputs",
@@ -80,7 +93,8 @@ class GraphRunner:
         forward_fn: ``forward_fn(batch, inputs) -> out`` (module docstring).
         batch_sizes: sizes to capture (ints >= 1).
         mode: DECODE, TARGET_VERIFY or DRAFT_DECODE.
-        num_draft_tokens: ``k`` tokens per request for TARGET_VERIFY (ignored otherwise).
+        num_draft_tokens: ``k`` tokens per request for TARGET_VERIFY, ``topk`` for a DRAFT_DECODE tree
+            (1 for a draft chain; ignored for DECODE).
         max_context: the longest ``seq_lens`` a run may carry (sizes the page-table buffers).
         num_draft_steps: DRAFT_DECODE: steps of the multi-step draft, one graph each (batch.draft_step).
         input_specs: the named per-token inputs (default: ``input_ids`` int64).
@@ -89,6 +103,7 @@ class GraphRunner:
         seq_len_fill: ``seq_lens`` of the static batch's padding rows (raised to ``q``); the
             kernels' padding lengths are the metadata builder's (``graphs.capture``).
         capture_now: capture in the constructor (default) or later through :meth:`capture`.
+        tree_shape: ``(m, n)``: every graph is a tree step of that shape (module docstring); None: no tree.
         device_metadata: with a backend that has ``graph_prologue`` (``MLABackend``), derive the page
             table and the FlashMLA schedule inside each graph, before ``forward_fn`` (default): the
             replay update then writes the lengths and rows in one host->device copy. False: the
@@ -100,7 +115,8 @@ class GraphRunner:
                  max_context: int, num_draft_steps: int = 1,
                  input_specs: Mapping[str, InputSpec] | None = None,
                  device: torch.device | str | None = None, use_graphs: bool | None = None,
-                 seq_len_fill: int = 1, capture_now: bool = True, device_metadata: bool = True):
+                 seq_len_fill: int = 1, capture_now: bool = True, device_metadata: bool = True,
+                 tree_shape: tuple[int, int] | None = None):
         if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
             raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE, got {mode!r}")
         sizes = sorted(set(batch_sizes))
@@ -127,6 +143,11 @@ class GraphRunner:
         self.tokens_per_request = self.num_draft_tokens
         if max_context < self.tokens_per_request:
             raise ValueError(f"max_context must be >= {self.tokens_per_request} tokens per request, got {max_context}")
+        if tree_shape is None and mode is ForwardMode.DRAFT_DECODE and self.num_draft_tokens > 1:
+            raise DraftTreeError(f"num_draft_tokens = {num_draft_tokens} queries per request in DRAFT_DECODE is a "
+                                 "draft tree: give its tree_shape (topk, n)")
+        if tree_shape is not None and mode is ForwardMode.DECODE:
+            raise DraftTreeError("tree_shape is for TARGET_VERIFY and DRAFT_DECODE runners, got DECODE")
         self.device = torch.device(device if device is not None else getattr(backend, "device", "cuda"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -134,7 +155,12 @@ class GraphRunner:
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"use_graphs needs a CUDA device, got {self.device}")
         self.buffers = StaticBuffers.allocate(sizes[-1], self.tokens_per_request, specs, self.device,
-                                              seq_len_fill=seq_len_fill)
+                                              seq_len_fill=seq_len_fill, tree_shape=tree_shape,
+                                              tree_verify=mode is ForwardMode.TARGET_VERIFY)
+        self.tree_shape = self.buffers.tree_shape  # (m, n) checked by the buffers, or None
+        if self.tree_shape is not None and max_context < self.tree_shape[1] + 1:
+            raise ValueError(f"max_context must be >= the {self.tree_shape[1]} tree keys + a prefix of 1 token, got "
+                             f"{max_context}")
         # keyed (size, draft step, kernel): a backend whose decode kernel is chosen per step
         # (``graph_kernels()`` lists more than one) gets one graph per kernel; the replay update says which
         self._batches: dict[tuple[int, int, Any], ForwardBatch] = {}
@@ -167,6 +193,8 @@ class GraphRunner:
                 backend = self._step_backend(step)
                 for kernel in self._graph_kernels(step):
                     extra = {} if kernel is None else {"kernel": kernel}
+                    if self.tree_shape is not None:
+                        extra["tree_shape"] = self.tree_shape
                     self._batches[(bs, step, kernel)] = batch
                     backend.init_forward_metadata_capture_cuda_graph(
                         bs, self.mode, num_draft_tokens=self.num_draft_tokens, **extra)
@@ -219,6 +247,7 @@ class GraphRunner:
             raise ValueError(f"batch.num_draft_tokens must be {self.num_draft_tokens} (captured), got {batch.num_draft_tokens}")
         if self.mode is ForwardMode.DRAFT_DECODE and not 0 <= batch.draft_step < self.num_draft_steps:
             raise ValueError(f"batch.draft_step must be in [0, {self.num_draft_steps}), got {batch.draft_step}")
+        self.buffers.check_tree(batch)  # a tree exactly when captured with one, of the captured shape
         if batch.batch_size < 1:
             raise ValueError("batch.batch_size must be >= 1 (an IDLE step needs no graph)")
         bs = padded_size(batch.batch_size, self.batch_sizes)

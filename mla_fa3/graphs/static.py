@@ -14,6 +14,15 @@ slot, never handed out: padding rows write only there), ``positions`` -> 0, ``re
 valid ForwardBatch; no kernel reads it — the kernels read the metadata). Only rows an earlier run
 filled are reset (host-side marks ``StaticBuffers.live_*``); all live-row copies go in one
 ``torch._foreach_copy_`` (:func:`copy_all`). Device->device copies and fills: no sync.
+
+Tree steps (:mod:`mla_fa3.tree`; a runner with a ``tree_shape`` (m, n)): the static batch carries a
+:class:`~mla_fa3.tree.DraftTree` whose mask is the view ``[:b]`` of ``tree_mask [b_m, m, n]``;
+:func:`pad_batch` copies the live masks into ``[:n]`` and gives padding requests the *padding tree*
+(every query sees tree key 0 — and, in a verify tree, itself: a valid star) and ``seq_lens = n + 1``
+(``seq_len_fill`` is raised to it), so a padding request keeps a prefix of one token (slot 0 of the
+padding page). A batch whose tree shape differs from the buffers' raises ``DraftTreeError`` before any
+copy. The kernels read the tree part from the metadata builder's ``graphs.tree_buffers``, which its
+replay update writes the same way; ``tree_mask`` keeps the static batch what the graph replays.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 from torch import Tensor
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.tree import MAX_TREE_TOKENS, DraftTree, DraftTreeError
 
 __all__ = ["InputSpec", "StaticBuffers", "padded_size", "static_batch", "copy_all", "pad_batch", "fill_inputs"]
 
@@ -53,14 +63,26 @@ class StaticBuffers:
     live_rows: bytearray  # [max_bs] host: 1 where a batch row may hold a live (non-padding) value
     live_tokens: bytearray  # [max_bs * q] host: 1 where an input row may hold a non-zero value
     padding: dict[str, Tensor]  # name -> a device tensor of that buffer's padding values (resets are copies)
+    tree_mask: Tensor | None = None  # [max_bs, m, n] bool, device — tree steps only; padding: the padding tree
+    tree_verify: bool = True  # the tree is a TARGET_VERIFY tree (else a DRAFT_DECODE step's)
     _views: dict = field(default_factory=dict, repr=False)  # (kind, name, length) -> prefix view
 
     @classmethod
     def allocate(cls, max_bs: int, tokens_per_request: int, input_specs: Mapping[str, InputSpec],
                  device: torch.device | str, *, seq_len_fill: int = 1,
-                 pad_req_index: int = 0) -> "StaticBuffers":
+                 pad_req_index: int = 0, tree_shape: tuple[int, int] | None = None,
+                 tree_verify: bool = True) -> "StaticBuffers":
+        """``tree_shape`` (m, n): buffers of a tree step (m = ``tokens_per_request``), ``tree_verify`` its kind."""
         device = torch.device(device)
         fill = max(int(seq_len_fill), tokens_per_request)
+        tree_mask = None
+        if tree_shape is not None:
+            m, n = _check_tree_shape(tree_shape, tokens_per_request, tree_verify)
+            fill = max(fill, n + 1)  # a padding request keeps a prefix of one token before its n tree keys
+            tree_mask = torch.zeros(max_bs, m, n, dtype=torch.bool, device=device)
+            tree_mask[:, :, 0] = True  # the padding tree: every query sees key 0 (the root) ...
+            if tree_verify:  # ... and, in a verify tree, itself
+                tree_mask[:, torch.arange(m), torch.arange(m)] = True
         max_tokens = max_bs * tokens_per_request
         zeros64 = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         padding = {"req_pool_indices": torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
@@ -68,6 +90,8 @@ class StaticBuffers:
                    "out_cache_loc": zeros64, "positions": zeros64}
         padding.update({f"input:{name}": torch.zeros(max_tokens, *spec.shape, dtype=spec.dtype, device=device)
                         for name, spec in input_specs.items()})
+        if tree_mask is not None:
+            padding["tree_mask"] = tree_mask.clone()
         return cls(
             req_pool_indices=torch.full((max_bs,), pad_req_index, dtype=torch.int64, device=device),
             seq_lens=torch.full((max_bs,), fill, dtype=torch.int32, device=device),
@@ -78,11 +102,28 @@ class StaticBuffers:
                     for name, spec in input_specs.items()},
             tokens_per_request=tokens_per_request, seq_len_fill=fill, pad_req_index=pad_req_index,
             live_rows=bytearray(max_bs), live_tokens=bytearray(max_tokens), padding=padding,
+            tree_mask=tree_mask, tree_verify=bool(tree_verify),
         )
 
     @property
     def max_bs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(m, n) of the tree step these buffers hold, or None (no tree)."""
+        return None if self.tree_mask is None else (self.tree_mask.shape[1], self.tree_mask.shape[2])
+
+    def check_tree(self, batch: ForwardBatch) -> None:
+        """``batch`` has a tree exactly when these buffers do, of their shape and kind (DraftTreeError)."""
+        shape, tree = self.tree_shape, batch.tree
+        if shape is None and tree is None:
+            return
+        if tree is None or shape is None or tree.shape != shape or tree.verify != self.tree_verify:
+            kind = lambda verify: "verify" if verify else "draft-step"  # noqa: E731
+            want = "no tree" if shape is None else f"a {kind(self.tree_verify)} tree of shape (m, n) = {shape}"
+            got = "no tree" if tree is None else f"a {kind(tree.verify)} tree of shape {tree.shape}"
+            raise DraftTreeError(f"batch.tree must be {want} (the captured tree shape), got {got}")
 
     def head(self, name: str, length: int, *, input: bool = False) -> Tensor:
         """The view ``[:length]`` of the field ``name`` (or, ``input=True``, of the input ``name``), made once
@@ -92,6 +133,17 @@ class StaticBuffers:
         if view is None:
             view = self._views[key] = (self.inputs[name] if input else getattr(self, name))[:length]
         return view
+
+
+def _check_tree_shape(shape: object, queries: int, verify: bool) -> tuple[int, int]:
+    if not (isinstance(shape, tuple) and len(shape) == 2 and all(
+            type(v) is int and 1 <= v <= MAX_TREE_TOKENS for v in shape)):
+        raise DraftTreeError(f"tree_shape must be (m, n), two ints in [1, {MAX_TREE_TOKENS}], got {shape!r}")
+    m, n = shape
+    if m != queries or (verify and n != m):
+        raise DraftTreeError(f"tree_shape must be (m, n) with m = the {queries} queries per request (and n = m for "
+                             f"TARGET_VERIFY), got {shape!r}")
+    return m, n
 
 
 def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
@@ -105,14 +157,18 @@ def padded_size(n: int, batch_sizes: Sequence[int]) -> int:
 
 def static_batch(buf: StaticBuffers, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1,
                  draft_step: int = 0) -> ForwardBatch:
-    """A ForwardBatch of ``bs`` requests whose tensors are views of the static buffers."""
+    """A ForwardBatch of ``bs`` requests whose tensors are views of the static buffers (and a tree step's tree:
+    a device-only :class:`DraftTree` over ``tree_mask[:bs]``)."""
     q = buf.tokens_per_request
+    tree = None if buf.tree_mask is None else DraftTree(mask=buf.tree_mask[:bs], verify=buf.tree_verify)
+    if tree is not None:
+        num_draft_tokens = q
     return ForwardBatch(
         forward_mode=mode, batch_size=bs, req_pool_indices=buf.req_pool_indices[:bs],
         seq_lens=buf.seq_lens[:bs], seq_lens_cpu=buf.seq_lens_cpu[:bs],
         out_cache_loc=buf.out_cache_loc[: bs * q], positions=buf.positions[: bs * q],
-        num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY else 0,
-        draft_step=draft_step if mode is ForwardMode.DRAFT_DECODE else 0,
+        num_draft_tokens=num_draft_tokens if mode is ForwardMode.TARGET_VERIFY or tree is not None else 0,
+        draft_step=draft_step if mode is ForwardMode.DRAFT_DECODE else 0, tree=tree,
     )
 
 
@@ -158,6 +214,7 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
         raise ValueError(f"padded_bs must be in [{n}, {buf.max_bs}], got {padded_bs}")
     if batch.num_tokens != n * q:
         raise ValueError(f"batch must hold {q} token(s) per request ({n * q}), got {batch.num_tokens}")
+    buf.check_tree(batch)
     t = n * q
     pairs = [(buf.head("req_pool_indices", n), batch.req_pool_indices), (buf.head("seq_lens", n), batch.seq_lens),
              (buf.head("out_cache_loc", t), batch.out_cache_loc)]
@@ -165,6 +222,8 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
         pairs.append((buf.head("positions", t), batch.positions))
     else:
         buf.head("positions", t).fill_(0)
+    if buf.tree_mask is not None:
+        pairs.append((buf.head("tree_mask", n), batch.tree.mask))
     buf.head("seq_lens_cpu", n).copy_(batch.seq_lens_cpu)
     lo, hi = _stale(buf.live_rows, n, padded_bs)
     if hi > lo:
@@ -173,6 +232,8 @@ def pad_batch(batch: ForwardBatch, buf: StaticBuffers, padded_bs: int, *,
                   (buf.seq_lens[lo:hi], pad["seq_lens"][lo:hi]),
                   (buf.out_cache_loc[lo * q:hi * q], pad["out_cache_loc"][lo * q:hi * q]),
                   (buf.positions[lo * q:hi * q], pad["positions"][lo * q:hi * q])]
+        if buf.tree_mask is not None:
+            pairs.append((buf.tree_mask[lo:hi], pad["tree_mask"][lo:hi]))
         buf.seq_lens_cpu[lo:hi].fill_(buf.seq_len_fill)
     copy_all(pairs) if copies is None else copies.extend(pairs)
 
