@@ -203,15 +203,38 @@ def test_captured_step_replans_its_schedule_in_the_replay_update():
         assert rel_err(out[:step.q.shape[0]], mla_oracle(step)) <= 1e-5
 
 
-def test_bench_runs_the_reference_on_the_cpu(tmp_path, capsys):
-    """``bench.fa3_schedule`` on the CPU: both variants checked equal, one row per shape, the split columns."""
+def test_bench_runs_the_reference_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """``bench.fa3_schedule`` on the CPU: one row per shape, the split columns, and every call it makes is MLA
+    attention over its scattered pages (each output against the fp64 oracle). The bench's own check (per-step
+    output == per-call output) compares the torch reference with itself on the CPU, where the schedule is only
+    checked, not used, so it proves nothing here; the oracle does."""
     import csv
 
     from mla_fa3.bench import fa3_schedule
+    from oracle import dense_attention
 
+    calls, real = [], ops.flash_attn_with_kvcache
+
+    def spy(q, k_cache, v_cache, **kw):
+        out = real(q, k_cache, v_cache, **kw)
+        calls.append((q.clone(), k_cache, v_cache, kw, out.clone()))
+        return out
+
+    monkeypatch.setattr(ops, "flash_attn_with_kvcache", spy)
     assert fa3_schedule.main(["--heads", "2", "--batch", "1,3", "--context", "70", "--splits", "2", "--iters", "1",
                               "--quiet", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "fa3_schedule.csv")))
     assert [(r["heads"], r["batch"], r["context"]) for r in rows] == [("2", "1", "70"), ("2", "3", "70")]
     assert all(r["splits_us"].startswith("2:") for r in rows)
     assert "| splits 2 |" in capsys.readouterr().out
+    assert {(c[0].shape[0], c[3]["num_splits"], c[3]["schedule"] is None) for c in calls} == \
+        {(bs, n, per_call) for bs in (1, 3) for n, per_call in ((0, True), (0, False), (2, False))}
+    first = {(c[0].shape[0], c[3]["num_splits"], c[3]["schedule"] is None): c for c in reversed(calls)}
+    for q, k_rope, c_kv, kw, out in first.values():
+        page, table, lens = k_rope.shape[1], kw["page_table"], kw["cache_seqlens"].tolist()
+        for b, L in enumerate(lens):
+            rows = torch.cat([torch.arange(p * page, (p + 1) * page) for p in table[b].tolist()])[:L]
+            flat = lambda x: x.reshape(-1, *x.shape[2:])[rows]  # noqa: E731 — [L, 1, d] of request b
+            ref, _ = dense_attention(q[b:b + 1], flat(k_rope), flat(c_kv), qv=kw["qv"][b:b + 1],
+                                     scale=(128 + 64) ** -0.5, causal=True)  # DeepSeek-V3: 1/sqrt(d_nope + d_rope)
+            torch.testing.assert_close(out[b:b + 1].double(), ref, atol=2e-5, rtol=1e-5)
