@@ -4,7 +4,9 @@ Hypothesis draws a world — page size 1 … 128, 1 … 3 layers, ``prefill_path
 (with a workspace of ``max(p, 8)`` tokens, so long prefixes take the chunked MHA path) — and a sequence
 of operations on it: allocate a request and prefill it (in one chunk, or a first chunk that later
 ``extend`` steps continue over the cached prefix), extend (alone or as a MIXED step with decode rows),
-decode, verify ``k`` draft tokens with partial acceptance and rewind (``truncate_request``), free, reuse
+decode, verify ``k`` draft tokens with partial acceptance and rewind (``truncate_request``), verify a random
+draft tree per request (one path accepted, its rows moved, the rest rewound), a multi-step draft tree with
+re-parented branches (then rewound), free, reuse
 of freed rows and pages, and misuse (double frees, ``free([r, r])``, a live request's page freed raw,
 a freed row used, ``seq_lens`` past the allocation, a foreign ``out_cache_loc`` slot, ``forward`` on a
 batch other than the planned one). Every forward step of every layer is compared with an fp64 oracle
@@ -90,10 +92,26 @@ def play(data, world: FuzzWorld, steps: int) -> None:
             for r in reqs:  # partial acceptance: the rejected drafts are rewound
                 accepted = data.draw(st.integers(0, k), label="accepted")
                 world.rewind(r, r.length - k + accepted)
+        elif op == "tree_verify":
+            reqs = [r for r in live if r.length >= r.prompt_len][:3]
+            k = data.draw(st.integers(2, 5), label="tree k")
+            if not reqs or not world.fits([(r, k) for r in reqs]):
+                continue
+            parents = [[-1] + [data.draw(st.integers(0, i - 1), label="parent") for i in range(1, k)] for _ in reqs]
+            leaves = [data.draw(st.integers(0, k - 1), label="accepted leaf") for _ in reqs]
+            world.verify_tree([r.row for r in reqs], parents, leaves)
+        elif op == "tree_draft":
+            reqs = [r for r in live if r.length >= r.prompt_len][:2]
+            topk, steps = data.draw(st.integers(2, 3), label="topk"), data.draw(st.integers(1, 3), label="steps")
+            if not reqs or not world.fits([(r, topk * steps) for r in reqs]):
+                continue
+            parents = [[[0] * topk] + [[data.draw(st.integers(0, topk - 1), label="branch parent")
+                                        for _ in range(topk)] for _ in range(1, steps)] for _ in reqs]
+            world.draft_tree([r.row for r in reqs], topk, parents)
         elif op == "free":
             world.release(live[data.draw(st.integers(0, len(live) - 1), label="victim")])
         else:
-            misuse(world, data.draw(st.integers(0, 5), label="misuse"))
+            misuse(world, data.draw(st.integers(0, 6), label="misuse"))
         world.check_ownership()
 
 
@@ -127,7 +145,7 @@ def fuzz(examples: int) -> int:
     assert totals["refusals"] > 0
     for path in ("absorbed", "mha_oneshot", "mha_chunked"):  # every prefill path ran
         assert any(p == path for (_, p) in paths), (path, paths)
-    for mode in ("EXTEND", "MIXED", "DECODE", "TARGET_VERIFY"):
+    for mode in ("EXTEND", "MIXED", "DECODE", "TARGET_VERIFY", "TARGET_VERIFY[tree]", "DRAFT_DECODE[tree]"):
         assert any(m == mode for (m, _) in paths), (mode, paths)
     print(f"fuzz: {totals['batches']} batches, {totals['refusals']} refusals, {dict(paths)}")
     return totals["batches"]
