@@ -17,7 +17,8 @@ keys, ``seq_lens - n`` the prefix every query sees whole (``>= 1``). Without a t
 chain of today.
 
 Every length lives twice: on the device (for kernels) and as a ``*_cpu`` int32 copy (for host-side
-maxima, shapes and checks), so that no hot path ever syncs device->host. The constructors
+maxima, shapes and checks), so that no hot path ever syncs device->host (the conversions: :mod:`mla_fa3.host`).
+The constructors
 (:meth:`ForwardBatch.extend`, :meth:`ForwardBatch.decode`, :meth:`ForwardBatch.verify`,
 :meth:`ForwardBatch.draft_decode`, :meth:`ForwardBatch.idle`) take Python lists or CPU tensors for the
 lengths, build the CPU copies once and copy each to the device once (host->device only).
@@ -31,19 +32,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from mla_fa3.checks import check_int
+from mla_fa3.host import IntsLike, check_tensor_1d, cpu_int32, index_tensor, index_tensors, to_device
 from mla_fa3.tree import DraftTree, DraftTreeError, check_tree_fits, tree_positions
 
-__all__ = ["ForwardMode", "ForwardBatch", "to_device", "queries_per_request"]
-
-IntsLike = Union[Sequence[int], Tensor]
-
+__all__ = ["ForwardMode", "ForwardBatch", "queries_per_request"]
 
 class ForwardMode(enum.Enum):
     """Kind of step. SGLang's names; the predicates group them the way the metadata builder does."""
@@ -87,66 +85,6 @@ def queries_per_request(mode: ForwardMode, num_draft_tokens: int) -> int:
     if mode is ForwardMode.DRAFT_DECODE:
         return max(num_draft_tokens, 1)
     return 1
-
-
-def to_device(t: Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
-    """Copy to ``device`` without blocking the host (never a device->host sync).
-
-    ``non_blocking=True`` also for pageable CPU sources: the CUDA driver stages a pageable buffer
-    before ``cudaMemcpyAsync`` returns, so the source may be freed or reused at once; a blocking copy
-    would instead synchronize the stream (and trip ``torch.cuda.set_sync_debug_mode("error")``).
-    """
-    return t.to(device=device, dtype=dtype, non_blocking=True)
-
-
-def _host_ints(values: object, name: str) -> list[int]:
-    """A list of Python ints from a sequence: bools and floats raise TypeError (``1.5`` is never truncated)."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-    out = list(values)
-    if all(type(v) is int for v in out):  # the common case, without a call per element
-        return out
-    return [check_int(v, f"{name}[{i}]", minimum=None) for i, v in enumerate(out)]
-
-
-def _cpu_int32(values: IntsLike, name: str) -> Tensor:
-    """A 1-D int32 CPU tensor from a list / tuple / CPU integer tensor; rejects CUDA (that would sync)."""
-    if isinstance(values, Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(f"{name} must be a Python list or a CPU tensor (reading a device tensor "
-                             f"would sync), got a tensor on {values.device}")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got {values.dtype}")
-        t = values.to(torch.int32)
-    else:
-        t = torch.tensor(_host_ints(values, name), dtype=torch.int32)
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.numel() and int(t.numpy().min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-    return t
-
-
-def _index_tensor(values: IntsLike, name: str, device: torch.device) -> Tensor:
-    """A 1-D int64 tensor on ``device`` (a device tensor is kept as is: no value is read)."""
-    return _index_tensors(values, name, device)[0]
-
-
-def _index_tensors(values: IntsLike, name: str, device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """(1-D int64 tensor on ``device``, its CPU copy when the values came from the host, else None)."""
-    if isinstance(values, Tensor):
-        if values.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {values.dtype}")
-        if values.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
-        if values.device.type != "cpu":
-            return to_device(values, device, torch.int64), None
-        t = values.to(torch.int64)
-    else:
-        t = torch.tensor(_host_ints(values, name), dtype=torch.int64)
-    if t.numel() and int(t.numpy().min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-    return to_device(t, device), t
 
 
 def _default_positions(seq_lens_cpu: Tensor, new_lens_cpu: Tensor, device: torch.device) -> Tensor:
@@ -216,20 +154,20 @@ class ForwardBatch:
         if not isinstance(self.forward_mode, ForwardMode):
             raise TypeError(f"forward_mode must be a ForwardMode, got {type(self.forward_mode).__name__}")
         bs = check_int(self.batch_size, "batch_size", minimum=0)
-        _check(self.req_pool_indices, "req_pool_indices", (torch.int64,), bs)
+        check_tensor_1d(self.req_pool_indices, "req_pool_indices", (torch.int64,), bs)
         if self.req_pool_indices_cpu is not None:
-            _check(self.req_pool_indices_cpu, "req_pool_indices_cpu", (torch.int64,), bs, cpu=True)
-        _check(self.seq_lens, "seq_lens", (torch.int32,), bs)
-        _check(self.seq_lens_cpu, "seq_lens_cpu", (torch.int32,), bs, cpu=True)
-        _check(self.out_cache_loc, "out_cache_loc", (torch.int64,), None)
+            check_tensor_1d(self.req_pool_indices_cpu, "req_pool_indices_cpu", (torch.int64,), bs, cpu=True)
+        check_tensor_1d(self.seq_lens, "seq_lens", (torch.int32,), bs)
+        check_tensor_1d(self.seq_lens_cpu, "seq_lens_cpu", (torch.int32,), bs, cpu=True)
+        check_tensor_1d(self.out_cache_loc, "out_cache_loc", (torch.int64,), None)
         num_tokens = self.out_cache_loc.shape[0]
         mode = self.forward_mode
         if mode.is_idle() and (bs != 0 or num_tokens != 0):
             raise ValueError(f"batch_size must be 0 for IDLE, got {bs} (and {num_tokens} tokens)")
         if mode.is_extend_like():
             for name in ("extend_prefix_lens", "extend_seq_lens"):
-                _check(getattr(self, name), name, (torch.int32,), bs)
-                _check(getattr(self, name + "_cpu"), name + "_cpu", (torch.int32,), bs, cpu=True)
+                check_tensor_1d(getattr(self, name), name, (torch.int32,), bs)
+                check_tensor_1d(getattr(self, name + "_cpu"), name + "_cpu", (torch.int32,), bs, cpu=True)
             if int(self.extend_seq_lens_cpu.sum()) != num_tokens:
                 raise ValueError(f"extend_seq_lens must sum to len(out_cache_loc) = {num_tokens}, "
                                  f"got {int(self.extend_seq_lens_cpu.sum())}")
@@ -260,12 +198,12 @@ class ForwardBatch:
             raise ValueError(f"seq_lens must be >= the new tokens of each request, got "
                              f"{self.seq_lens_cpu.tolist()}")
         if self.encoder_lens is not None or self.encoder_lens_cpu is not None:
-            _check(self.encoder_lens, "encoder_lens", (torch.int32,), bs)
-            _check(self.encoder_lens_cpu, "encoder_lens_cpu", (torch.int32,), bs, cpu=True)
+            check_tensor_1d(self.encoder_lens, "encoder_lens", (torch.int32,), bs)
+            check_tensor_1d(self.encoder_lens_cpu, "encoder_lens_cpu", (torch.int32,), bs, cpu=True)
         if self.encoder_out_cache_loc is not None:
-            _check(self.encoder_out_cache_loc, "encoder_out_cache_loc", (torch.int64,), None)
+            check_tensor_1d(self.encoder_out_cache_loc, "encoder_out_cache_loc", (torch.int64,), None)
         if self.positions is not None:
-            _check(self.positions, "positions", (torch.int64,), num_tokens)
+            check_tensor_1d(self.positions, "positions", (torch.int64,), num_tokens)
         check_int(self.num_draft_tokens, "num_draft_tokens", minimum=0)
         check_int(self.draft_step, "draft_step", minimum=0)
         # host maxima read once per batch (seq_lens_max / seq_lens_sum), with the checks
@@ -323,13 +261,13 @@ class ForwardBatch:
         if not isinstance(mode, ForwardMode) or not mode.is_extend_like():
             raise ValueError(f"mode must be EXTEND, MIXED or DRAFT_EXTEND, got {mode!r}")
         device = torch.device(device)
-        prefix_cpu = _cpu_int32(prefix_lens, "prefix_lens")
-        ext_cpu = _cpu_int32(extend_lens, "extend_lens")
+        prefix_cpu = cpu_int32(prefix_lens, "prefix_lens")
+        ext_cpu = cpu_int32(extend_lens, "extend_lens")
         if prefix_cpu.shape != ext_cpu.shape:
             raise ValueError(f"prefix_lens and extend_lens must have the same length, got "
                              f"{prefix_cpu.shape[0]} and {ext_cpu.shape[0]}")
         seq_cpu = prefix_cpu + ext_cpu
-        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        loc = index_tensor(out_cache_loc, "out_cache_loc", device)
         return cls._make(mode, req_pool_indices, seq_cpu, loc, device, ext_cpu, positions, encoder_lens,
                          encoder_out_cache_loc, prefix_cpu=prefix_cpu)
 
@@ -339,8 +277,8 @@ class ForwardBatch:
                encoder_lens: IntsLike | None = None) -> "ForwardBatch":
         """DECODE batch: one new token per request; ``seq_lens`` include it."""
         device = torch.device(device)
-        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
-        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        seq_cpu = cpu_int32(seq_lens, "seq_lens")
+        loc = index_tensor(out_cache_loc, "out_cache_loc", device)
         return cls._make(ForwardMode.DECODE, req_pool_indices, seq_cpu, loc, device,
                          torch.ones_like(seq_cpu), positions, encoder_lens, None)
 
@@ -355,8 +293,8 @@ class ForwardBatch:
         ``from_sglang_custom_mask``); default positions are then ``prefix + depth``. None: the causal chain."""
         check_int(num_draft_tokens, "num_draft_tokens")
         device = torch.device(device)
-        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
-        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        seq_cpu = cpu_int32(seq_lens, "seq_lens")
+        loc = index_tensor(out_cache_loc, "out_cache_loc", device)
         if positions is None and tree is not None:
             positions = tree_positions(seq_cpu, tree)
         return cls._make(ForwardMode.TARGET_VERIFY, req_pool_indices, seq_cpu, loc, device,
@@ -373,8 +311,8 @@ class ForwardBatch:
         holds bs * topk slots), ``seq_lens`` = prefix + the n tree keys (see :mod:`mla_fa3.tree`)."""
         check_int(step, "step", minimum=0)
         device = torch.device(device)
-        seq_cpu = _cpu_int32(seq_lens, "seq_lens")
-        loc = _index_tensor(out_cache_loc, "out_cache_loc", device)
+        seq_cpu = cpu_int32(seq_lens, "seq_lens")
+        loc = index_tensor(out_cache_loc, "out_cache_loc", device)
         per = 1 if tree is None else tree.num_queries
         if positions is None and tree is not None:
             positions = tree_positions(seq_cpu, tree)
@@ -400,7 +338,7 @@ class ForwardBatch:
               prefix_cpu: Tensor | None = None, num_draft_tokens: int = 0,
               draft_step: int = 0, tree: DraftTree | None = None) -> "ForwardBatch":
         bs = seq_cpu.shape[0]
-        rows, rows_cpu = _index_tensors(req_pool_indices, "req_pool_indices", device)
+        rows, rows_cpu = index_tensors(req_pool_indices, "req_pool_indices", device)
         if rows.shape[0] != bs:
             raise ValueError(f"req_pool_indices must have one row per request ({bs}), got {rows.shape[0]}")
         seq_np, new_np = seq_cpu.numpy(), new_cpu.numpy()
@@ -414,15 +352,15 @@ class ForwardBatch:
         if positions is None:
             pos = _default_positions(seq_cpu, new_cpu, device)
         else:
-            pos = _index_tensor(positions, "positions", device)
+            pos = index_tensor(positions, "positions", device)
         enc_dev = enc_cpu = enc_loc = None
         if encoder_lens is not None:
-            enc_cpu = _cpu_int32(encoder_lens, "encoder_lens")
+            enc_cpu = cpu_int32(encoder_lens, "encoder_lens")
             if enc_cpu.shape[0] != bs:
                 raise ValueError(f"encoder_lens must have one entry per request ({bs}), got {enc_cpu.shape[0]}")
             enc_dev = to_device(enc_cpu, device)
         if encoder_out_cache_loc is not None:
-            enc_loc = _index_tensor(encoder_out_cache_loc, "encoder_out_cache_loc", device)
+            enc_loc = index_tensor(encoder_out_cache_loc, "encoder_out_cache_loc", device)
         extend_like = mode.is_extend_like()
         return cls(forward_mode=mode, batch_size=bs, req_pool_indices=rows,
                    seq_lens=to_device(seq_cpu, device), seq_lens_cpu=seq_cpu, out_cache_loc=loc,
@@ -433,17 +371,3 @@ class ForwardBatch:
                    encoder_lens=enc_dev, encoder_lens_cpu=enc_cpu, encoder_out_cache_loc=enc_loc,
                    num_draft_tokens=num_draft_tokens, draft_step=draft_step, positions=pos,
                    req_pool_indices_cpu=rows_cpu, tree=tree)
-
-
-def _check(t: object, name: str, dtypes: tuple, length: int | None, *, cpu: bool = False) -> None:
-    """Dtype / rank / length / placement check that reads no tensor value (no sync)."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name} must have length {length}, got {t.shape[0]}")
-    if cpu and t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU, got {t.device}")

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request, to_device
+from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.host import to_device
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.kv.pools import check_page_size, same_device
 from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, capture_views, derive_tables,

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mla_fa3"
 
 # lowest first; a module may import modules of its own layer or of layers listed before it
 LAYERS: list[tuple[str, ...]] = [
-    ("ops", "checks"),  # the kernel layer; argument checkers
+    ("ops", "checks", "host"),  # the kernel layer; argument checkers; host values to tensors without a sync
     ("batch", "tree"),  # what an engine hands the backend each step; speculative draft trees
     ("layer", "kv"),  # the per-layer description; KV memory (rows, pages, pools)
     ("pages",),  # page-table and local-attention index math

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mla_fa3.batch import to_device
+from mla_fa3.host import to_device
 from mla_fa3.checks import check_ids, check_int
 from mla_fa3.kv.pools import check_page_size
 from mla_fa3.kv.req_to_token import OutOfSlotsError, OwnershipError, ReqToTokenPool

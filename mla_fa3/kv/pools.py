@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mla_fa3 import ops
-from mla_fa3.batch import to_device
+from mla_fa3.host import to_device
 from mla_fa3.checks import check_int
 from mla_fa3.kv.fp8 import check_scale, propose_scale
 from mla_fa3.ops.fp8 import FP8_DTYPE, FP8_E4M3_MAX, dequantize_e4m3

@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from mla_fa3.batch import to_device
+from mla_fa3.host import to_device
 from mla_fa3.checks import check_ids, check_int
 
 __all__ = ["OutOfSlotsError", "OwnershipError", "ReqToTokenPool", "encoder_region_columns"]

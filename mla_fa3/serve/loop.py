@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from mla_fa3.backend import MLABackend
-from mla_fa3.batch import ForwardBatch, ForwardMode, to_device
+from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.host import to_device
 from mla_fa3.checks import check_int
 from mla_fa3.graphs.runner import GraphRunner
 from mla_fa3.kv.allocator import PagedAllocator
