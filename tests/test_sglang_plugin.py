@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.oracle import dense_attention
-from tests.sglang_world import D_ROPE, R, TESTCASE, SGLangMode, case, kit, kit_fixture, needs_sglang
+from tests.sglang_world import (D_ROPE, FP8, R, TESTCASE, SGLangMode, case, check_close, kit, kit_fixture,
+                                needs_sglang, run_split_form, runner_like)
 
 pytestmark = needs_sglang
 
@@ -24,8 +25,6 @@ if kit is not None:
     from mla_fa3.integrations.sglang import plugin
     from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
     from mla_fa3.integrations.sglang.convert import UnsupportedStepError
-
-FP8 = torch.float8_e4m3fn
 
 
 # ------------------------------------------------------------------------------------------------- registration
@@ -127,65 +126,13 @@ def test_target_verify_chain(k):
     assert fx.backend.explain().mode == "TARGET_VERIFY"
 
 
-def test_target_verify_tree_is_refused():
-    """topk > 1 (a draft tree) is a named error before any kernel, not a chain's answer."""
-    with pytest.raises(UnsupportedStepError, match="topk 2"):
+def test_target_verify_tree_without_its_mask_is_refused():
+    """topk > 1 with no custom_mask to read the tree from: a named error before any kernel, not a chain's answer."""
+    with pytest.raises(UnsupportedStepError, match="custom_mask"):
         kit.run_mla_fixture_eager(_verify_fixture(4, topk=2))
 
 
 # ------------------------------------------------------------------------------------------------- our oracles
-def _prefix_latents(fx):
-    """The prefix rows the kit wrote, recomputed from its hidden states by its module (not read from the pool)."""
-    rows = []
-    for hidden in fx.prefix_hidden:
-        if hidden.shape[0] == 0:
-            rows.append((hidden.new_zeros(0, R), hidden.new_zeros(0, D_ROPE)))
-            continue
-        _, c_kv, _, k_rope = fx.actual_module.forward_absorb_prepare(hidden)
-        rows.append((c_kv.reshape(-1, R), k_rope.reshape(-1, D_ROPE)))
-    return rows
-
-
-def _run_split_form(fx, *, seed=0, scale_q=1.0, concat=False):
-    """One step in the form SGLang's DeepSeek sends (q_lat and q_rope apart, the new latent stored by the backend) —
-    or, ``concat``, the form of backends off the absorbed-core list (one [T, H·(r + d_rope)] query, k the whole
-    latent row); returns (out [T, H, r], oracle [T, H, r] fp64, tolerance)."""
-    g = torch.Generator().manual_seed(seed)
-    c, fb, layer = fx.case, fx.forward_batch, fx.actual_module.attn_mqa
-    T, H, dtype, dev = c.num_input_tokens, c.num_heads, fx.runner.dtype, fx.runner.device
-    q_lat = (torch.randn(T, H, R, generator=g) * scale_q).to(dev, dtype)
-    q_rope = (torch.randn(T, H, D_ROPE, generator=g) * scale_q).to(dev, dtype)
-    c_kv = torch.randn(T, 1, R, generator=g).to(dev, dtype)
-    k_rope = torch.randn(T, 1, D_ROPE, generator=g).to(dev, dtype)
-    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
-        fx.backend.init_forward_metadata(fb)
-        if concat:
-            out = layer(torch.cat([q_lat, q_rope], -1).reshape(T, -1), torch.cat([c_kv, k_rope], -1), c_kv, fb)
-        else:
-            out = layer(q_lat.reshape(T, H * R), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
-    fp8 = fx.runner.kv_cache_dtype == FP8
-    rounded = (lambda x: x.cpu().to(FP8).double()) if fp8 else (lambda x: x.cpu().double())
-    oracle, start = [], 0
-    for b, (pc, pr) in enumerate(_prefix_latents(fx)):
-        n = c.input_lens[b]
-        keys_c = rounded(torch.cat([pc, c_kv[start:start + n, 0]]))
-        keys_r = rounded(torch.cat([pr, k_rope[start:start + n, 0]]))
-        o, _ = dense_attention(q_rope[start:start + n], keys_r[:, None], keys_c[:, None], qv=q_lat[start:start + n],
-                               scale=layer.scaling, causal=True)
-        oracle.append(o)
-        start += n
-    oracle = torch.cat(oracle)
-    rounding = (oracle.to(dtype).double() - oracle).abs().max().item()
-    return out.reshape(T, H, R).cpu().double(), oracle, 2 * rounding + 1e-5
-
-
-def _check(out, oracle, tol):
-    err = (out - oracle).abs().max().item()
-    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
-    cos = torch.nn.functional.cosine_similarity(out.flatten(), oracle.flatten(), dim=0).item()
-    assert cos > 0.99999
-
-
 SPLIT_CASES = {
     "decode_page16": dict(mode_name="DECODE", prefix_lens=(14, 15, 16, 0), page_size=16),
     "decode_page64": dict(mode_name="DECODE", prefix_lens=(63, 64, 1), page_size=64),
@@ -200,14 +147,14 @@ SPLIT_CASES = {
 def test_split_form_matches_fp64(name, dtype):
     spec = dict(SPLIT_CASES[name])
     fx = kit_fixture(case(spec.pop("mode_name"), name=name, **spec), dtype=dtype)
-    _check(*_run_split_form(fx))
+    check_close(*run_split_form(fx))
 
 
 @pytest.mark.parametrize("name", ["decode_page16", "extend_prefix"])
 def test_concatenated_form_matches_fp64(name):
     spec = dict(SPLIT_CASES[name])
     fx = kit_fixture(case(spec.pop("mode_name"), name=f"{name}_cat", **spec))
-    _check(*_run_split_form(fx, concat=True))
+    check_close(*run_split_form(fx, concat=True))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -216,7 +163,7 @@ def test_tensor_parallel_head_counts(tp):
     whole latent cache."""
     fx = kit_fixture(case("DECODE", prefix_lens=(30, 3), page_size=16, num_heads=128 // tp, name=f"tp{tp}"))
     assert fx.backend.num_heads == 128 // tp
-    _check(*_run_split_form(fx))
+    check_close(*run_split_form(fx))
 
 
 @pytest.mark.parametrize("page_size", [64])  # other pages are read by split-KV (Triton): test_sglang_gpu.py
@@ -227,7 +174,7 @@ def test_fp8_decode_reads_the_e4m3_pool_in_place(page_size):
     fx = kit_fixture(case("DECODE", prefix_lens=(40, 63, 2), page_size=page_size, name=f"fp8_{page_size}"), fp8=True)
     assert fx.runner.token_to_kv_pool.kv_buffer[0].dtype == torch.uint8
     before = [b.data_ptr() for b in fx.runner.token_to_kv_pool.kv_buffer]
-    out, oracle, tol = _run_split_form(fx)
+    out, oracle, tol = run_split_form(fx)
     kernel = fx.backend.explain().kernel
     if kernel == "flashmla":  # q rounded to e4m3 per step
         tol = max(tol, 0.08 * oracle.abs().max().item())
@@ -310,32 +257,21 @@ def _mha_layer(H):
 
 
 # ------------------------------------------------------------------------------------------------- refusals
-def _runner_like(fx, **changes):
-    """The kit's runner with some attributes (or server args: ``server_args={...}``) changed."""
-    from types import SimpleNamespace
-
-    r = fx.runner
-    names = ("device", "page_size", "dtype", "model_config", "token_to_kv_pool", "req_to_token_pool",
-             "use_mla_backend", "tp_size")
-    sa = dict(speculative_eagle_topk=0, speculative_algorithm=None, speculative_num_draft_tokens=0, dcp_size=1)
-    sa = SimpleNamespace(**{**sa, **changes.pop("server_args", {})})
-    return SimpleNamespace(**{**{n: getattr(r, n) for n in names}, **changes}, server_args=sa)
-
-
 def test_refusals_at_construction():
     fx = kit_fixture(case("DECODE", prefix_lens=(3,), name="refuse"))
-    SGLangMLABackend(_runner_like(fx))  # the unchanged runner builds
-    with pytest.raises(ValueError, match="speculative-eagle-topk 4"):
-        SGLangMLABackend(_runner_like(fx, server_args=dict(speculative_eagle_topk=4)))
+    SGLangMLABackend(runner_like(fx))  # the unchanged runner builds
+    with pytest.raises(ValueError, match="num-draft-tokens 65"):
+        SGLangMLABackend(runner_like(fx, server_args=dict(speculative_eagle_topk=4,
+                                                           speculative_num_draft_tokens=65)))
     with pytest.raises(ValueError, match="serves MLA models"):
-        SGLangMLABackend(_runner_like(fx, use_mla_backend=False))
+        SGLangMLABackend(runner_like(fx, use_mla_backend=False))
     with pytest.raises(ValueError, match="power of two"):
-        SGLangMLABackend(_runner_like(fx, page_size=3))
+        SGLangMLABackend(runner_like(fx, page_size=3))
     with pytest.raises(ValueError, match="dcp-size 2"):
-        SGLangMLABackend(_runner_like(fx, server_args=dict(dcp_size=2)))
+        SGLangMLABackend(runner_like(fx, server_args=dict(dcp_size=2)))
     fp8 = kit_fixture(case("DECODE", prefix_lens=(3,), page_size=64, name="refuse_fp8"), fp8=True)
     with pytest.raises(ValueError, match="speculative decoding"):
-        SGLangMLABackend(_runner_like(fp8, server_args=dict(speculative_algorithm="EAGLE")))
+        SGLangMLABackend(runner_like(fp8, server_args=dict(speculative_algorithm="EAGLE")))
 
 
 def test_refusals_per_step_name_what_was_sent():

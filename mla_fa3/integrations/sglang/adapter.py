@@ -6,7 +6,8 @@ in one of two forms, chosen per step by the model (``plugin.handle_attention``):
     absorbed (decode, verify, short extends)  attn_mqa(q_lat [T, H·r], c_kv [T, 1, r], c_kv, fb,
                                                         q_rope=[T, H, d_rope], k_rope=[T, 1, d_rope])
         store [c_kv | k_rope] at fb.out_cache_loc        (our store into SGLang's buffer; FP8: e4m3, scale 1)
-        o_lat = absorb.attend_latent(q_lat, q_rope, ...)  (FA3 / FlashMLA / split-KV: the plan's kernel)
+        o_lat = absorb.attend_latent(q_lat, q_rope, ...)  (FA3 / FlashMLA / split-KV: the plan's kernel; a draft
+                                                          tree: absorb_tree.attend_latent_tree, prefix + tree part)
         -> o_lat [T, H·r]                                 (the model multiplies by W_UV)
     MHA (prefill; the model decompresses K/V and runs the chunked-prefix loop, merging by LSE itself)
         attn_mha(q [T, H, d_nope + d_rope], k [L, H, ..], v [L, H, d_v], fb)
@@ -32,8 +33,10 @@ import os
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.verify_mask import VerifyMask
+from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
-from mla_fa3 import absorb, ops
+from mla_fa3 import absorb, absorb_tree, ops
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch
 from mla_fa3.integrations.sglang.convert import UnsupportedStepError, to_mla_batch
@@ -42,6 +45,7 @@ from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.policy.paths import AttentionPath
+from mla_fa3.tree import MAX_TREE_TOKENS
 
 __all__ = ["SGLangMLABackend", "DECODE_KERNEL_ENV"]
 
@@ -65,6 +69,7 @@ class SGLangMLABackend(AttentionBackend):
         self.kv_fp8 = pool.dtype == FP8_DTYPE
         server_args = model_runner.server_args
         self.num_draft_tokens = int(getattr(server_args, "speculative_num_draft_tokens", 0) or 0)
+        self.topk = int(getattr(server_args, "speculative_eagle_topk", 0) or 0)
         cfg = model_runner.model_config
         self.num_heads = int(cfg.get_num_attention_heads(_attn_tp_size(model_runner)))
         self.mla_pool = _view_pool(pool, self.page_size, model_runner.dtype, self.device)
@@ -78,6 +83,13 @@ class SGLangMLABackend(AttentionBackend):
                                   num_heads=self.num_heads, mla_dims=self.latent_dims,
                                   prefill_path="auto" if self.kv_fp8 else "absorbed")
         self.max_context = int(req_to_token.shape[1])
+        # EAGLE with topk > 1 writes each verify step's draft trees here, k x k per request (QLEN_ONLY: no prefix
+        # columns; SGLang's build_eagle_verify_input takes the target backend's verify_mask), read by convert.verify_tree
+        self._verify_mask = None
+        if self.topk > 1 and self.num_draft_tokens:
+            rows, k = int(req_to_token.shape[0]), self.num_draft_tokens
+            self._verify_mask = VerifyMask(buffer=torch.ones(rows * k * k, dtype=torch.bool, device=self.device),
+                                           mode=TreeMaskMode.QLEN_ONLY, max_bs=rows, is_read=True)
         self._layers: dict[int, AttentionLayer] = {}
         self._step: tuple[ForwardBatch, AttentionMetadata | None] | None = None  # (our batch, its metadata)
 
@@ -85,7 +97,7 @@ class SGLangMLABackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         """Plan an eager step: our batch, metadata, path, kernel and schedule (host work; no sync)."""
         self._step = None
-        batch = to_mla_batch(forward_batch, device=self.device, num_draft_tokens=self.num_draft_tokens)
+        batch = self._convert(forward_batch)
         if self.kv_fp8 and batch.forward_mode.is_extend_like():
             # an FP8 prefill runs the MHA path (plugin.handle_attention): its varlen calls need the metadata only
             self.backend.step_plan = None
@@ -115,7 +127,7 @@ class SGLangMLABackend(AttentionBackend):
         only replay reaches here otherwise: eager steps call :meth:`init_forward_metadata`): rewrite them for the
         live, padded batch and re-plan the kernel's schedule from its lengths."""
         self._step = None
-        batch = to_mla_batch(forward_batch, device=self.device, num_draft_tokens=self.num_draft_tokens)
+        batch = self._convert(forward_batch)
         mode = batch.forward_mode
         if mode.is_idle():  # a data-parallel rank with nothing this step: no kernel reads the metadata
             self.backend.init_forward_metadata(batch)
@@ -126,10 +138,20 @@ class SGLangMLABackend(AttentionBackend):
                                        "TARGET_VERIFY are); disable prefill CUDA graphs")
         if in_capture:
             md = self.backend.init_forward_metadata_capture_cuda_graph(
-                batch.batch_size, mode, num_draft_tokens=max(batch.num_draft_tokens, 1))
+                batch.batch_size, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
+                tree_shape=None if batch.tree is None else batch.tree.shape)
         else:
             md = self.backend.init_forward_metadata_replay_cuda_graph(batch, bs=batch.batch_size)
         self._step = (batch, md)
+
+    def _convert(self, forward_batch) -> ForwardBatch:
+        return to_mla_batch(forward_batch, device=self.device, num_draft_tokens=self.num_draft_tokens,
+                            verify_mask=None if self._verify_mask is None else self._verify_mask.buffer)
+
+    @property
+    def verify_mask(self) -> VerifyMask | None:
+        """Where SGLang's EAGLE (topk > 1) writes each verify step's draft trees: QLEN_ONLY, k x k per request."""
+        return self._verify_mask
 
     @property
     def forward_metadata(self) -> AttentionMetadata | None:
@@ -198,9 +220,9 @@ class SGLangMLABackend(AttentionBackend):
         path, kernel = plan.route(ours)
         if path is not AttentionPath.ABSORBED:
             raise RuntimeError(f"the step was planned for {path.name}, not the absorbed path")
-        o_lat = absorb.attend_latent(q_lat, q_rope, ours, plan.metadata, self.mla_pool.paged(lid), kernel=kernel,
-                                     schedule=plan.schedule_for(ours, kernel),
-                                     kv_scale=self.mla_pool.layer_scale(lid))
+        attend = absorb.attend_latent if plan.metadata.tree is None else absorb_tree.attend_latent_tree
+        o_lat = attend(q_lat, q_rope, ours, plan.metadata, self.mla_pool.paged(lid), kernel=kernel,
+                       schedule=plan.schedule_for(ours, kernel), kv_scale=self.mla_pool.layer_scale(lid))
         return o_lat.reshape(T, H * r)
 
     def _forward_mha(self, q, k, v, layer, fb, md: AttentionMetadata, save_kv_cache):
@@ -297,10 +319,10 @@ def _refuse_unsupported(model_runner) -> None:
         raise ValueError("--attention-backend mla_fa3 serves MLA models (DeepSeek-V2/V3/R1, Kimi-K2); this model's "
                          "attention is not MLA")
     sa = model_runner.server_args
-    topk = int(getattr(sa, "speculative_eagle_topk", 0) or 0)
-    if topk > 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: mla_fa3 verifies chains (topk = 1) only for now; a draft "
-                         "tree needs the tree mask (use topk 1, or --attention-backend fa3)")
+    k = int(getattr(sa, "speculative_num_draft_tokens", 0) or 0)
+    if k > MAX_TREE_TOKENS:
+        raise ValueError(f"--speculative-num-draft-tokens {k}: mla_fa3 verifies at most {MAX_TREE_TOKENS} draft "
+                         "tokens per request")
     pool = model_runner.token_to_kv_pool
     for name in ("kv_buffer", "kv_lora_rank", "qk_rope_head_dim"):
         if not hasattr(pool, name):

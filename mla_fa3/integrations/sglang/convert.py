@@ -10,7 +10,8 @@ Modes (SGLang 0.5.17 ``model_executor/forward_batch_info.py:ForwardMode``):
 
     EXTEND, MIXED   -> EXTEND, MIXED   (a MIXED decode row is an extend row of one token over its prefix)
     DECODE          -> DECODE          (a target-model decode; a draft step carries ``spec_info``: refused)
-    TARGET_VERIFY   -> TARGET_VERIFY   (topk = 1: k draft tokens per request, a chain)
+    TARGET_VERIFY   -> TARGET_VERIFY   (k draft tokens per request: a chain with topk = 1, else a draft tree read
+                                        from ``spec_info.custom_mask``, see :func:`verify_tree`)
     IDLE            -> IDLE            (a data-parallel rank with no request this step)
     others          -> UnsupportedStepError, naming the mode, before anything runs
 
@@ -23,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.tree import MAX_TREE_TOKENS, DraftTree
 
-__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of"]
+__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of", "verify_tree"]
 
 
 class UnsupportedStepError(ValueError):
@@ -59,8 +61,10 @@ def _host_int32(values, name: str, bs: int) -> torch.Tensor:
     return out
 
 
-def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int) -> ForwardBatch:
-    """Our batch for SGLang's ``fb`` (see the module docstring). ``num_draft_tokens``: the server's k."""
+def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
+                 verify_mask: torch.Tensor | None = None) -> ForwardBatch:
+    """Our batch for SGLang's ``fb`` (see the module docstring). ``num_draft_tokens``: the server's k;
+    ``verify_mask``: the QLEN_ONLY buffer the adapter gave SGLang's EAGLE to write draft trees into."""
     name = getattr(fb.forward_mode, "name", str(fb.forward_mode))
     mode = _MODES.get(name)
     if mode is None:
@@ -84,14 +88,62 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int) -> ForwardB
         return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, **common)
     if mode is ForwardMode.TARGET_VERIFY:
         topk = int(getattr(getattr(fb, "spec_info", None), "topk", 1) or 1)
-        if topk > 1:
-            raise UnsupportedStepError(f"a TARGET_VERIFY batch with topk {topk}: mla_fa3 verifies chains (topk = 1) "
-                                       "only; a draft tree needs its tree mask")
         k = num_draft_tokens_of(fb, num_draft_tokens)
-        return ForwardBatch(seq_lens=seq + k, seq_lens_cpu=seq_cpu + k, num_draft_tokens=k, **common)
+        tree = verify_tree(fb, bs, k, seq_cpu, device, verify_mask) if topk > 1 else None
+        return ForwardBatch(seq_lens=seq + k, seq_lens_cpu=seq_cpu + k, num_draft_tokens=k, tree=tree, **common)
     ext_cpu = _host_int32(fb.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
     pre_cpu = _host_int32(fb.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
     ext = fb.extend_seq_lens[:bs].to(torch.int32)
     pre = fb.extend_prefix_lens[:bs].to(torch.int32) if fb.extend_prefix_lens is not None else seq - ext
     return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, extend_prefix_lens=pre, extend_prefix_lens_cpu=pre_cpu,
                         extend_seq_lens=ext, extend_seq_lens_cpu=ext_cpu, **common)
+
+
+def verify_tree(fb, bs: int, k: int, prefix_cpu: torch.Tensor, device: torch.device,
+                qlen_buffer: torch.Tensor | None = None) -> DraftTree:
+    """The draft tree of a TARGET_VERIFY batch with topk > 1: ``mask [bs, k, k]`` (token i sees token j), gathered on
+    the device from ``spec_info.custom_mask`` as SGLang's EAGLE wrote it (``speculative/eagle_utils.py``,
+    ``build_tree_kernel_efficient``), in either layout:
+
+        QLEN_ONLY  (the adapter's ``verify_mask``, ``qlen_buffer``, asks for it)  request b's k x k block at b·k·k
+        FULL_MASK  (SGLang's default)  request b's k x (S_b + k) block, row-major, at Σ_{c<b} k·(S_c + k); its
+                   tree part is columns S_b .. S_b + k - 1 (S_b: the prefix, SGLang's verify ``seq_lens``)
+
+    Live requests are the first ``spec_info.positions.numel() // k`` (a CUDA-graph replay pads the batch past them);
+    padding requests get a chain. The mask's values are SGLang's: no device value is read here (that would sync),
+    so they are not checked as a tree (``DraftTree`` checks the shape; tests check SGLang's layout)."""
+    spec = fb.spec_info
+    flat = getattr(spec, "custom_mask", None)
+    if flat is None:
+        raise UnsupportedStepError("a TARGET_VERIFY batch with topk > 1 carries no spec_info.custom_mask: mla_fa3 "
+                                   "reads the draft tree from it")
+    if not 1 <= k <= MAX_TREE_TOKENS:
+        raise UnsupportedStepError(f"a draft tree of {k} tokens per request: mla_fa3 verifies trees of 1 to "
+                                   f"{MAX_TREE_TOKENS} tokens")
+    if flat.dtype != torch.bool:
+        raise UnsupportedStepError(f"spec_info.custom_mask must be bool (SGLang's tree mask), got {flat.dtype}")
+    positions = getattr(spec, "positions", None)
+    live = bs if positions is None else min(bs, int(positions.numel()) // k)
+    flat = flat.reshape(-1)
+    prefix = prefix_cpu[:live].to(torch.int64)
+    if live == 0:
+        mask = torch.zeros(0, k, k, dtype=torch.bool, device=device)
+    elif flat.numel() == live * k * k or (qlen_buffer is not None and flat.data_ptr() == qlen_buffer.data_ptr()):
+        if flat.numel() < live * k * k:
+            raise UnsupportedStepError(f"spec_info.custom_mask has {flat.numel()} entries, fewer than the "
+                                       f"{live * k * k} of {live} requests' k x k blocks")
+        mask = flat[: live * k * k].view(live, k, k)
+    else:
+        row = prefix + k  # FULL_MASK: k rows of S_b + k columns per request
+        if flat.numel() < int(row.sum()) * k:
+            raise UnsupportedStepError(f"spec_info.custom_mask has {flat.numel()} entries, fewer than the "
+                                       f"{int(row.sum()) * k} of {live} requests' FULL_MASK blocks")
+        start = torch.cumsum(row * k, 0) - row * k
+        j = torch.arange(k, dtype=torch.int64)
+        index = start[:, None, None] + j[None, :, None] * row[:, None, None] + prefix[:, None, None] + j[None, None, :]
+        mask = flat[index.to(flat.device)]
+    mask = mask.to(device)
+    if live < bs:
+        chain = torch.ones(k, k, dtype=torch.bool, device=device).tril().expand(bs - live, k, k)
+        mask = torch.cat([mask, chain])
+    return DraftTree(mask=mask, mask_cpu=None, verify=True)

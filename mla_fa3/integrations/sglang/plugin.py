@@ -24,12 +24,18 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
                                                  ReqToTokenPool.req_to_token ([rows, context] int32)
     srt/model_executor/forward_batch_info.py     ForwardBatch: forward_mode, batch_size, req_pool_indices, seq_lens(
                                                  _cpu), out_cache_loc, positions, extend_(prefix|seq)_lens(_cpu),
-                                                 spec_info (draft_token_num, topk), the MHA prefill's
+                                                 spec_info (draft_token_num, topk, custom_mask, positions), the MHA
+                                                 prefill's
                                                  attn_attend_prefix_cache, mha_return_lse, mha_one_shot, prefix_chunk_*
     srt/layers/radix_attention.py                RadixAttention: layer_id, tp_q_head_num, qk_head_dim, v_head_dim,
                                                  scaling, logit_cap, sliding_window_size
     srt/model_executor/forward_context.py        what it reads off the active backend: token_to_kv_pool,
                                                  req_to_token_pool, forward_metadata
+    srt/layers/attention/verify_mask.py          VerifyMask: the buffer EAGLE (topk > 1) writes draft trees into,
+    srt/speculative/eagle_utils.py                 TreeMaskMode.QLEN_ONLY (k x k per request) or FULL_MASK
+    srt/speculative/eagle_worker_common.py         (build_eagle_verify_input takes the target backend's verify_mask)
+    srt/speculative/draft_utils.py               (not touched) the draft model's backends come from SGLang's own
+                                                 table: EAGLE drafts on --speculative-draft-attention-backend
 """
 
 from __future__ import annotations
