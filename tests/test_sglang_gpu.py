@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.sglang_world import D_ROPE, R, TESTCASE, case, kit, kit_fixture, needs_sglang
-from tests.test_sglang_plugin import _check, _run_split_form
+from tests.sglang_world import D_ROPE, R, TESTCASE, case, check_close, kit, kit_fixture, needs_sglang, run_split_form
 
 pytestmark = [pytest.mark.gpu, needs_sglang]
 
@@ -57,20 +56,20 @@ def test_fp8_decode_gpu(page_size, kernel, monkeypatch):
     monkeypatch.setenv("MLA_FA3_DECODE_KERNEL", kernel)
     fx = kit_fixture(case("DECODE", prefix_lens=(700, 63, 2, 1500), page_size=page_size, num_heads=16,
                           name=f"fp8_{kernel}_{page_size}"), device="cuda", fp8=True, max_context_len=2048)
-    out, oracle, tol = _run_split_form(fx)
+    out, oracle, tol = run_split_form(fx)
     ran = fx.backend.explain().kernel
     if ran == "flashmla":
         torch.testing.assert_close(out, oracle, atol=0.08 * oracle.abs().max().item(), rtol=0)
     else:
-        _check(out, oracle, 2 * tol)  # bf16 output of an fp32-accumulated kernel: twice the reference's bound
+        check_close(out, oracle, 2 * tol)  # bf16 output of an fp32-accumulated kernel: twice the reference's bound
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_split_form_gpu_matches_fp64(num_heads):
     fx = kit_fixture(case("DECODE", prefix_lens=(1000, 64, 1, 333), page_size=64, num_heads=num_heads,
                           name=f"split_gpu_{num_heads}"), device="cuda", max_context_len=1024)
-    out, oracle, tol = _run_split_form(fx)
-    _check(out, oracle, 2 * tol)
+    out, oracle, tol = run_split_form(fx)
+    check_close(out, oracle, 2 * tol)
 
 
 def test_real_cuda_graph_replay_with_new_lengths():

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.sglang_world import case, check_close, kit, kit_fixture, needs_sglang, run_split_form, runner_like
+from tests.sglang_world import (D_ROPE, R, case, check_close, kit, kit_fixture, needs_sglang, run_split_form,
+                                runner_like)
 from tests.tree_cases import ancestors_mask, chain, random_tree, star, tree_of
 
 pytestmark = needs_sglang
@@ -52,17 +53,20 @@ def _qlen_only(trees) -> torch.Tensor:
 
 
 def _tree_fixture(k: int, topk: int, custom_mask, *, dtype=torch.bfloat16, page_size=16, prefixes=PREFIXES,
-                  live=None):
+                  live=None, device="cpu", num_heads=4, max_context_len=128):
     """The kit's TARGET_VERIFY batch (SGLang's seq_lens exclude the k draft tokens) and an adapter built for EAGLE with
     ``topk`` over the kit's pools; ``live``: the requests ``spec_info.positions`` counts (default all)."""
     c = case("TARGET_VERIFY", prefix_lens=prefixes, extend_lens=(k,) * len(prefixes), page_size=page_size,
-             name=f"tree_k{k}_p{page_size}_{len(prefixes)}")
-    fx = kit_fixture(c, dtype=dtype)
+             num_heads=num_heads, name=f"tree_k{k}_p{page_size}_{len(prefixes)}")
+    fx = kit_fixture(c, dtype=dtype, device=device, max_context_len=max_context_len)
+    if custom_mask is not None:
+        custom_mask = custom_mask.to(device)
     fb = fx.forward_batch
     fb.seq_lens = torch.tensor(c.prefix_lens, dtype=torch.int32)
     fb.seq_lens_cpu = fb.seq_lens.clone()
     fb.spec_info = SimpleNamespace(draft_token_num=k, topk=topk, custom_mask=custom_mask,
-                                   positions=torch.zeros((live or len(prefixes)) * k, dtype=torch.int64))
+                                   positions=torch.zeros((live or len(prefixes)) * k, dtype=torch.int64,
+                                                         device=device))
     backend = SGLangMLABackend(runner_like(fx, server_args=dict(speculative_eagle_topk=topk,
                                                                 speculative_num_draft_tokens=k,
                                                                 speculative_algorithm="EAGLE")))
@@ -180,3 +184,56 @@ def test_cuda_graph_capture_then_replay_of_a_padded_tree_step():
                                       masks=_oracle_masks(trees + [chain(k)], prefixes))
     check_close(out, oracle, tol)
     assert backend.explain().graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel,page_size", [("fa3", 16), ("fa3", 64), ("flashmla", 64), ("splitkv", 16),
+                                              ("splitkv", 64)])
+def test_tree_verify_gpu(kernel, page_size, monkeypatch):
+    """The tree verify on each decode kernel at 16 heads (the prefix part with k query rows, no causal mask; the tree
+    part dense; merged by LSE), long prefixes: the fp64 tree oracle within twice the reference's bf16 bound."""
+    monkeypatch.setenv("MLA_FA3_DECODE_KERNEL", kernel)
+    k, prefixes = 8, (700, 63, 1500)
+    rng = random.Random(7)
+    trees = [tree_of(3, 2, rng)[:k] for _ in prefixes]
+    trees = [t + [0] * (k - len(t)) for t in trees]
+    fx, backend = _tree_fixture(k, 2, _qlen_only(trees), page_size=page_size, prefixes=prefixes, device="cuda",
+                                num_heads=16, max_context_len=2048)
+    out, oracle, tol = run_split_form(fx, backend=backend, masks=_oracle_masks(trees, prefixes))
+    assert backend.explain().kernel == kernel and backend.explain().tree == (k, k)
+    check_close(out, oracle, 2 * tol)
+
+
+@pytest.mark.gpu
+def test_tree_verify_real_cuda_graph_gpu():
+    """A tree verify captured in a torch.cuda.graph (bs 4, k 6), replayed for 3 live requests whose trees SGLang
+    wrote into the offered buffer: the eager answer of the same step."""
+    k, bs = 6, 4
+    prefixes = (300, 45, 900, FILL)
+    rng = random.Random(11)
+    trees = [random_tree(k, rng) for _ in range(3)]
+    fx, backend = _tree_fixture(k, 2, None, page_size=64, prefixes=prefixes, live=3, device="cuda", num_heads=16,
+                                max_context_len=1024)
+    layer, fb, H = fx.actual_module.attn_mqa, fx.forward_batch, 16
+    buf = backend.verify_mask.buffer
+    buf.fill_(True)
+    buf[: 3 * k * k] = _qlen_only(trees).cuda()
+    fb.spec_info.custom_mask = buf
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(bs * k, H * (R + D_ROPE), device="cuda", generator=g, dtype=torch.bfloat16)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * k)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        backend.init_forward_metadata_in_graph(fb)
+        layer(q, None, None, fb, save_kv_cache=False)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.init_forward_metadata_in_graph(fb)
+            out = layer(q, None, None, fb, save_kv_cache=False)
+        backend.init_forward_metadata_out_graph(fb)
+        graph.replay()
+        got = out.clone()
+        backend.init_forward_metadata(fb)
+        want = layer(q, None, None, fb, save_kv_cache=False)
+    torch.testing.assert_close(got[: 3 * k], want[: 3 * k], atol=2e-2, rtol=2e-2)
+    assert backend.explain().tree == (k, k)
