@@ -25,6 +25,7 @@ import torch
 from mla_cases import cosine, follow_up, make_batch, make_mla_case, mla_oracle, rel_err
 from specs import FP8_SPECS, BatchSpec
 from fp8_cases import (FP8, TOL, SCALES, EXT, DEC, stored, fp8_oracle, fp8_case, fp8_backend, run)
+from oracle import mla_nonabsorbed
 
 from mla_fa3 import absorb
 from mla_fa3.draft_backend import MultiStepDraftBackend
@@ -345,14 +346,57 @@ def test_engine_fp8_generates_and_calibrates(tiny_ckpt):
     res = engine.generate(prompts, 5)
     assert [len(t) for t in res.token_ids] == [5, 5]
     assert engine.backend.explain().kv_dtype == "float8_e4m3fn" and engine.backend.explain().kernel == "flashmla"
-    # page 16: split-KV reads the pool; the same tokens as split-KV on page 64 (the same cache values, exact q)
-    tokens = {}
+    # split-KV reads the FP8 pool with an exact q: page 16 (the only reader there) and page 64 (asked for) give
+    # the tokens and logits of the fp64 oracle generation (each request alone, the cache as e4m3 stores it)
+    want = [_fp8_oracle_generate(model, p, 5, scales) for p in prompts]
     for page in (16, 64):
         e = Engine(model, page_size=page, max_batch_size=2, max_context=64, kv_dtype="fp8", kv_scales=scales,
                    decode_kernel="auto" if page == 16 else "splitkv")
-        tokens[page] = e.generate(prompts, 5).token_ids
+        res = e.generate(prompts, 5, return_logits=True)
         assert e.backend.explain().kernel == "splitkv"
-    assert tokens[16] == tokens[64]
+        assert res.token_ids == [w[0] for w in want], f"page {page}"
+        for got, (_, logits) in zip(res.logits, want):
+            assert rel_err(got, logits) <= 1e-5, f"page {page}"
+
+
+class _FP8OracleAttention:
+    """What each MLA layer must get from an FP8 latent cache (split-KV: exact q), one request, fp64, from the
+    definitions: a prefill attends causally to its own rows as computed (not rounded: they are attended to before
+    they are cached), then stores them; a decode step stores its row, then attends to every cached row, each
+    read back as ``stored(row, s_layer)``. Output: non-absorbed MLA through the layer's kv_b_proj."""
+
+    def __init__(self, model, scales):
+        self.model, self.scales = model, scales
+        self.cache = {}  # layer id -> [L, r + d_rope] fp64, the rows as the pool gives them back
+
+    def forward(self, q, latent, _k, layer, batch):
+        lid, r, cfg = layer.layer_id, self.model.config.kv_lora_rank, self.model.config
+        stored_rows = stored(latent, self.scales[lid])
+        prev = self.cache.get(lid, stored_rows[:0])
+        self.cache[lid] = torch.cat([prev, stored_rows])
+        keys = latent.double() if q.shape[0] > 1 else self.cache[lid]  # prefill: own raw rows; decode: cache
+        assert q.shape[0] == 1 or prev.shape[0] == 0, "one prefill, then decode steps"
+        w = self.model.model.layers[lid].self_attn.kv_b_proj.weight
+        out, _ = mla_nonabsorbed(q, keys[:, :r], keys[:, r:], w, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                                 v_head_dim=cfg.v_head_dim, scale=layer.scaling)
+        return out.to(q.dtype)
+
+
+def _fp8_oracle_generate(model, prompt, n, scales):
+    """Greedy tokens and their logits [n, V] for ``prompt`` alone, every attention from _FP8OracleAttention."""
+    from types import SimpleNamespace
+
+    attn, ids, tokens, logits = _FP8OracleAttention(model, scales), list(prompt), [], []
+    pos = 0
+    for _ in range(n):
+        new = ids[pos:]
+        out = model(torch.tensor(new), torch.arange(pos, pos + len(new)), SimpleNamespace(num_tokens=len(new)),
+                    attn)[-1].float()
+        pos = len(ids)
+        tokens.append(int(out.argmax()))
+        logits.append(out)
+        ids.append(tokens[-1])
+    return tokens, torch.stack(logits)
 
 
 def test_cli_generate_with_fp8_cache(tiny_ckpt, capsys):
