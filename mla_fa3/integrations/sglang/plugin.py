@@ -35,7 +35,9 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
     srt/speculative/eagle_utils.py                 TreeMaskMode.QLEN_ONLY (k x k per request) or FULL_MASK
     srt/speculative/eagle_worker_common.py         (build_eagle_verify_input takes the target backend's verify_mask)
     srt/speculative/draft_utils.py               (not touched) the draft model's backends come from SGLang's own
-                                                 table: EAGLE drafts on --speculative-draft-attention-backend
+                                                 table, without mla_fa3 (srt/plugins/hook_registry.py could route
+                                                 DraftBackendFactory to one): EAGLE drafts on
+                                                 --speculative-draft-attention-backend
 """
 
 from __future__ import annotations
