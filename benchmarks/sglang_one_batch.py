@@ -119,6 +119,23 @@ def _run(model: str, backend: str, kv: str, shapes, out_len: int, log) -> list[d
     return rows
 
 
+COLUMNS = ["heads", "kv", "backend", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s", "error"]
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    """The rows with ``ratio_vs_fa3``: fa3's decode latency at the same (heads, kv, bs, ctx) / this row's."""
+    base = {(r["heads"], r["kv"], r["bs"], r["ctx"]): r["decode_ms"] for r in rows
+            if r.get("backend") == "fa3" and "decode_ms" in r}
+    for r in rows:
+        ref = base.get((r["heads"], r["kv"], r["bs"], r["ctx"]))
+        r["ratio_vs_fa3"] = round(ref / r["decode_ms"], 3) if ref and "decode_ms" in r else ""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c, "") for c in COLUMNS})
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -152,19 +169,9 @@ def main(argv=None) -> int:
                     for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len, log):
                         rows.append(dict(heads=heads, kv=kv, backend=backend, **r))
                         print(json.dumps(rows[-1]), flush=True)
-    base = {(r["heads"], r["kv"], r["bs"], r["ctx"]): r["decode_ms"] for r in rows
-            if r.get("backend") == "fa3" and "decode_ms" in r}
+                    _write_csv(args.out, rows)  # after every process: a run cut short keeps what it measured
     for r in rows:
-        ref = base.get((r["heads"], r["kv"], r["bs"], r["ctx"]))
-        r["ratio_vs_fa3"] = round(ref / r["decode_ms"], 3) if ref and "decode_ms" in r else ""
-    cols = ["heads", "kv", "backend", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s", "error"]
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in rows:
-            w.writerow({c: r.get(c, "") for c in cols})
-    for r in rows:
-        print(",".join(str(r.get(c, "")) for c in cols))
+        print(",".join(str(r.get(c, "")) for c in COLUMNS))
     return 0
 
 
