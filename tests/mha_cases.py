@@ -8,8 +8,8 @@ the first ``ceil(E_b / p) * p`` columns of its ``req_to_token`` row, its decoder
 :func:`cross_oracle` its non-causal attention over the encoder K/V. The FP8 functions quantize the cache and
 the query from the definitions (per-tensor K/V scales; the query scale per tensor or per request and KV-head
 group, :func:`fp8_query`); an FP8 oracle dequantizes the K/V the test WROTE (``quantized=True``) rather than
-reading the pool under test back (``from_pool=True``, kept for graph replays that write other values). Shared by ``test_mha_fallback.py``, ``test_mha_fallback_cross.py`` and
-``test_mha_fallback_gpu.py``.
+reading the pool under test back (``from_pool=True``, kept for graph replays that write other values).
+Shared by ``test_mha_fallback.py``, ``test_mha_fallback_cross.py`` and ``test_mha_fallback_gpu.py``.
 """
 
 from __future__ import annotations
