@@ -17,11 +17,11 @@ The step, as the engine and the model drive it:
             MHA / CROSS layers        -> mha_fallback.forward(...)
             IDLE                      -> an empty [0, H, d_v] output; no kernel, no pool access
 
-Checked before anything is written (``MetadataBuilder.validate``, host values only): every row of the
-batch is held in the ``ReqToTokenPool`` and ``seq_lens`` stay within the tokens allocated to it, on every
-path; ``out_cache_loc`` slots are the request's own (``req_to_token``) and distinct — on the host for
-CPU tensors, on a GPU only with ``debug_checks=True`` (reading device values syncs). ``forward`` with a
-batch other than the planned one raises (``StepPlan.check_batch``).
+Checked before anything is written (``batch_checks.BatchChecks.validate``, run by the builder; host values
+only): every row of the batch is held in the ``ReqToTokenPool`` and ``seq_lens`` stay within the tokens
+allocated to it, on every path; ``out_cache_loc`` slots are the request's own (``req_to_token``) and
+distinct — on the host for CPU tensors, on a GPU only with ``debug_checks=True`` (reading device values
+syncs). ``forward`` with a batch other than the planned one raises (``StepPlan.check_batch``).
 
 Empty batches: IDLE, and an EXTEND / MIXED / DRAFT_EXTEND batch with no requests (or no new tokens),
 work on every ``prefill_path`` ('absorbed', 'auto', 'mha'): the plan is the absorbed path ("no new

@@ -23,9 +23,10 @@ its own virtual batch (:class:`LocalAttentionMetadata`, see :mod:`mla_fa3.pages`
 own page table over the encoder region (:class:`EncoderMetadata`).
 
 Sync rules: ``build`` reads host ints only from the batch's CPU copies; on CUDA it launches small
-index kernels and host->device copies but never reads a device value (unless ``debug_checks=True``,
-which additionally compares the CPU copies with the device tensors and range-checks slot/page ids).
-Range checks of ``out_cache_loc`` / page ids / ``req_pool_indices`` run always for CPU tensors.
+index kernels and host->device copies but never reads a device value. Before it, the batch is held
+against ``req_to_token`` and the pool (:class:`~mla_fa3.batch_checks.BatchChecks`: rows, context, slot
+ownership, tree), and every page table built is range-checked there: value checks run for CPU tensors
+always, on CUDA only with ``debug_checks=True`` (which also compares the CPU copies with the device tensors).
 ``capture`` / ``replay`` (``graphs.capture``) follow the same rules and touch only the buffers
 allocated by ``init_capture_buffers``. Paths only read the metadata; what a step runs on top of it
 (path, kernel, FlashMLA schedule, prefill chunks) is the step plan of :mod:`mla_fa3.plan`.
@@ -35,11 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.batch_checks import BatchChecks, new_tokens_cpu
 from mla_fa3.host import to_device
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.kv.pools import check_page_size, same_device
@@ -47,7 +48,7 @@ from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, c
                                    replay_into)
 from mla_fa3.graphs.tree_buffers import TreeBuffers
 from mla_fa3.pages import cumsum_padded, gather_page_table, local_layout
-from mla_fa3.tree import DraftTreeError, TreeMetadata, check_tree_step, tree_key_slots
+from mla_fa3.tree import DraftTreeError, TreeMetadata, tree_key_slots
 
 __all__ = ["AttentionMetadata", "LocalAttentionMetadata", "EncoderMetadata", "MetadataBuilder"]
 
@@ -109,7 +110,8 @@ class AttentionMetadata:
 
 
 class MetadataBuilder:
-    """Builds :class:`AttentionMetadata` for every mode; owns the CUDA-graph capture buffers.
+    """Builds :class:`AttentionMetadata` for every mode; owns the CUDA-graph capture buffers and the
+    batch checks (``batch_checks``, run first by :meth:`build` and :meth:`replay`).
 
     ``req_to_token_pool``: a :class:`ReqToTokenPool` (or its ``req_to_token`` tensor);
     ``num_slots``: the KV pool's slot count, enabling range checks of ``out_cache_loc`` and page ids
@@ -125,9 +127,6 @@ class MetadataBuilder:
         if not isinstance(table, Tensor) or table.dim() != 2 or table.dtype != torch.int32:
             raise TypeError("req_to_token_pool must be a ReqToTokenPool or a 2-D int32 tensor")
         self.req_to_token = table
-        # the pool's host-side ownership (held rows, allocated_len) checks every batch; a bare tensor
-        # carries none, so only ranges and max_context are checked then
-        self.req_pool = req_to_token_pool if isinstance(req_to_token_pool, ReqToTokenPool) else None
         self.max_context = table.shape[1]
         self.page_size = check_page_size(page_size)
         self.device = torch.device(device)
@@ -142,145 +141,20 @@ class MetadataBuilder:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         self.attention_chunk_size = attention_chunk_size
         self.debug_checks = bool(debug_checks)
-        self.num_slots = num_slots
+        # the batch against the table and the pool: the pool's host-side ownership (held rows, allocated_len)
+        # checks every batch; a bare tensor carries none, so only ranges and max_context are checked then
+        self.batch_checks = BatchChecks(
+            table, req_to_token_pool if isinstance(req_to_token_pool, ReqToTokenPool) else None, self.page_size,
+            self.device, num_slots=num_slots, debug_checks=self.debug_checks)
         self.capture_buffers: CaptureBuffers | None = None
         self.tree_buffers: dict[tuple[int, int], TreeBuffers] = {}  # per captured tree shape (m, n)
         self._col_index = torch.arange(-(-self.max_context // page_size), dtype=torch.int64, device=self.device)
         self._zero32 = torch.zeros(1, dtype=torch.int32, device=self.device)
 
-
-    # ------------------------------------------------------------------ validation
-    def validate(self, batch: ForwardBatch, *, check_context: bool = True) -> None:
-        """Named errors for bad input, before any kernel runs; host values only unless debug_checks.
-
-        ``check_context=False``: the caller checks the context length itself (replay checks it against
-        the capture buffers' max_context, which is at most this builder's).
-        """
-        if not isinstance(batch, ForwardBatch):
-            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
-        batch.ensure_checked()  # construction ran check(); again only after a field was reassigned
-        if not same_device(batch.seq_lens.device, self.device):
-            raise ValueError(f"batch.seq_lens must be on {self.device}, got {batch.seq_lens.device}")
-        if batch.batch_size == 0:
-            return
-        if check_context:
-            span = self._span_np(batch)
-            if int(span.max()) > self.max_context:
-                raise ValueError(f"seq_lens exceed max_context {self.max_context} (encoder region included): "
-                                 f"{span.tolist()}")
-        check_values = self.debug_checks or batch.seq_lens.device.type == "cpu"
-        # host-readable rows: the device tensor itself (CPU / debug_checks), else the batch's CPU copy
-        rows = batch.req_pool_indices.cpu() if check_values else batch.req_pool_indices_cpu
-        if rows is not None:
-            self._check_rows(batch, rows)
-        if batch.tree is not None:
-            check_tree_step(batch.tree, self.req_to_token, rows, batch.seq_lens_cpu, batch.out_cache_loc,
-                            has_encoder=batch.encoder_lens is not None, check_values=check_values,
-                            reread=self.debug_checks)
-        if check_values and (batch.tree is None or batch.tree.verify):
-            self._check_out_cache_loc(batch, rows)
-        if self.debug_checks:
-            for dev, cpu in (("req_pool_indices", "req_pool_indices_cpu"), ("seq_lens", "seq_lens_cpu"),
-                             ("extend_prefix_lens", "extend_prefix_lens_cpu"),
-                             ("extend_seq_lens", "extend_seq_lens_cpu"), ("encoder_lens", "encoder_lens_cpu")):
-                d, c = getattr(batch, dev), getattr(batch, cpu)
-                if d is not None and not torch.equal(d.cpu(), c):
-                    raise ValueError(f"{dev} differs from {cpu}: {d.tolist()} vs {c.tolist()}")
-
-    def _check_rows(self, batch: ForwardBatch, rows: Tensor) -> None:
-        """Rows in range; with a ReqToTokenPool: held, and ``seq_lens`` (after the encoder region) within
-        the tokens allocated to each row. Host ints only (the batch's CPU copies)."""
-        r = rows.numpy()
-        span = self._span_np(batch) if self.req_pool is not None else None
-        if span is not None and self.req_pool.rows_cover(r, span):  # the common case, in one NumPy pass
-            return
-        size = self.req_to_token.shape[0]
-        lo, hi = int(r.min()), int(r.max())
-        if lo < 0 or hi >= size:
-            raise ValueError(f"req_pool_indices must be in [0, {size}), got {lo if lo < 0 else hi} "
-                             f"in {rows.tolist()}")
-        if self.req_pool is None:
-            return
-        held, allocated = self.req_pool.is_held, self.req_pool.allocated_len
-        row_list = r.tolist()
-        for b, (row, need) in enumerate(zip(row_list, span.tolist())):  # name the first offender
-            if not held(row):
-                raise ValueError(f"req_pool_indices[{b}] = {row} is not a held request row (never allocated, "
-                                 "or freed)")
-            if need > allocated[row]:
-                enc = need - int(batch.seq_lens_cpu[b])
-                raise ValueError(f"seq_lens[{b}] = {int(batch.seq_lens_cpu[b])}"
-                                 f"{f' after an encoder region of {enc} columns' if enc else ''} exceeds the "
-                                 f"{allocated[row]} tokens allocated to request row {row}")
-
-    def _span_np(self, batch: ForwardBatch) -> np.ndarray:
-        """[bs] int32 (int64 with an encoder): the columns each request's row needs (its encoder region, then ``seq_lens``)."""
-        span = batch.seq_lens_cpu.numpy()  # a view: never written
-        if batch.encoder_lens_cpu is not None:
-            p = self.page_size
-            span = span.astype(np.int64) + (batch.encoder_lens_cpu.numpy().astype(np.int64) + (p - 1)) // p * p
-        return span
-
-    def _check_out_cache_loc(self, batch: ForwardBatch, rows: Tensor) -> None:
-        """Host values (CPU tensors, or a GPU under debug_checks): every new token's slot is in the pool,
-        is the slot ``req_to_token`` gives that token of its request (so the request owns it and the
-        kernels read it back), and no two tokens share one. A CUDA-graph padding request (every new
-        token to slot 0, no cached keys — a tree step's: one) is exempt: it writes and reads only the padding page."""
-        loc = batch.out_cache_loc.cpu()
-        if not loc.numel():
-            return
-        lo, hi = int(loc.min()), int(loc.max())
-        if self.num_slots is not None and (lo < 0 or hi >= self.num_slots):
-            raise ValueError(f"out_cache_loc must be in [0, {self.num_slots}), got {lo if lo < 0 else hi}")
-        if lo < 0:
-            raise ValueError(f"out_cache_loc must be >= 0, got {lo}")
-        new = self.new_tokens_cpu(batch).to(torch.int64)
-        seq = batch.seq_lens_cpu.to(torch.int64)
-        req = torch.repeat_interleave(torch.arange(batch.batch_size), new)  # request of each new token
-        pad_seq = new if batch.tree is None else new + 1  # a tree's padding request keeps a prefix of 1
-        pad_req = (seq == pad_seq) & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
-        live = ~pad_req[req]
-        loc_live = loc[live]
-        if loc_live.unique().numel() != loc_live.numel():
-            dup = torch.sort(loc_live).values
-            dup = dup[1:][dup[1:] == dup[:-1]]
-            raise ValueError(f"out_cache_loc holds slot {int(dup[0])} twice: two new tokens of one step "
-                             "would overwrite each other")
-        # column of each new token in its request's row: first_col + seq_b - n_b + i
-        first_row = torch.cumsum(new, 0) - new
-        col = (seq - new + self._encoder_cols_cpu(batch))[req] + torch.arange(loc.numel()) - first_row[req]
-        want = self.req_to_token[to_device(rows[req], self.req_to_token.device),
-                                 to_device(col, self.req_to_token.device)].cpu().to(torch.int64)
-        bad = (want != loc) & live
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0])
-            b = int(req[t])
-            raise ValueError(f"out_cache_loc[{t}] = {int(loc[t])} is not the slot of request {b}'s token "
-                             f"{int(col[t])} (req_to_token[{int(rows[b])}, {int(col[t])}] = {int(want[t])}): "
-                             "a token may only be written to a slot its own request holds")
-
-    def _check_pages(self, name: str, page_table: Tensor) -> None:
-        if self.num_slots is None or page_table.numel() == 0:
-            return
-        if self.debug_checks or page_table.device.type == "cpu":
-            num_pages = self.num_slots // self.page_size
-            lo, hi = int(page_table.min()), int(page_table.max())
-            if lo < 0:
-                raise ValueError(f"{name} holds page id {lo}, negative (req_to_token holds a negative slot)")
-            if hi >= num_pages:
-                raise ValueError(f"{name} holds page id {hi}, outside the pool's {num_pages} pages "
-                                 f"(req_to_token holds a slot outside the pool)")
-
-    def _encoder_cols_cpu(self, batch: ForwardBatch) -> Tensor | int:
-        if batch.encoder_lens_cpu is None:
-            return 0
-        p = self.page_size
-        return (batch.encoder_lens_cpu.to(torch.int64) + p - 1) // p * p
-
     # ------------------------------------------------------------------ eager build
     def build(self, batch: ForwardBatch) -> AttentionMetadata:
         """Metadata for one step (any mode). IDLE gives an empty (bs 0) metadata without device work."""
-        self.validate(batch)
+        self.batch_checks.validate(batch)
         mode, bs, p = batch.forward_mode, batch.batch_size, self.page_size
         if bs == 0:
             empty = self._zero32[:0]
@@ -301,7 +175,7 @@ class MetadataBuilder:
         first_col = encoder.decoder_first_col if encoder is not None else None
         page_table = gather_page_table(self.req_to_token, batch.req_pool_indices, seq_lens,
                                        -(-max_k // p), p, first_col, self._col_index)
-        self._check_pages("page_table", page_table)
+        self.batch_checks.check_pages("page_table", page_table)
         extend_like = mode.is_extend_like()
         md = AttentionMetadata(
             mode=mode, batch_size=bs, page_size=p, cache_seqlens=seq_lens, cu_seqlens_q=cu_q,
@@ -320,33 +194,26 @@ class MetadataBuilder:
             md.local = self._build_local(batch, first_col)
         return md
 
-    def new_tokens_cpu(self, batch: ForwardBatch) -> Tensor:
-        """[bs] int32 CPU: queries per request (n_b) for any mode."""
-        if batch.forward_mode.is_extend_like():
-            return batch.extend_seq_lens_cpu
-        per = queries_per_request(batch.forward_mode, batch.num_draft_tokens)
-        return torch.full_like(batch.seq_lens_cpu, per)
-
     def _build_encoder(self, batch: ForwardBatch) -> EncoderMetadata:
         p = self.page_size
         enc = batch.encoder_lens
         max_enc = int(batch.encoder_lens_cpu.max())
         table = gather_page_table(self.req_to_token, batch.req_pool_indices, enc, -(-max_enc // p), p,
                                   None, self._col_index)
-        self._check_pages("encoder.page_table", table)
+        self.batch_checks.check_pages("encoder.page_table", table)
         return EncoderMetadata(cache_seqlens=enc, cu_seqlens_k=cumsum_padded(enc), page_table=table,
                                max_seqlen_k=max_enc, encoder_lens_cpu=batch.encoder_lens_cpu,
                                decoder_first_col=((enc + (p - 1)) // p * p).to(torch.int32))
 
     def _build_local(self, batch: ForwardBatch, first_col: Tensor | None) -> LocalAttentionMetadata:
         chunk, p = self.attention_chunk_size, self.page_size
-        lay = local_layout(batch.seq_lens_cpu, self.new_tokens_cpu(batch), chunk)
+        lay = local_layout(batch.seq_lens_cpu, new_tokens_cpu(batch), chunk)
         packed = to_device(torch.stack([lay.req, lay.k_start, lay.k_lens]), self.device)  # one H2D copy
         req, k_start, k_lens = packed[0], packed[1], packed[2]
         col0 = k_start if first_col is None else k_start + first_col[req]
         table = gather_page_table(self.req_to_token, batch.req_pool_indices[req], k_lens, chunk // p, p,
                                   col0, self._col_index)
-        self._check_pages("local.page_table", table)
+        self.batch_checks.check_pages("local.page_table", table)
         cu_q = to_device(cumsum_padded(lay.q_lens.to(torch.int32)), self.device)
         return LocalAttentionMetadata(
             batch_size=lay.num_rows, cu_seqlens_q=cu_q, cache_seqlens=k_lens.to(torch.int32),
@@ -430,7 +297,7 @@ class MetadataBuilder:
         buf = self._buffers()
         if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
             raise ValueError("metadata must come from MetadataBuilder.capture")
-        self.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
+        self.batch_checks.validate(batch, check_context=False)  # replay_into checks it against the buffers' max_context
         tree = metadata.tree
         if (tree is None) != (batch.tree is None) or (tree is not None and batch.tree.shape != (
                 tree.num_queries, tree.num_keys)):
@@ -438,14 +305,14 @@ class MetadataBuilder:
             raise DraftTreeError(f"batch.tree does not fit the captured step: it was captured with {want}")
         replay_into(buf, batch, metadata.mode, metadata.batch_size, metadata.num_draft_tokens,
                     self.req_to_token, self._col_index,
-                    self._span_np(batch) if batch.encoder_lens_cpu is not None else None)
+                    self.batch_checks.span(batch) if batch.encoder_lens_cpu is not None else None)
         if tree is not None:
             self.tree_buffers[(tree.num_queries, tree.num_keys)].replay(
                 batch, metadata.batch_size, self.req_to_token, buf.cache_seqlens[:batch.batch_size])
         if metadata.encoder is not None:
             metadata.encoder.encoder_lens_cpu = _pad_cpu(batch.encoder_lens_cpu, metadata.batch_size)
         if self.debug_checks and not buf.device_tables:  # device tables: derived later, inside the graph
-            self._check_pages("page_table", metadata.page_table)
+            self.batch_checks.check_pages("page_table", metadata.page_table)
 
     def _buffers(self) -> CaptureBuffers:
         if self.capture_buffers is None:

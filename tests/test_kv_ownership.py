@@ -228,4 +228,4 @@ def test_a_batch_row_out_of_range_is_named_even_when_it_would_wrap_to_a_held_row
                          seq_lens_cpu=seq.clone(), out_cache_loc=torch.zeros(1, dtype=torch.int64),
                          req_pool_indices_cpu=rows.clone())
     with pytest.raises(ValueError, match=rf"req_pool_indices must be in \[0, 4\), got {row}"):
-        MetadataBuilder(pool, 16, "cpu").validate(batch)
+        MetadataBuilder(pool, 16, "cpu").batch_checks.validate(batch)

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("layer", "kv"),  # the per-layer description; KV memory (rows, pages, pools)
     ("pages",),  # page-table and local-attention index math
     ("graphs",),  # CUDA-graph capture buffers, static inputs, the graph runner
+    ("batch_checks",),  # a batch held against req_to_token and the pool (rows, slots, tree), before any metadata
     ("metadata",),  # THE metadata builder
     ("policy",),  # decode-kernel choice, prefill cost model, their tables
     ("prefill_plan", "prefill_graph"),  # the MHA prefill's per-step chunks and row split; its CUDA graphs

@@ -130,7 +130,7 @@ def test_batch_checks_once_and_again_after_a_reassignment(monkeypatch):
     assert mean_seqlen(batch) == pytest.approx(16 / 3)
     batch.seq_lens_cpu = torch.tensor([5, 9, 2], dtype=torch.int64)  # a reassigned field is checked again
     with pytest.raises(TypeError, match="seq_lens_cpu"):
-        MetadataBuilder(torch.zeros(4, 64, dtype=torch.int32), 16, CPU).validate(batch)
+        MetadataBuilder(torch.zeros(4, 64, dtype=torch.int32), 16, CPU).batch_checks.validate(batch)
     batch.seq_lens_cpu = torch.tensor([5, 30, 2], dtype=torch.int32)
     assert batch.seq_lens_max == 30 and batch.seq_lens_sum == 37  # maxima re-read with the checks
     twin = dataclasses.replace(batch, seq_lens_cpu=torch.tensor([1, 1, 1], dtype=torch.int32))

@@ -50,8 +50,9 @@ def measure(bs: int = 128, iters: int = 50, page_size: int = 16, prefix: int = 1
     out = {"alloc": median_host_us(lambda: (step_alloc(), step_batch()), iters)}
     out["batch"] = median_host_us(step_batch, iters)
     rows_cpu = state["batch"].req_pool_indices_cpu
-    out["rows"] = median_host_us(lambda: builder._check_rows(state["batch"], rows_cpu), iters)
-    out["slots"] = median_host_us(lambda: builder._check_out_cache_loc(state["batch"], rows_cpu), iters)
+    checks = builder.batch_checks
+    out["rows"] = median_host_us(lambda: checks.check_rows(state["batch"], rows_cpu), iters)
+    out["slots"] = median_host_us(lambda: checks.check_out_cache_loc(state["batch"], rows_cpu), iters)
     out["alloc"] -= out["batch"]
 
     def finish_one():

@@ -21,7 +21,7 @@ Devices:
 
 * ``cpu`` (default without CUDA): CPU tensors; the tensor ops compute on the CPU (on a GPU each is an
   asynchronous launch instead) and the builder range-checks slot and page ids on the host, which it
-  does for CPU tensors only (``MetadataBuilder.validate``);
+  does for CPU tensors only (``BatchChecks.validate``);
 * ``cuda``: GPU tensors, the real FlashMLA planner (sgl_kernel); host time with ``perf_counter``,
   no sync inside the timed region (the stream is synchronized after each timed step, outside it).
 
@@ -57,12 +57,12 @@ import torch
 from mla_fa3 import metadata as metadata_mod
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.batch_checks import BatchChecks
 from mla_fa3.bench.timing import time_graph
 from mla_fa3.graphs import runner as runner_mod
 from mla_fa3.graphs.runner import GraphRunner
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
-from mla_fa3.metadata import MetadataBuilder
 from mla_fa3.plan import StepPlanner
 from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,8 +78,8 @@ def _probes() -> list[tuple[object, str, str]]:
             (runner_mod, "fill_inputs", "pad_fill"), (runner_mod, "pad_batch", "pad_fill"),
             (runner_mod, "copy_all", "pad_fill"),
             (DecodeKernelChoice, "choose_decode_kernel", "kernel_choice"),
-            (MetadataBuilder, "validate", "validate"),
-            (MetadataBuilder, "_check_out_cache_loc", "cpu_checks"),
+            (BatchChecks, "validate", "validate"),
+            (BatchChecks, "check_out_cache_loc", "cpu_checks"),
             (metadata_mod, "replay_into", "replay_into"),
             (StepPlanner, "replan_flashmla", "flashmla"),
             (StepPlanner, "decode_plan", "step_plan")]
