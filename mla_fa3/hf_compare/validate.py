@@ -4,9 +4,9 @@ Procedure, for a checkpoint directory (or a tiny random DeepSeek-V3 written to a
 
 1. ours = ``load_model(dir)`` (our loader, FP8 dequantized) driven by :class:`mla_fa3.serve.engine.Engine`:
    prefill (all prompt logits kept), then ``steps`` batched paged DECODE steps, greedy;
-2. the reference = transformers' ``DeepseekV{2,3}ForCausalLM`` in float32 with eager attention —
-   ``from_pretrained(dir)``, or for an FP8 checkpoint built from the config and filled with the
-   dequantized tensors under HF's own parameter names (an independent name mapping from ours);
+2. the reference = transformers' ``DeepseekV{2,3}ForCausalLM`` in float32 with eager attention
+   (:mod:`.reference`: ``from_pretrained``, or for an FP8 block-scaled checkpoint the weights read and
+   dequantized there, independently of our loader);
 3. the reference runs ONE full forward over ``prompt + our tokens`` per prompt (teacher forcing):
    row ``L - 1 + i`` holds the logits HF computes for new token ``i`` given exactly our prefix, so
    "every step's argmax agrees" is the same statement as "HF greedy generates the same tokens".
@@ -40,12 +40,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mla_fa3.models.loader import CheckpointError, check_checkpoint, iter_checkpoint_tensors, load_model, read_config
+from mla_fa3.hf_compare.reference import hf_reference_model, teacher_forced_logits
+from mla_fa3.models.loader import check_checkpoint, load_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOLERANCES", "StepRow", "PositionScores", "ValidateReport", "hf_reference_model", "run_validate",
-           "format_report", "position_scores", "teacher_forced_logits"]
+__all__ = ["TOLERANCES", "StepRow", "PositionScores", "ValidateReport", "run_validate", "format_report", "report_json",
+           "position_scores"]
 
 # dtype -> (max relative logit error, min cosine, min fraction of agreeing greedy tokens)
 TOLERANCES = {
@@ -137,40 +138,6 @@ class ValidateReport:
         return all(r.within(rel, cos) for r in self.rows) and self.agree_fraction >= agree
 
 
-def _fill_hf_from_tensors(hf_model, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors (HF names) into an HF model, stacking per-expert weights if it fuses them."""
-    with torch.no_grad():
-        for name, dest in hf_model.state_dict().items():
-            if name in tensors:
-                dest.copy_(tensors[name])
-            elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-                prefix = name.rsplit(".", 1)[0]
-                parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-                for e in range(dest.shape[0]):
-                    dest[e].copy_(torch.cat([tensors[f"{prefix}.{e}.{p}.weight"] for p in parts], dim=0))
-            elif not name.endswith("rotary_emb.inv_freq"):
-                raise CheckpointError(f"the HF reference model needs {name}, not in the checkpoint", [name])
-
-
-def hf_reference_model(path: str, device: torch.device | str = "cpu"):
-    """transformers' model of ``path`` in float32, eager attention (FP8 weights dequantized by us)."""
-    import transformers
-
-    cfg, raw = read_config(path)
-    if raw.get("quantization_config"):
-        hf_cfg = transformers.AutoConfig.from_pretrained(path)
-        hf_cfg.quantization_config = None
-        if hasattr(hf_cfg, "__dict__"):
-            hf_cfg.__dict__.pop("quantization_config", None)
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
-                                                              dtype=torch.float32)
-        _fill_hf_from_tensors(model, {n: t.float() for n, t in iter_checkpoint_tensors(path, cfg, raw)})
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                                  dtype=torch.float32)
-    return model.to(device).eval()
-
-
 def _prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -260,16 +227,6 @@ def position_scores(prompts, steps: int, res, refs, bases=None) -> PositionScore
     decode = torch.cat([torch.arange(len(p) + steps) >= len(p) for p in prompts])
     base = None if bases is None else torch.cat([b[: len(p) + steps] for p, b in zip(prompts, bases)]).argmax(-1)
     return PositionScores(o.argmax(-1), r.argmax(-1), F.cosine_similarity(o, r, dim=-1), decode, base)
-
-
-def teacher_forced_logits(hf, prompts, token_ids, device) -> list[torch.Tensor]:
-    """Per prompt: HF logits [len(prompt) + n_new - 1, V] float32 cpu over prompt + the new tokens (all but
-    the last)."""
-    out = []
-    for p, toks in zip(prompts, token_ids):
-        ids = torch.tensor([p + toks[:-1]], device=device)
-        out.append(hf(input_ids=ids, use_cache=False).logits[0].float().cpu())
-    return out
 
 
 def _errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
