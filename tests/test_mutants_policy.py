@@ -140,3 +140,26 @@ def test_prefill_override_coerce_takes_a_member_or_its_value():
     assert PrefillOverride.coerce("absorbed") is PrefillOverride.ABSORBED
     with pytest.raises(ValueError, match=r"prefill_path must be one of \['auto', 'absorbed', 'mha'\], got 'MHA'"):
         PrefillOverride.coerce("MHA")
+
+
+def test_fit_is_exact_on_noise_free_samples():
+    # Times produced by the cost model with known constants and no prior pull: Levenberg-Marquardt must land
+    # on those constants to ~1e-8 (a wrongly scaled Jacobian still creeps close, to ~1e-5, and is caught here).
+    from dataclasses import replace
+
+    from mla_fa3.policy.paths import AttentionPath
+    from mla_fa3.policy.prefill_cost import H200_COSTS, estimate_costs_ms
+    from mla_fa3.policy.prefill_fit import FITTED_CONSTANTS, CostSample, fit_cost_constants
+    from test_prefill_cost import V3, W
+
+    truth = replace(H200_COSTS, mha_attn_tflops=0.8 * H200_COSTS.mha_attn_tflops, gemm_tflops=0.7 * H200_COSTS.gemm_tflops,
+                    chunk_overhead_us=150.0, mha_fixed_us=120.0, absorbed_fixed_us=60.0)
+    samples = []
+    for heads, prefix, new in [(16, [8192], [512]), (128, [32768], [4096]), (16, [0], [4096]), (128, [65536], [128]),
+                               (16, [65536], [8192]), (128, [0], [256]), (128, [4096, 0], [64, 2048]), (16, [16384], [64])]:
+        c = estimate_costs_ms(prefix, new, num_heads=heads, dims=V3, workspace_tokens=W, constants=truth)
+        mha = c[AttentionPath.MHA_CHUNKED] if any(prefix) else c[AttentionPath.MHA_ONESHOT]
+        samples.append(CostSample(heads, tuple(prefix), tuple(new), W, absorbed_ms=c[AttentionPath.ABSORBED], mha_ms=mha))
+    fitted = fit_cost_constants(samples, V3, prior_weight=0.0)
+    for name in FITTED_CONSTANTS:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-8), name

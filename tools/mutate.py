@@ -123,6 +123,16 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "dists <= best + TIE_DISTANCE", "(dists < best + TIE_DISTANCE)",
         "differs only for a distance equal to best + 0.05 to the last bit; distances are float64 sums of log2 "
         "terms of measured shapes, which do not land there"),
+    "mla_fa3/serve/configs.py:35:50:const:0": (
+        "2048", "(2049)", "moe_intermediate_size=2048 // 8: 2049 // 8 is 256 too"),
+    "mla_fa3/serve/loop.py:113:56:const:0": (
+        "True", "False",
+        "CUDA only: torch.cuda.Event(enable_timing=...) of the eager step's timing, a branch taken on CUDA devices "
+        "only (the GPU tests run it)"),
+    "mla_fa3/models/moe.py:99:33:binop:0": (
+        "weights.sum(dim=-1, keepdim=True) + 1e-20", "(weights.sum(dim=-1, keepdim=True) - 1e-20)",
+        "the top-k sum of softmax / sigmoid scores is far above 1e-20 (every chosen sigmoid score would have to be "
+        "below 1e-20, logits under -46): +/- 1e-20 rounds away"),
 }
 
 
@@ -644,16 +654,17 @@ def summarize(csv_path: Path, out: Path) -> None:
         if r["status"] == "error" and r["id"] in again:  # a selection problem, run again on whole files
             r["status"] = again[r["id"]]["status"]
         elif r["status"] == "survived" and again.get(r["id"], {}).get("status") in ("killed", "timeout"):
-            r["status"] = "new"
+            # killed by the tests written against it (new), or by package tests the pass did not run
+            r["status"] = "new" if again[r["id"]].get("selected") == "new tests" else "killed"
     enum_path = out / "enumerated.csv"
     enumerated = {}
     if enum_path.exists():
         with open(enum_path) as f:
             enumerated = {r["module"]: int(r["enumerated"]) for r in csv.DictReader(f)}
     lines = [f"Skipped: {SKIPPED}.", "",
-             "| package | modules | enumerated | ran | killed | timeout | new | survived | equivalent | score |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    tot = dict(mods=0, en=0, ran=0, k=0, t=0, n=0, s=0, e=0)
+             "| package | modules | enumerated | ran | killed | timeout | new | survived | equivalent | CUDA only | score |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    tot = dict(mods=0, en=0, ran=0, k=0, t=0, n=0, s=0, e=0, c=0)
     for pkg in PACKAGES:
         pr = [r for r in rows if r["package"] == pkg and r["status"] not in ("invalid", "error")]
         if not pr:
@@ -666,24 +677,26 @@ def summarize(csv_path: Path, out: Path) -> None:
         k = sum(r["status"] == "killed" for r in pr)
         t = sum(r["status"] == "timeout" for r in pr)
         n = sum(r["status"] == "new" for r in pr)
-        e = sum(r["status"] == "survived" and bool(r["equivalent"]) for r in pr)
-        s = sum(r["status"] == "survived" for r in pr) - e
-        ne = len(pr) - e
+        cuda = sum(r["status"] == "survived" and r["equivalent"].startswith("CUDA only") for r in pr)
+        e = sum(r["status"] == "survived" and bool(r["equivalent"]) for r in pr) - cuda
+        s = sum(r["status"] == "survived" for r in pr) - e - cuda
+        ne = len(pr) - e - cuda
         score = f"{(k + t + n) / ne:.0%}" if ne else "-"
-        lines.append(f"| {pkg} | {len(mods)} | {en} | {len(pr)} | {k} | {t} | {n} | {s} | {e} | "
+        lines.append(f"| {pkg} | {len(mods)} | {en} | {len(pr)} | {k} | {t} | {n} | {s} | {e} | {cuda} | "
                      f"{k + t + n}/{ne} = {score} |")
-        for key, v in zip(tot, (len(mods), en, len(pr), k, t, n, s, e)):
+        for key, v in zip(tot, (len(mods), en, len(pr), k, t, n, s, e, cuda)):
             tot[key] += v
-    ne = tot["ran"] - tot["e"]
+    ne = tot["ran"] - tot["e"] - tot["c"]
     kill = tot["k"] + tot["t"] + tot["n"]
     lines.append(f"| all | {tot['mods']} | {tot['en']} | {tot['ran']} | {tot['k']} | {tot['t']} | {tot['n']} | "
-                 f"{tot['s']} | {tot['e']} | {kill}/{ne} = {kill / max(ne, 1):.0%} |")
+                 f"{tot['s']} | {tot['e']} | {tot['c']} | {kill}/{ne} = {kill / max(ne, 1):.0%} |")
     errors = [r["id"] for r in rows if r["status"] == "error"]
     if errors:
         lines += ["", f"Not counted: {len(errors)} mutants whose run found no tests (rerun them on whole files): "
                   + ", ".join(errors)]
-    lines += ["", "score = (killed + timeout + new) / (ran - equivalent). new: survivors of the pass that the tests",
-              "written against them (tests/test_mutants_*.py) kill; survived: the non-equivalent survivors left.",
+    lines += ["", "score = (killed + timeout + new) / (ran - equivalent - CUDA only). new: survivors of the pass that",
+              "the tests written against them (tests/test_mutants_*.py) kill; CUDA only: code the CPU cannot reach",
+              "(not equivalent; the GPU tests run it); survived: the survivors left, not judged equivalent.",
               "", "Survivors not judged equivalent:"]
     for r in rows:
         if r["status"] == "survived" and not r["equivalent"]:
@@ -715,6 +728,7 @@ def rerun(args) -> None:
             tests = package_tests(work, r["package"])
         row = run_one(work, r["package"], m, tests, args.timeout * 4)
         row["id"] = r["id"]  # the pass's id, so the summary can match it (the code may have moved since)
+        row["selected"] = "new tests" if args.tests == ["mutants"] else "files"
         out_rows.append(row)
         print(f"{row['status']:8s}  {m.ident}  {m.before[:60]!r} -> {m.after[:60]!r} ({row['seconds']}s)",
               flush=True)
