@@ -12,7 +12,8 @@ Commands::
         tiny DeepSeek-V3 (q_lora, grouped MoE, YaRN) with random weights is built and saved to a temp
         dir first (no downloads; --config picks another embedded config, and on cuda the default is
         v3_mla_dims: FA3 implements the real MLA head dims only). Prints a table; exit status 1 when
-        a threshold is missed.
+        a threshold is missed. With --kv-dtype fp8 the judge is the e4m3 reference (transformers in
+        float64 over the same e4m3 roundings), and what FP8 costs against transformers is reported apart.
     mla-fa3 generate --checkpoint DIR (--prompt TEXT [--chat] | --prompt-ids 1 2 3) [--max-new-tokens N]
                      [--json] [--eos-token-id ID | --ignore-eos] [--dtype D] [--device D] [--cuda-graph]
         Greedy generation. --prompt encodes TEXT with the checkpoint's tokenizer (transformers'
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="compare our model on the backend with transformers")
     common(v, checkpoint_required=False)
+    next(a for a in v._actions if a.dest == "kv_scale").help = (
+        "with --kv-dtype fp8: one scale for every layer, a finite float > 0 (default: the checkpoint's, else "
+        "calibrated on the prompts: prefill absmax / 448)")
     v.add_argument("--steps", type=_positive, default=16, help="decode steps to compare")
     v.add_argument("--seed", type=int, default=0, help="seed of the tiny model and the prompts")
     v.add_argument("--config", choices=sorted(TINY_NAMES), default=None,

@@ -1,9 +1,10 @@
 """transformers' own model of a checkpoint, the reference of ``mla-fa3 validate``, independent of our loader.
 
 A plain checkpoint loads through ``from_pretrained`` (float32, eager attention). An FP8 block-scaled
-checkpoint (``quantization_config.quant_method == "fp8"``) does not load on a CPU through transformers'
-FP8 path (it needs ``accelerate`` and, quantized, a GPU), so the reference is built from the config and
-filled here, with nothing of ``mla_fa3.models.loader`` / ``models.fp8`` on the way: the tensors are read
+checkpoint (``quantization_config.quant_method == "fp8"``) is not read through transformers' FP8 path (it
+needs ``accelerate``, not a dependency here, and takes the block size from the scale grid's shape, which a
+partial edge block breaks), so the reference is built from the config and filled here, with nothing of
+``mla_fa3.models.loader`` / ``models.fp8`` on the way: the tensors are read
 with ``safetensors`` itself (the index or the single file) and a quantized weight ``q`` [out, in] with its
 ``weight_scale_inv`` ``s`` [ceil(out / bo), ceil(in / bi)] (blocks ``[bo, bi]`` from
 ``quantization_config.weight_block_size``) becomes
