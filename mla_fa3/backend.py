@@ -308,11 +308,11 @@ class MLABackend:
             raise RuntimeError("graph_prologue needs init_cuda_graph_state(..., device_metadata=True)")
         self.builder.derive_tables(plan.metadata)
         if plan.flashmla_schedule is not None:
-            self.planner.replan_flashmla(plan.metadata, plan.flashmla_schedule)
+            self.planner.schedules.replan_flashmla(plan.metadata, plan.flashmla_schedule)
         if plan.splitkv_schedule is not None:
-            self.planner.replan_splitkv(plan.metadata, plan.splitkv_schedule)
+            self.planner.schedules.replan_splitkv(plan.metadata, plan.splitkv_schedule)
         if plan.fa3_schedule is not None:
-            self.planner.replan_fa3(plan.metadata, plan.fa3_schedule)
+            self.planner.schedules.replan_fa3(plan.metadata, plan.fa3_schedule)
         plan.prologue_pending = False
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
@@ -389,15 +389,15 @@ class MLABackend:
         self.builder.replay(batch, md)
         schedule = entry.plan.flashmla_schedule
         if schedule is not None and not self.device_metadata:  # else: re-planned in the graph (graph_prologue)
-            self.planner.replan_flashmla(md, schedule)
+            self.planner.schedules.replan_flashmla(md, schedule)
         if entry.plan.splitkv_schedule is not None:  # re-planned on the device from the live lengths
             schedule = entry.plan.splitkv_schedule
             if not self.device_metadata:  # else in the graph (graph_prologue)
-                self.planner.replan_splitkv(md, schedule)
+                self.planner.schedules.replan_splitkv(md, schedule)
         if entry.plan.fa3_schedule is not None:  # FA3's tile schedule from the live lengths
             schedule = entry.plan.fa3_schedule
             if not self.device_metadata:  # else in the graph (graph_prologue)
-                self.planner.replan_fa3(md, schedule)
+                self.planner.schedules.replan_fa3(md, schedule)
         self.graph_kernel = kernel
         plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
                                         graph=True, schedule=schedule, static_batch=entry.plan.batch)

@@ -7,11 +7,10 @@
         IDLE                                   -> path IDLE (no kernel, no pool access)
         DECODE / DRAFT_DECODE / TARGET_VERIFY  -> path ABSORBED, kernel = decode_kernel setting, or per step
                                                   from policy.decode_kernel (host lengths, page 64 only);
-                                                  FLASHMLA -> its tile schedule planned here (ops);
-                                                  FA3 at bs <= FA3_STEP_SCHEDULE_MAX_BATCH -> FA3's
-                                                  tile schedule planned here, once for every layer;
-                                                  SPLITKV -> its split schedule planned here from
-                                                  batch.seq_lens_cpu (host, no sync)
+                                                  the kernel's schedule planned here, once for every
+                                                  layer (schedules.KernelSchedules): FLASHMLA's tiles;
+                                                  FA3's tiles at bs <= FA3_STEP_SCHEDULE_MAX_BATCH;
+                                                  SPLITKV's splits from batch.seq_lens_cpu (host, no sync)
         EXTEND / MIXED / DRAFT_EXTEND          -> policy.prefill_cost picks ABSORBED / MHA_ONESHOT /
                                                   MHA_CHUNKED from host lengths (or the prefill_path
                                                   override); an MHA path gets its PrefillPlan (chunks,
@@ -28,11 +27,11 @@ rule of the plan, not a new decision: layers with softcap, a sliding window or l
 neither FlashMLA, split-KV nor the MHA prefill model) and layers whose head count differs from the
 planned one run the absorbed path on FA3.
 
-CUDA graphs: a captured SPLITKV step holds a ``SplitKVSchedule`` with room for any plan of its batch
-size (planned at capture with every request at ``max_context``; its ``KernelConfig`` fixed), and each
-replay re-plans it **on the device** from the live ``cache_seqlens`` (``ops.replan_splitkv_schedule``: one
-program, no host plan) — inside the graph's prologue with device metadata (as FlashMLA's schedule), else in
-the replay update. The :class:`PathRecord` (``explain()``) is written once, with the plan.
+CUDA graphs: a captured step's plan holds its kernel's schedule in fixed tensors, and each replay re-plans it
+in place from the live ``cache_seqlens`` (:mod:`mla_fa3.schedules`; a captured SPLITKV schedule, planned with
+every request at ``max_context``, has room for any plan of its batch size and is re-planned **on the device**)
+— inside the graph's prologue with device metadata, else in the replay update. The :class:`PathRecord`
+(``explain()``) is written once, with the plan.
 
 The plan knows the batch it was made for: :meth:`StepPlan.check_batch` refuses a forward with another
 batch (compared by identity, else by its host lengths: a few CPU ints, never a device value).
@@ -45,16 +44,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_fa3 import ops
-from mla_fa3.batch import ForwardBatch, queries_per_request
+from mla_fa3.batch import ForwardBatch
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops import FA3Schedule, FlashMLASchedule, SplitKVSchedule
-from mla_fa3.policy.decode_kernel import FA3_STEP_SCHEDULE_MAX_BATCH, fa3_num_splits
 from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.policy.prefill_cost import PathDecision
 from mla_fa3.prefill_plan import PrefillPlan, PrefillWorkspace, plan_extend
+from mla_fa3.schedules import KernelSchedules
 
 __all__ = ["PathRecord", "StepPlan", "StepPlanner", "mean_seqlen"]
 
@@ -211,49 +210,17 @@ class StepPlanner:
         self.kernel_choice = DecodeKernelChoice(decode_kernel=decode_kernel, page_size=page_size, num_heads=num_heads,
                                                 kv_fp8=self.kv_fp8, whole_row_kernels=whole_row_kernels, impl=impl,
                                                 device=device)
+        # the FlashMLA / split-KV / FA3 schedules of the kernel chosen, planned for the step (and re-planned per replay)
+        self.schedules = KernelSchedules(page_size=page_size, num_heads=num_heads, mla_dims=mla_dims,
+                                         kv_fp8=self.kv_fp8, weight_dtype=weight_dtype, impl=impl, device=device)
         self._impl_names: dict = {}  # ops implementation setting -> the implementation's name (_impl_name)
         self._kv_itemsize = None if kv_dtype is None else kv_dtype.itemsize
         self._kv_dtype_name = None if kv_dtype is None else str(kv_dtype).replace("torch.", "")
         # W_UK [H, d_nope, r] and W_UV [H, r, d_v]: read by every MLA layer (absorption / projection, or
         # the MHA prefill's decompression), in the compute dtype
-        self._weight_dtype = weight_dtype  # the compute dtype: q's (FA3's schedule is planned for it)
         self._weight_bytes = None if num_heads is None or mla_dims is None or weight_dtype is None else (
             num_heads * mla_dims.kv_lora_rank * (mla_dims.qk_nope_head_dim + mla_dims.v_head_dim)
             * weight_dtype.itemsize)
-
-    def flashmla_schedule(self, metadata: AttentionMetadata) -> FlashMLASchedule:
-        """FlashMLA's tile schedule for the step (a device kernel: eager, or inside a graph's prologue)."""
-        sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
-        return ops.get_mla_decode_metadata(metadata.cache_seqlens, self.num_heads * sq, is_fp8=self.kv_fp8,
-                                           impl=self.impl)
-
-    def replan_flashmla(self, metadata: AttentionMetadata, into: FlashMLASchedule) -> FlashMLASchedule:
-        """A replay's FlashMLA re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""
-        return into.copy_(self.flashmla_schedule(metadata))
-
-    def fa3_schedule(self, metadata: AttentionMetadata) -> FA3Schedule | None:
-        """FA3's tile schedule for the step's plain MLA layers (a device kernel: eager, or in a graph's prologue),
-        or None where FA3 is better left to plan per call: more than ``FA3_STEP_SCHEDULE_MAX_BATCH`` requests
-        (measured slower there), an FP8 pool (FA3 cannot read it), or heads / dims / dtype not given. Its split
-        count is the policy's (``fa3_num_splits``); the layers ask FA3 for the same."""
-        dims = self.mla_dims
-        if metadata.tree is not None:  # the tree's prefix call is not causal; this schedule is planned causal
-            return None
-        if self.kv_fp8 or self.num_heads is None or dims is None or self._weight_dtype is None \
-                or not 0 < metadata.batch_size <= FA3_STEP_SCHEDULE_MAX_BATCH:
-            return None
-        return ops.get_fa3_schedule(
-            metadata.cache_seqlens, metadata.page_table, page_size=self.page_size, num_heads=self.num_heads,
-            num_heads_k=1, head_dim=dims.qk_rope_head_dim, head_dim_v=dims.kv_lora_rank, dtype=self._weight_dtype,
-            max_seqlen_q=metadata.max_seqlen_q, cu_seqlens_q=metadata.cu_seqlens_q, causal=True,
-            num_splits=fa3_num_splits(self.num_heads, metadata.batch_size), impl=self.impl)
-
-    def replan_fa3(self, metadata: AttentionMetadata, into: FA3Schedule) -> FA3Schedule:
-        """A replay's FA3 re-plan: the schedule of the live ``metadata``, copied into the captured ``into``."""
-        fresh = self.fa3_schedule(metadata)
-        if fresh is None:
-            raise ValueError("the captured step planned an FA3 schedule that this metadata does not admit")
-        return into.copy_(fresh)
 
     # ------------------------------------------------------------------------------ plans
     def plan(self, batch: ForwardBatch, metadata: AttentionMetadata) -> StepPlan:
@@ -268,24 +235,6 @@ class StepPlanner:
                                                                  mean_seqlen(batch))
         return self.decode_plan(batch, metadata, kernel, reason, graph=False)
 
-    def splitkv_schedule(self, metadata: AttentionMetadata, lens_cpu: torch.Tensor | None) -> SplitKVSchedule:
-        """The split-KV schedule of the step, from host lengths (never a device value: no sync).
-
-        ``lens_cpu`` None (a capture): every request at ``max_seqlen_k``, sized for any plan of this batch
-        size (a replay re-plans it on the device: :meth:`replan_splitkv`)."""
-        sq = queries_per_request(metadata.mode, metadata.num_draft_tokens)
-        kw = dict(num_heads=self.num_heads, num_q_tokens=sq, page_size=self.page_size, kv_fp8=self.kv_fp8)
-        if lens_cpu is None:
-            bs = metadata.batch_size
-            return ops.get_splitkv_schedule([max(metadata.max_seqlen_k, 1)] * bs, **kw, device=self.device,
-                                            max_batch=bs)
-        return ops.get_splitkv_schedule(lens_cpu, **kw, device=self.device)
-
-    def replan_splitkv(self, metadata: AttentionMetadata, into: SplitKVSchedule) -> SplitKVSchedule:
-        """A replay's split-KV re-plan: the captured ``into`` planned on the device from the live ``cache_seqlens``
-        (one launch, no host value read; inside the graph's prologue or in the replay update)."""
-        return ops.replan_splitkv_schedule(metadata.cache_seqlens, into, impl=self.impl)
-
     def decode_plan(self, batch: ForwardBatch | None, metadata: AttentionMetadata, kernel: DecodeKernel,
                     reason: str, *, graph: bool,
                     schedule: FlashMLASchedule | SplitKVSchedule | FA3Schedule | None = None,
@@ -294,24 +243,25 @@ class StepPlanner:
 
         ``schedule``: the kernel's schedule already planned for this step (a replay's captured one, its new
         plan copied in); planned here when the kernel is FLASHMLA / SPLITKV and none is given (a captured
-        SPLITKV graph: sized for any lengths of its batch size); FA3's own on a small step (:meth:`fa3_schedule`).
+        SPLITKV graph: sized for any lengths of its batch size); FA3's own on a small step
+        (:meth:`KernelSchedules.fa3_schedule`).
         ``static_batch``: a replay's capture batch."""
         splits = None
         if kernel in (DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV):
             reason += (f"; FA3 for layers with softcap / window / local attention or other than "
                        f"{self.num_heads} heads")
         if kernel is DecodeKernel.FLASHMLA and schedule is None:
-            schedule = self.flashmla_schedule(metadata)
+            schedule = self.schedules.flashmla_schedule(metadata)
         if kernel is DecodeKernel.SPLITKV:
             if schedule is None:
-                schedule = self.splitkv_schedule(metadata, None if graph else metadata.cache_seqlens_cpu)
+                schedule = self.schedules.splitkv_schedule(metadata, None if graph else metadata.cache_seqlens_cpu)
             if graph:  # the count is a device value: the graph re-plans its splits from the lengths it runs with
                 reason += "; splits planned on the device from the live lengths"
             else:
                 splits = schedule.planned_work
         if kernel is DecodeKernel.FA3:
             if schedule is None:
-                schedule = self.fa3_schedule(metadata)
+                schedule = self.schedules.fa3_schedule(metadata)
             if schedule is not None:
                 reason += "; FA3's tile schedule planned once for the step's layers"
         tree = metadata.tree
@@ -382,9 +332,9 @@ class StepPlanner:
         mean = float(lens.sum()) / md.batch_size if lens is not None and md.batch_size else None
         kernel, why = self.kernel_choice.choose_decode_kernel(md.batch_size, md.max_seqlen_k, mean)
         if kernel is DecodeKernel.SPLITKV:
-            schedule = self.splitkv_schedule(md, lens)
+            schedule = self.schedules.splitkv_schedule(md, lens)
         else:
-            schedule = ops.get_mla_decode_metadata(md.cache_seqlens, self.num_heads, is_fp8=True, impl=self.impl)
+            schedule = self.schedules.flashmla_schedule(md)  # an FP8 pool: FlashMLA's FP8 decode
         return kernel, schedule, f"decode rows: {why}"
 
     def _extend(self, batch, md, path, kernel, reason, decision=None, prefill=None, *,

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("metadata",),  # THE metadata builder
     ("policy",),  # decode-kernel choice, prefill cost model, their tables
     ("prefill_plan", "prefill_graph"),  # the MHA prefill's per-step chunks and row split; its CUDA graphs
+    ("schedules",),  # the decode kernels' schedules (FlashMLA, split-KV, FA3): planned per step, re-planned per replay
     ("plan",),  # the typed per-step plan
     ("backend_config",),  # the backend's pools, decode kernel and FP8 rules, checked at construction
     ("lse", "absorb", "absorb_tree", "chunked_prefix", "mha_fallback"),  # the compute paths

@@ -64,6 +64,7 @@ from mla_fa3.graphs.runner import GraphRunner
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.plan import StepPlanner
+from mla_fa3.schedules import KernelSchedules
 from mla_fa3.policy.kernel_choice import DecodeKernelChoice
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -81,7 +82,7 @@ def _probes() -> list[tuple[object, str, str]]:
             (BatchChecks, "validate", "validate"),
             (BatchChecks, "check_out_cache_loc", "cpu_checks"),
             (metadata_mod, "replay_into", "replay_into"),
-            (StepPlanner, "replan_flashmla", "flashmla"),
+            (KernelSchedules, "replan_flashmla", "flashmla"),
             (StepPlanner, "decode_plan", "step_plan")]
 
 
