@@ -51,7 +51,6 @@ captured schedule tensors from the live device lengths — in the replay update,
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,7 @@ from mla_fa3 import absorb, absorb_tree, chunked_prefix, mha_fallback, ops
 from mla_fa3.backend_config import resolve_config
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
+from mla_fa3.graphs.captured import CapturedGraphs, graph_shape
 from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
 from mla_fa3.plan import PathRecord, StepPlan, StepPlanner, mean_seqlen
@@ -156,10 +156,7 @@ class MLABackend:
         self.device_metadata = False  # graphs derive their page table / FlashMLA schedule (graph_prologue)
         # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
         # kernels are captured per size and each replay picks one from the live lengths (host ints)
-        self._graph: dict[tuple[ForwardMode, int, int, DecodeKernel], _GraphEntry] = {}
-        # (mode, k) -> (sorted captured sizes, size -> captured kernels in DecodeKernel order); rebuilt
-        # lazily after a capture, so a replay neither sorts nor scans the captured graphs
-        self._graph_sizes: dict[tuple[ForwardMode, int], tuple[list[int], dict[int, list[DecodeKernel]]]] = {}
+        self._graphs: CapturedGraphs[_GraphEntry] = CapturedGraphs(tuple(DecodeKernel))
         self.graph_kernel: DecodeKernel | None = None  # kernel of the graph the last replay update chose
 
     @property
@@ -293,8 +290,7 @@ class MLABackend:
                                           with_encoder=with_encoder, pad_seqlen=self.get_cuda_graph_seq_len_fill_value(),
                                           device_tables=device_metadata)
         self.device_metadata = bool(device_metadata)
-        self._graph.clear()
-        self._graph_sizes.clear()
+        self._graphs.clear()
 
     def graph_prologue(self) -> None:
         """Device work of the captured / replayed step that runs inside its CUDA graph, before the layers
@@ -339,15 +335,14 @@ class MLABackend:
             raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {self.graph_kernels()}")
         k = queries_per_request(mode, num_draft_tokens)
         md = self.builder.capture(bs, mode, num_draft_tokens=k, tree_shape=tree_shape)
-        k = _graph_shape(k, tree_shape)
+        k = graph_shape(k, tree_shape)
         if kernel is None:
             kernel, reason = self.planner.kernel_choice.choose_decode_kernel(bs, md.max_seqlen_k)
         else:
             reason = f"{kernel.value} graph"
         plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
         plan.prologue_pending = self.device_metadata
-        self._graph[(mode, bs, k, kernel)] = _GraphEntry(plan, reason)
-        self._graph_sizes.clear()
+        self._graphs.add(mode, bs, k, kernel, _GraphEntry(plan, reason))
         self.graph_kernel = kernel
         self.step_plan = plan
         return md
@@ -363,27 +358,15 @@ class MLABackend:
         ``bs``: the captured batch size to replay (default: the smallest captured one that fits).
         """
         mode = batch.forward_mode
-        k = _graph_shape(queries_per_request(mode, batch.num_draft_tokens), None if batch.tree is None else batch.tree.shape)
-        captured = self._graph_sizes.get((mode, k))
-        if captured is None:  # sizes and kernels of (mode, k), sorted once per capture
-            captured = self._graph_sizes[(mode, k)] = _captured_sizes(self._graph, mode, k)
-        sizes, kernels_of = captured
-        if bs is None:
-            i = bisect.bisect_left(sizes, batch.batch_size)
-            if i == len(sizes):
-                raise ValueError(f"batch of {batch.batch_size} requests ({mode.name}, k={k}) fits no captured "
-                                 f"batch size {sizes}")
-            bs = sizes[i]
-        kernels = kernels_of.get(bs)
-        if not kernels:
-            raise ValueError(f"bs {bs} was not captured for {mode.name} (k={k}); captured: {sizes}")
+        k = graph_shape(queries_per_request(mode, batch.num_draft_tokens), None if batch.tree is None else batch.tree.shape)
+        bs, kernels = self._graphs.kernels_for(mode, k, batch.batch_size, bs)
         kernel, why = kernels[0], None
         if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync), among the captured ones
             kernel, why = self.planner.kernel_choice.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
                                                             mean_seqlen(batch))
             if kernel not in kernels:
                 kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
-        entry = self._graph[(mode, bs, k, kernel)]
+        entry = self._graphs.get(mode, bs, k, kernel)
         md = entry.plan.metadata
         self.step_plan = None  # a failed update leaves no stale plan behind
         self.builder.replay(batch, md)
@@ -404,17 +387,6 @@ class MLABackend:
         plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
         self.step_plan = plan
         return md
-
-
-def _graph_shape(k: int, tree_shape: tuple[int, int] | None) -> int | tuple:
-    """The per-request shape a graph is keyed by: ``k`` queries (a chain), or ``("tree", m, n)``."""
-    return k if tree_shape is None else ("tree", *tree_shape)
-
-
-def _captured_sizes(graphs: dict, mode: ForwardMode, k: int) -> tuple[list[int], dict[int, list[DecodeKernel]]]:
-    """(sorted sizes, size -> kernels in ``DecodeKernel`` order) of the graphs captured for ``(mode, k)``."""
-    sizes = sorted({b for (m, b, kk, _) in graphs if m is mode and kk == k})
-    return sizes, {b: [kn for kn in DecodeKernel if (mode, b, k, kn) in graphs] for b in sizes}
 
 
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batch", "tree"),  # what an engine hands the backend each step; speculative draft trees
     ("layer", "kv"),  # the per-layer description; KV memory (rows, pages, pools)
     ("pages",),  # page-table and local-attention index math
-    ("graphs",),  # CUDA-graph capture buffers, static inputs, the graph runner
+    ("graphs",),  # CUDA-graph capture buffers, static inputs, the graph runner, the table of captured steps
     ("batch_checks",),  # a batch held against req_to_token and the pool (rows, slots, tree), before any metadata
     ("metadata",),  # THE metadata builder
     ("policy",),  # decode-kernel choice, prefill cost model, their tables
