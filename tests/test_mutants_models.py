@@ -4,32 +4,21 @@ before any compute, and values worked by hand.
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 
 from mla_fa3.batch import ForwardBatch
+from mla_fa3.models.deepseek import DeepseekForCausalLM
 from mla_fa3.models.fp8 import dequantize_block_fp8
-from mla_fa3.models.loader import load_model
-from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
-
-_MODEL = {}
-
-
-def _model():
-    if "m" not in _MODEL:
-        hf = random_hf_model("tiny_v2", seed=5)
-        with tempfile.TemporaryDirectory() as d:
-            _MODEL["m"] = load_model(save_hf_checkpoint(hf, d))
-    return _MODEL["m"]
+from mla_fa3.serve.configs import model_config
 
 
 def test_forward_refuses_input_ids_of_another_token_count():
+    model = DeepseekForCausalLM(model_config("tiny"), device="meta")  # the check runs before any weight is read
     batch = ForwardBatch.decode([0, 1], [5, 7], [11, 12], "cpu")  # two requests: 2 tokens
     ids, pos = torch.tensor([1, 2, 3]), torch.tensor([4, 6, 7])
     with pytest.raises(ValueError, match="input_ids must hold batch.num_tokens = 2 tokens, got 3"):
-        _model()(ids, pos, batch, backend=None)
+        model(ids, pos, batch, backend=None)
 
 
 def test_dequantize_block_fp8_refuses_a_weight_that_is_not_2d():

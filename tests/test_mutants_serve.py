@@ -92,3 +92,4 @@ def test_scheduler_refuses_a_negative_watermark():
     assert Scheduler(pool, alloc, None, max_running=2, token_budget=8, watermark_pages=0).watermark_pages == 0
     with pytest.raises(ValueError, match="watermark_pages must be an int >= 0, got -1"):
         Scheduler(pool, alloc, None, max_running=2, token_budget=8, watermark_pages=-1)
+

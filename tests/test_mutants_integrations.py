@@ -1,0 +1,73 @@
+"""Contracts of ``mla_fa3.integrations.sglang`` that the mutation pass found unchecked (docs/MUTATION.md): the decode
+kernel setting, the refusal of a CUDA graph for a prefill step, and ``forward_extend``'s default of storing the new
+latent (SGLang's ``AttentionBackend`` signature: ``save_kv_cache=True``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sglang_world import D_ROPE, R, case, kit, kit_fixture, needs_sglang
+
+pytestmark = needs_sglang
+
+if kit is not None:
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from mla_fa3.integrations.sglang.adapter import DECODE_KERNEL_ENV, _decode_kernel_setting
+    from mla_fa3.integrations.sglang.convert import UnsupportedStepError
+
+
+@pytest.mark.parametrize("value,kv_fp8,want", [
+    (None, False, "auto"), ("auto", False, "auto"), ("FlashMLA", False, "flashmla"), ("fa3", False, "fa3"),
+    (None, True, None), ("auto", True, None), ("flashmla", True, "flashmla"), ("splitkv", True, "splitkv"),
+])
+def test_decode_kernel_setting(monkeypatch, value, kv_fp8, want):
+    # None: the FP8 pool's own automatic choice (FlashMLA FP8 / split-KV); "auto" on a bf16 pool: the measured one
+    if value is None:
+        monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DECODE_KERNEL_ENV, value)
+    assert _decode_kernel_setting(kv_fp8) == want
+
+
+@pytest.mark.parametrize("value,kv_fp8", [("fa3", True), ("triton", False)])
+def test_decode_kernel_setting_refusals(monkeypatch, value, kv_fp8):
+    monkeypatch.setenv(DECODE_KERNEL_ENV, value)
+    with pytest.raises(ValueError, match=DECODE_KERNEL_ENV):
+        _decode_kernel_setting(kv_fp8)
+
+
+def test_a_prefill_cuda_graph_is_refused_by_name():
+    fx = kit_fixture(case("EXTEND", prefix_lens=(3,), extend_lens=(2,), name="mut_graph_extend"))
+    with pytest.raises(UnsupportedStepError, match="CUDA graphs of EXTEND steps are not served"):
+        fx.backend.init_forward_metadata_out_graph(fx.forward_batch, in_capture=True)
+
+
+def test_forward_extend_stores_the_new_latent_by_default():
+    fx = kit_fixture(case("EXTEND", prefix_lens=(3, 5), extend_lens=(2, 4), name="mut_save_default"))
+    fb, layer = fx.forward_batch, fx.actual_module.attn_mqa
+    T, H = fx.case.num_input_tokens, fx.case.num_heads
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(T, H * R, generator=g).to(torch.bfloat16)
+    q_rope = torch.randn(T, H, D_ROPE, generator=g).to(torch.bfloat16)
+    c_kv = torch.randn(T, 1, R, generator=g).to(torch.bfloat16)
+    k_rope = torch.randn(T, 1, D_ROPE, generator=g).to(torch.bfloat16)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_forward_metadata(fb)
+        fx.backend.forward_extend(q, c_kv, c_kv, layer, fb, q_rope=q_rope, k_rope=k_rope)  # no save_kv_cache
+    rows = fx.runner.token_to_kv_pool.kv_buffer[layer.layer_id][fb.out_cache_loc.long()].reshape(T, -1)
+    assert torch.equal(rows, torch.cat([c_kv[:, 0], k_rope[:, 0]], -1))
+
+
+def test_fp8_decode_keeps_the_absorbed_path():
+    # Only a prefill over an FP8 cache is sent to MHA; a decode step on it stays absorbed MLA (SGLang's own rule).
+    from mla_fa3.integrations.sglang import plugin
+
+    fx = kit_fixture(case("DECODE", prefix_lens=(3, 9), page_size=64, name="mut_fp8_decode"), fp8=True)
+
+    class Attn:
+        kv_cache_dtype = "fp8_e4m3"
+
+    assert plugin.handle_attention(Attn(), fx.forward_batch).name == "MLA"
