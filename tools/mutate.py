@@ -133,6 +133,10 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "weights.sum(dim=-1, keepdim=True) + 1e-20", "(weights.sum(dim=-1, keepdim=True) - 1e-20)",
         "the top-k sum of softmax / sigmoid scores is far above 1e-20 (every chosen sigmoid score would have to be "
         "below 1e-20, logits under -46): +/- 1e-20 rounds away"),
+    "mla_fa3/batch.py:158:41:const:1": (
+        "1", "(0)",
+        "turns the decode shortcut of _default_positions off: the general formula gives seq - 1 for one new token "
+        "per request too"),
 }
 
 
@@ -651,7 +655,9 @@ def summarize(csv_path: Path, out: Path) -> None:
         with open(rerun_path) as f:
             again.update({r["id"]: r for r in csv.DictReader(f)})
     for r in rows:
-        if r["status"] == "error" and r["id"] in again:  # a selection problem, run again on whole files
+        if again.get(r["id"], {}).get("status") == "gone":  # the code was rewritten since the pass
+            r["status"] = "gone"
+        elif r["status"] == "error" and r["id"] in again:  # a selection problem, run again on whole files
             r["status"] = again[r["id"]]["status"]
         elif r["status"] == "survived" and again.get(r["id"], {}).get("status") in ("killed", "timeout"):
             # killed by the tests written against it (new), or by package tests the pass did not run
@@ -666,7 +672,7 @@ def summarize(csv_path: Path, out: Path) -> None:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     tot = dict(mods=0, en=0, ran=0, k=0, t=0, n=0, s=0, e=0, c=0)
     for pkg in PACKAGES:
-        pr = [r for r in rows if r["package"] == pkg and r["status"] not in ("invalid", "error")]
+        pr = [r for r in rows if r["package"] == pkg and r["status"] not in ("invalid", "error", "gone")]
         if not pr:
             continue
         for r in pr:
@@ -690,6 +696,9 @@ def summarize(csv_path: Path, out: Path) -> None:
     kill = tot["k"] + tot["t"] + tot["n"]
     lines.append(f"| all | {tot['mods']} | {tot['en']} | {tot['ran']} | {tot['k']} | {tot['t']} | {tot['n']} | "
                  f"{tot['s']} | {tot['e']} | {tot['c']} | {kill}/{ne} = {kill / max(ne, 1):.0%} |")
+    gone = [r["id"] for r in rows if r["status"] == "gone"]
+    if gone:
+        lines += ["", f"Not counted: {len(gone)} mutants whose code was rewritten after the pass: " + ", ".join(gone)]
     errors = [r["id"] for r in rows if r["status"] == "error"]
     if errors:
         lines += ["", f"Not counted: {len(errors)} mutants whose run found no tests (rerun them on whole files): "
@@ -719,6 +728,8 @@ def rerun(args) -> None:
         m = find(work, r["id"], r["before"], r["after"])
         if m is None:
             print(f"gone      {r['id']} (the module changed)", flush=True)
+            out_rows.append(dict(r, status="gone", seconds=0, tests=0, selected="files", equivalent="",
+                                 last_line="the mutated code is no longer in the module"))
             continue
         if args.tests == ["mutants"]:  # only the package's tests written against the survivors
             tests = [f"tests/test_mutants_{r['package']}.py"]
