@@ -95,3 +95,64 @@ def test_draft_step_i_advances_lengths_and_positions_by_i(case):
     assert got.draft_step == 2
     assert got.seq_lens_cpu.tolist() == [7, 11] and got.positions.tolist() == [6, 10]
     assert got.out_cache_loc.tolist() == [30, 31]
+
+
+@pytest.mark.parametrize("scaling", [0.0, -0.1, float("inf"), float("nan")])
+def test_layer_scaling_must_be_positive_and_finite(case, scaling):
+    import dataclasses
+
+    with pytest.raises(ValueError, match="scaling must be a positive finite float"):
+        dataclasses.replace(case.layer, scaling=scaling)
+    assert dataclasses.replace(case.layer, scaling=1e-3).scaling == 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["flashmla", "splitkv"])
+def test_a_layer_of_another_head_count_falls_back_to_fa3(case, kernel):
+    # FlashMLA / split-KV schedules are planned for the plan's head count: another count reads with FA3
+    import dataclasses
+
+    from mla_fa3.plan import StepPlan
+    from mla_fa3.policy.paths import AttentionPath, DecodeKernel
+
+    H = case.layer.num_heads
+    plan = StepPlan(batch=None, metadata=None, path=AttentionPath.ABSORBED, kernel=DecodeKernel(kernel), num_heads=H,
+                    record=None)
+    assert plan.route(case.layer) == (AttentionPath.ABSORBED, DecodeKernel(kernel))
+    other = dataclasses.replace(case.layer, num_heads=2 * H, mla_weights=None)
+    assert plan.route(other) == (AttentionPath.ABSORBED, DecodeKernel.FA3)
+
+
+def test_prefill_graph_bind_reads_the_live_plan_and_never_writes_it():
+    from mla_fa3.prefill_graph import PrefillGraphs
+    from test_prefill_graph import _plans
+
+    case, _, (first, live, _) = _plans("budget_splits_mid_page", W=None, n=3)
+    for t in (live.prefix_slot_ids, live.new_slot_ids):
+        t.copy_(t.flip(0))  # a relocated cache: the live step's slots differ from the captured step's
+    want = [live.prefix_slot_ids.clone(), live.new_slot_ids.clone()]
+    shape = PrefillGraphs()._new_shape(("k",), case.q, None, case.layer, first)
+    assert not torch.equal(shape.plan.prefix_slot_ids, want[0])
+    shape.bind(live)
+    assert torch.equal(live.prefix_slot_ids, want[0]) and torch.equal(live.new_slot_ids, want[1])
+    assert torch.equal(shape.plan.prefix_slot_ids, want[0]) and torch.equal(shape.plan.new_slot_ids, want[1])
+
+
+def test_kv_accuracy_report_gives_one_gap_line_per_fp8_run():
+    from mla_fa3.hf_compare.validate import PositionScores
+    from mla_fa3.kv_accuracy import CacheComparison, CacheRun, format_comparison
+
+    ref = torch.tensor([1, 2, 3, 4, 5, 6])  # transformers' argmax; rows 3..5 are decode rows
+    decode = torch.tensor([False, False, False, True, True, True])
+
+    def scores(ours):
+        return PositionScores(torch.tensor(ours), ref, torch.ones(6, dtype=torch.float64), decode)
+
+    runs = [CacheRun("fp32 cache", "auto", scores([1, 2, 3, 4, 5, 6]), None),
+            CacheRun("fp8, scale 1.0", "fp8", scores([1, 2, 0, 4, 0, 6]), [[1.0]]),  # misses rows 2 and 4
+            CacheRun("fp8, calibrated", "fp8", scores([1, 2, 3, 4, 5, 0]), [[0.5]])]  # misses row 5
+    text = format_comparison(CacheComparison(runs, "tiny_v3", torch.float32, 16, (0,), (3,), 3, None))
+    gaps = [line for line in text.splitlines() if line.startswith("  ") and " all +" in line]
+    assert [line.split("  ")[1].strip() for line in gaps] == ["fp8, scale 1.0", "fp8, calibrated"]
+    # b = rows only the reference gets right: 2 (one prefill, one decode) and 1 (decode); gap = b / 6 rows
+    assert "all +33.33" in gaps[0] and "(b 2, c 0)" in gaps[0] and "all +16.67" in gaps[1]
+    assert "prefill +0.00" in gaps[1] and "decode +33.33" in gaps[1]

@@ -137,6 +137,26 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "1", "(0)",
         "turns the decode shortcut of _default_positions off: the general formula gives seq - 1 for one new token "
         "per request too"),
+    "mla_fa3/pages.py:76:21:argswap:0": (
+        "values, live", "live, values", "torch.mul commutes; int x bool promotes to the int dtype in either order"),
+    "mla_fa3/pages.py:101:60:const:1": (
+        "0", "(-1)",
+        "max(seq - 1, -1) differs from max(seq - 1, 0) only at seq_len 0, where q_len is 0 too and the row has no "
+        "block either way"),
+    "mla_fa3/prefill_plan.py:301:19:const:1": (
+        "0", "(-1)", "rows is 1-D: rows.shape[-1] is rows.shape[0]"),
+    "mla_fa3/kv_accuracy.py:198:53:const:0": (
+        "1", "(2)",
+        "the seed of the study's random prompts (seed + 1 -> seed + 2): any seed draws valid prompts; no contract "
+        "names it"),
+    "mla_fa3/prefill_graph.py:137:15:binop:0": (
+        "pk + (tuple(q.shape), q.dtype, q.device, rows.dtype, None if latent is None else latent.dtype,\n"
+        "                     kv_scale is None)",
+        "(pk - (tuple(q.shape), q.dtype, q.device, rows.dtype, None if latent is None else latent.dtype, "
+        "kv_scale is None))",
+        "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
+    "mla_fa3/prefill_graph.py:161:11:compare:0": ("entry is None", "(entry is not None)", "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
+    "mla_fa3/prefill_graph.py:190:11:compare:0": ("self._pool is None", "(self._pool is not None)", "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
 }
 
 
