@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="page 64 only")
+    p.add_argument("--configs", default="", help="backend:page:kv,... (e.g. mla_fa3:64:auto,fa3:64:auto); "
+                   "default: mla_fa3 and fa3 x pages x (auto, fp8_e4m3)")
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--new", type=int, default=32)
     args = p.parse_args(argv)
@@ -89,26 +91,30 @@ def main(argv=None) -> int:
     teacher = prompt + hf_cont
     results = []
     pages = [64] if args.quick else [1, 64]
-    for backend in ("mla_fa3", "fa3"):
-        for page in pages:
-            for kv in ("auto", "fp8_e4m3"):
-                row = dict(backend=backend, page=page, kv=kv)
-                try:
-                    tokens, top, wall = _run_engine(ckpt, backend, page, kv, prompt, teacher, args.new)
-                    agree = sum(a == b for a, b in zip(tokens, hf_cont))
-                    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, hf_cont)) if a != b), None)
-                    pairs = [(t, h) for t, h in zip(top[1:], hf_argmax[: len(teacher) - 1]) if t is not None]
-                    tf = sum(a == b for a, b in pairs) / max(len(pairs), 1)
-                    row.update(greedy_match=f"{agree}/{len(hf_cont)}", first_divergence=first_diff,
-                               teacher_forced_top1=round(tf, 4), positions=len(pairs), wall_4x64_s=round(wall, 3))
-                except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
-                    row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
-                print(json.dumps(row), flush=True)
-                results.append(row)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(prompt_len=len(prompt), new=args.new, results=results), f, indent=1)
+    configs = [(b, int(p), kv) for b, p, kv in (c.split(":") for c in args.configs.split(",") if c)] or \
+        [(b, p, kv) for b in ("mla_fa3", "fa3") for p in pages for kv in ("auto", "fp8_e4m3")]
+    for backend, page, kv in configs:
+        row = dict(backend=backend, page=page, kv=kv)
+        try:
+            tokens, top, wall = _run_engine(ckpt, backend, page, kv, prompt, teacher, args.new)
+            agree = sum(a == b for a, b in zip(tokens, hf_cont))
+            first_diff = next((i for i, (a, b) in enumerate(zip(tokens, hf_cont)) if a != b), None)
+            pairs = [(t, h) for t, h in zip(top[1:], hf_argmax[: len(teacher) - 1]) if t is not None]
+            tf = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+            row.update(greedy_match=f"{agree}/{len(hf_cont)}", first_divergence=first_diff,
+                       teacher_forced_top1=round(tf, 4), positions=len(pairs), wall_4x64_s=round(wall, 3))
+        except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
+            row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        _write(args.out, prompt, args.new, results)  # after every configuration: a run cut short keeps its rows
     return 0
+
+
+def _write(path: str, prompt: list[int], new: int, results: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(prompt_len=len(prompt), new=new, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
