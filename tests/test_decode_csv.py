@@ -34,7 +34,7 @@ def _write(path, rows):
 
 def test_builtin_table_is_the_five_sweeps_merged(monkeypatch):
     """MEASURED is what --from-csv run1 --from-csv decode_small_batch --from-csv decode_whole_step_pdl --from-csv
-    session4/decode_whole_step --from-csv 2026-12-06/h200/decode_whole_step prints (200 shapes, each once; the
+    run4/decode_whole_step --from-csv 2026-12-06/h200/decode_whole_step prints (200 shapes, each once; the
     latest whole-step sweep replaces the earlier ones' and the kernel-alone small-batch rows whole)."""
     root = SWEEP.parents[2]
     monkeypatch.chdir(root)  # the documented command runs from the repository root (sources are its paths)

@@ -33,7 +33,7 @@ SMALL_KERNEL = PERF / "2026-12-03" / "decode_small_batch.csv"
 # the same shapes as WHOLE backend steps per forced kernel (bench decode --whole-step): the table's rows there are
 # the latest sweep's (SMALL, 2026-12-06), which replaced the earlier ones (SMALL_PREV, oldest first)
 SMALL_PREV = (PERF / "2026-12-04" / "decode_whole_step_pdl.csv",
-              PERF / "2026-12-04" / "session4" / "final" / "decode_whole_step.csv")
+              PERF / "2026-12-04" / "run4" / "final" / "decode_whole_step.csv")
 SMALL = PERF / "2026-12-06" / "h200" / "decode_whole_step.csv"
 FA3, MLA, SKV = DecodeKernel.FA3, DecodeKernel.FLASHMLA, DecodeKernel.SPLITKV
 

@@ -1,6 +1,6 @@
 """Path choice (path_choice): the cost model replayed on recorded H200 times, overrides, splits, errors, re-fit.
 
-Recorded data (the oracle of the choice tests): ``docs/perf/2026-12-03/session4/prefill_run5.csv`` and the
+Recorded data (the oracle of the choice tests): ``docs/perf/2026-12-03/run4/prefill_run5.csv`` and the
 independent ``prefill_run6.csv`` — H200, DeepSeek-V3 dims, bf16, page 64, workspace budget 512 MiB (per-row
 ``workspace`` tokens: 47,127 at 16 heads, 6,462 at 128), one request per shape, heads {16, 128} x new
 {1k, 4k, 8k} x prefix {16k, 64k, 128k}; eager CUDA-event ms of one layer on the absorbed path and on the
@@ -32,7 +32,7 @@ from mla_fa3.policy.paths import AttentionPath
 
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 W = 8192
-PERF = Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-03" / "session4"
+PERF = Path(__file__).resolve().parents[1] / "docs" / "perf" / "2026-12-03" / "run4"
 RECORDED_CSV = PERF / "prefill_run5.csv"  # the sweep the choice tests replay
 REPEAT_CSV = PERF / "prefill_run6.csv"  # an independent run of the same sweep, back to back
 SMALL_CSVS = (PERF / "prefill_small_run1.csv", PERF / "prefill_small_run2.csv")  # where the paths cross

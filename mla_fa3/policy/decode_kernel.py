@@ -18,7 +18,7 @@ FA3 up to 1.7x faster for a single request at 4k-64k with <= 64 heads, FlashMLA 
 lengths) shows our Triton split-KV kernel 3-25 % faster than the faster of FA3 / FlashMLA at 16 heads,
 bs 1-2, 16k-32k, within 1 % at 16 heads bs 1 64k, and slower everywhere else (up to 3.7x at 128 heads).
 Those are kernels alone. The same 32 shapes as WHOLE backend steps per forced kernel
-(``docs/perf/2026-12-03/session5/decode_whole_step.csv``, ``bench decode --whole-step``) differ where the kernels'
+(``docs/perf/2026-12-03/run5/decode_whole_step.csv``, ``bench decode --whole-step``) differ where the kernels'
 surroundings do: FlashMLA's step adds the q concatenation, and split-KV's schedule is planned per step (on the
 device inside the graph since 2026-12-03; on the host before, which made it lose everywhere). As whole
 steps split-KV wins at 16 heads, bs 1 at 16k-64k (1.03-1.09x) and bs 2 at 16k (1.06x), FA3 elsewhere at bs <= 2,
@@ -44,7 +44,7 @@ The choice (host arithmetic on host numbers; no tensors, no sync):
 Offline check on the recorded sweeps (``evaluate_on_csv``; slowdown = picked kernel time / fastest
 measured kernel time, page-64 rows). 2026-12-06/h200/decode_whole_step (the table's small-batch rows): 32/32
 within 5 % (worst 1.016x, mean 1.0013x), split-KV picked at 16 heads, bs 1-4 (16k-128k) and bs 8 (all but 64k);
-leave-one-out over its own 32 rows: 31/32, worst 1.076x. (session4/final/decode_whole_step, the table before:
+leave-one-out over its own 32 rows: 31/32, worst 1.076x. (run4/final/decode_whole_step, the table before:
 32/32, worst 1.011x; scored by this table 31/32, worst 1.054x.) The same table on an H100's two whole-step
 CSVs (docs/perf/2026-12-06/h100): 32/32 within 5 %, worst 1.048x.
 decode_2026-12-02_run1 (kernels alone): 171/174 scored rows within 5 %, worst 1.159x — the misses are shapes the
@@ -97,13 +97,13 @@ MEAN_SLACK = 1e-4  # relative slack for mean_seqlen_k > max_seqlen_k (a float32 
 # FA3 decode steps of at most this many requests plan FA3's tile schedule once per step (ops.get_fa3_schedule)
 # instead of FA3's scheduler kernel in every layer: measured 0.7-3.9 us faster per layer at bs 1-8, +2.7 / +3.4 us
 # at bs 16, 16k but -3.4 / -9.4 us at bs 16, 64k, and 21-66 us SLOWER per layer at bs 64 (H200, page 64, heads
-# 16 / 128; python -m mla_fa3.bench.fa3_schedule, docs/perf/2026-12-04/session4/final/fa3_schedule.md)
+# 16 / 128; python -m mla_fa3.bench.fa3_schedule, docs/perf/2026-12-04/run4/final/fa3_schedule.md)
 FA3_STEP_SCHEDULE_MAX_BATCH = 8
 # ... and ask FA3 for at most this many KV splits at >= FA3_FEW_SPLITS_HEADS heads and <= FA3_FEW_SPLITS_BATCH
 # requests: its heuristic fills the SMs (~60 splits at 128 heads, bs 1), but every split writes an [H, 512] fp32
 # partial that its combine reads back (256 KiB per split at 128 heads). 48 measured 2.1-4.6 us per layer faster at
 # 128 heads, bs 1, 16k-64k (2.1 us slower at 128k), within -1.2 / +0.2 us at bs 2; never better at 16 heads or at
-# bs >= 4 (same file, and session4/fa3_scheduler_metadata.txt)
+# bs >= 4 (same file, and run4/fa3_scheduler_metadata.txt)
 FA3_FEW_SPLITS = 48
 FA3_FEW_SPLITS_HEADS = 128
 FA3_FEW_SPLITS_BATCH = 2

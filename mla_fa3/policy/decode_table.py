@@ -10,12 +10,12 @@ per-layer decode times of five H200 sweeps (page 64, bf16, CUDA-graph replay), m
 - ``docs/perf/2026-12-04/decode_whole_step_pdl.csv`` — the same 32 shapes as the backend's WHOLE step with each
   kernel forced (``bench decode --whole-step``; split-KV's schedule re-planned on the device in the graph): the
   16-head rows measured last (``decode_whole_step_16_pdl.csv``: multi-buffered loads, programmatic dependent
-  launch, one-pass combine), the 128-head rows from ``2026-12-03/session5/decode_whole_step.csv`` (there the
+  launch, one-pass combine), the 128-head rows from ``2026-12-03/run5/decode_whole_step.csv`` (there the
   kernel launches in order and measured within 1 % of that run's: ``splitkv_pdl_ab_final_bf16.md``);
-- ``docs/perf/2026-12-04/session4/final/decode_whole_step.csv`` — the same 32 whole steps again, after FA3's tile
+- ``docs/perf/2026-12-04/run4/final/decode_whole_step.csv`` — the same 32 whole steps again, after FA3's tile
   schedule moved to once per step (``ops.get_fa3_schedule``, bs <= 8) and FA3's split cap at 128 heads, bs <= 2:
   every one of those rows replaced;
-- ``docs/perf/2026-12-06/h200/decode_whole_step.csv`` (the 16- and 128-head runs of one device session,
+- ``docs/perf/2026-12-06/h200/decode_whole_step.csv`` (the 16- and 128-head runs of one device run,
   ``whole_step_16/`` and ``whole_step_128/``, in one file) — the same 32 whole steps on the kernel of
   2026-12-06 (latent-chunked q·kᵀ, the 128-split narrow combine tile; FA3 and FlashMLA unchanged):
   every one of those rows replaced.

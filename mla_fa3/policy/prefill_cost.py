@@ -84,11 +84,11 @@ class CostConstants:
 
 
 # H200 (sm90, 132 SMs), DeepSeek-V3 dims, bf16, page 64, workspace budget 512 MiB (47,127 tokens per chunk
-# at 16 heads, 6,462 at 128): fit_cost_constants on docs/perf/2026-12-03/session4/prefill_run{3,4,5,6}.csv
+# at 16 heads, 6,462 at 128): fit_cost_constants on docs/perf/2026-12-03/run4/prefill_run{3,4,5,6}.csv
 # (two pairs of runs of the bench after the one-pass layout; heads {16,128} x new {1k,4k,8k} x prefix
 # {16k,64k,128k}) and prefill_small_run{1,2}.csv (new {128,512} x prefix {0,8k,32k}: the crossover); eager
 # CUDA-event times, host launch costs included. Auto picks the faster path on 18/18 shapes of each of the six
-# sweeps of that session and within 5 % on 10/12 and 11/12 small shapes (misses: 0.2 ms steps, where two runs
+# sweeps of that run and within 5 % on 10/12 and 11/12 small shapes (misses: 0.2 ms steps, where two runs
 # disagree by up to 20 %); tests/test_prefill_cost.py replays them. The rates are effective rates of the code.
 # To re-fit:
 #   python -m mla_fa3.bench.prefill --out $OUT/prefill --repeat 2     (prints the fitted constants), or
