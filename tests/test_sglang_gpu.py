@@ -38,12 +38,14 @@ def test_kit_cuda_graph_decode_gpu(name, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("graph", [False, True])
-def test_kit_target_verify_gpu(backend, graph):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_kit_target_verify_gpu(backend, graph, topk):
+    """The kit's EAGLE verify, a chain (topk 1) or its draft tree (topk 2: a root and two branches, FULL_MASK)."""
     from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as tv
 
     c = case("TARGET_VERIFY", prefix_lens=(14, 5), extend_lens=(3, 3), backend=backend, name=f"verify_{backend}")
     run = tv.run_mla_eagle_verify_cuda_graph_case if graph else tv.run_mla_eagle_verify_case
-    run(TESTCASE, c, topk=1, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
+    run(TESTCASE, c, topk=topk, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
