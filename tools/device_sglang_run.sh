@@ -27,7 +27,7 @@ printf 'import os\ntry:\n    from tests.sglang_cpu_shim import prepare_sglang_im
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q --maxfail=8 -m gpu ${TEST_ARGS:-tests/test_sglang_gpu.py tests/test_backend_gpu.py tests/test_fp8_cache_gpu.py} > $OUT/gpu_tests.txt 2>&1
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --maxfail=8 -m gpu ${TEST_ARGS:-tests/test_sglang_gpu.py tests/test_backend_gpu.py tests/test_fp8_cache_gpu.py} > $OUT/gpu_tests.txt 2>&1
   tail -5 $OUT/gpu_tests.txt
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
