@@ -82,14 +82,3 @@ def test_memory_plan_terms_follow_the_documented_formulas():
     assert plan.workspace_bytes - half.workspace_bytes == 2 * 4096 * 16 * (128 + 64 + 128) * 2
     assert plan_memory(cfg, reserved_gib=3.0).reserved_bytes == 3 * gib
 
-
-def test_scheduler_refuses_a_negative_watermark():
-    from mla_fa3.kv.allocator import PagedAllocator
-    from mla_fa3.kv.req_to_token import ReqToTokenPool
-    from mla_fa3.serve.scheduler import Scheduler
-
-    pool, alloc = ReqToTokenPool(2, 16, "cpu"), PagedAllocator(8, 4, "cpu")
-    assert Scheduler(pool, alloc, None, max_running=2, token_budget=8, watermark_pages=0).watermark_pages == 0
-    with pytest.raises(ValueError, match="watermark_pages must be an int >= 0, got -1"):
-        Scheduler(pool, alloc, None, max_running=2, token_budget=8, watermark_pages=-1)
-

@@ -137,6 +137,10 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "1", "(0)",
         "turns the decode shortcut of _default_positions off: the general formula gives seq - 1 for one new token "
         "per request too"),
+    "mla_fa3/serve/scheduler.py:151:20:const:1": (
+        "0", "(-1)",
+        "the first Request.seq: seq only orders requests (max() for the victim, sort() of running), and starting "
+        "the counter at -1 keeps every order"),
     "mla_fa3/pages.py:76:21:argswap:0": (
         "values, live", "live, values", "torch.mul commutes; int x bool promotes to the int dtype in either order"),
     "mla_fa3/pages.py:101:60:const:1": (
@@ -745,7 +749,7 @@ def rerun(args) -> None:
                 and r["package"] in args.packages]
     out_rows = []
     for r in rows:
-        m = find(work, r["id"], r["before"], r["after"])
+        m = find(work, r["id"], r["before"], r["after"], args.pass_rev)
         if m is None:
             print(f"gone      {r['id']} (the module changed)", flush=True)
             out_rows.append(dict(r, status="gone", seconds=0, tests=0, selected="files", equivalent="",
@@ -758,6 +762,8 @@ def rerun(args) -> None:
         else:
             tests = package_tests(work, r["package"])
         row = run_one(work, r["package"], m, tests, args.timeout * 4)
+        if m.ident != r["id"]:
+            row["last_line"] = f"(now at {m.ident}) " + row["last_line"]
         row["id"] = r["id"]  # the pass's id, so the summary can match it (the code may have moved since)
         row["selected"] = "new tests" if args.tests == ["mutants"] else "files"
         out_rows.append(row)
@@ -772,18 +778,24 @@ def rerun(args) -> None:
             w.writerows(out_rows)
 
 
-def find(root: Path, ident: str, before: str | None = None, after: str | None = None) -> Mutant | None:
-    """The mutant named ``ident``; when the line moved, the one of the same kind with the same text."""
+def find(root: Path, ident: str, before: str | None = None, after: str | None = None,
+         pass_rev: str | None = None) -> Mutant | None:
+    """The mutant named ``ident``. With ``pass_rev`` (the commit the pass ran on), the same change on a line of
+    the same text wherever the code moved since (nearest such line); None when that line is gone."""
     module, line, col, kind, index = ident.rsplit(":", 4)
-    allm = enumerate_mutants(module, (root / module).read_bytes())
-    for m in allm:
-        if m.ident == ident and (before is None or (m.before, m.after) == (before, after)):
-            return m
-    if before is not None:
-        same = [m for m in allm if (m.kind, m.before, m.after) == (kind, before, after)]
-        if len(same) >= 1:
-            return min(same, key=lambda m: abs(m.line - int(line)))
-    return None
+    src = (root / module).read_bytes()
+    allm = enumerate_mutants(module, src)
+    if pass_rev is None:
+        for m in allm:
+            if m.ident == ident and (before is None or (m.before, m.after) == (before, after)):
+                return m
+        return None
+    old = subprocess.run(["git", "show", f"{pass_rev}:{module}"], cwd=REPO, capture_output=True).stdout
+    old_line = old.decode().splitlines()[int(line) - 1].strip() if old else None
+    lines = src.decode().splitlines()
+    same = [m for m in allm if (m.kind, m.before, m.after, m.col) == (kind, before, after, int(col))
+            and lines[m.line - 1].strip() == old_line]
+    return min(same, key=lambda m: abs(m.line - int(line))) if same else None
 
 
 def show(ident: str) -> None:
@@ -819,6 +831,8 @@ def main(argv=None) -> None:
                    help="a working-tree file to lay over the copy (repeatable), e.g. a new test file")
     p.add_argument("--tests", type=lambda s: s.split(","), default=None,
                    help="with --rerun: run these test files (names in tests/) instead of the package's")
+    p.add_argument("--pass-rev", default=None, metavar="COMMIT",
+                   help="with --rerun: the commit the pass ran on, to find each mutant's line where the code moved")
     p.add_argument("--status", default="", help="with --rerun: only rows of this status")
     args = p.parse_args(argv)
     for pkg in args.packages:
