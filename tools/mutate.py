@@ -102,6 +102,9 @@ PACKAGES: dict[str, dict] = {
 SKIPPED = "mla_fa3/bench/ and mla_fa3/cli.py"
 DATA_TABLE = 8  # literal lists / tuples / dicts of this many entries or more are data tables: not mutated
 
+_TINY = ("the tiny random model's data (a config value or an init scale in models.tiny): any value gives a valid "
+         "model, which ours and the transformers reference then both run, and the tests compare the two")
+
 # Survivors judged equivalent, by mutant id (module:line:col:kind:n of the pass recorded in docs/MUTATION.md)
 # with the text before / after, so an entry stops matching when the code moves: a moved survivor is judged again.
 EQUIVALENT: dict[str, tuple[str, str, str]] = {
@@ -141,6 +144,13 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "0", "(-1)",
         "the first Request.seq: seq only orders requests (max() for the victim, sort() of running), and starting "
         "the counter at -1 keeps every order"),
+    "mla_fa3/models/tiny.py:53:70:const:0": ("1e-6", "(1.000001)", _TINY),
+    "mla_fa3/models/tiny.py:105:56:const:2": ("0.1", "(0.0)", _TINY),
+    "mla_fa3/models/tiny.py:113:56:const:2": ("0.02", "(0.0)", _TINY),
+    "mla_fa3/integrations/sglang/adapter.py:67:95:const:1": (
+        "0", "(-1)",
+        "num_draft_tokens without speculative decoding (or 0 -> or -1): read only for verify steps and EAGLE trees "
+        "(topk > 1), which SGLang sends only with speculative decoding on, and then the setting is a number"),
     "mla_fa3/pages.py:76:21:argswap:0": (
         "values, live", "live, values", "torch.mul commutes; int x bool promotes to the int dtype in either order"),
     "mla_fa3/pages.py:101:60:const:1": (
@@ -748,12 +758,24 @@ def rerun(args) -> None:
         rows = [r for r in csv.DictReader(f) if (not args.status or r["status"] == args.status)
                 and r["package"] in args.packages]
     out_rows = []
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "rerun.csv", "w", newline="") as f:
+            csv.DictWriter(f, FIELDS).writeheader()
+
+    def record(row: dict) -> None:
+        out_rows.append(row)
+        if out is not None:
+            with open(out / "rerun.csv", "a", newline="") as f:
+                csv.DictWriter(f, FIELDS, extrasaction="ignore").writerow(row)
+
     for r in rows:
         m = find(work, r["id"], r["before"], r["after"], args.pass_rev)
         if m is None:
             print(f"gone      {r['id']} (the module changed)", flush=True)
-            out_rows.append(dict(r, status="gone", seconds=0, tests=0, selected="files", equivalent="",
-                                 last_line="the mutated code is no longer in the module"))
+            record(dict(r, status="gone", seconds=0, tests=0, selected="files", equivalent="",
+                        last_line="the mutated code is no longer in the module"))
             continue
         if args.tests == ["mutants"]:  # only the package's tests written against the survivors
             tests = [f"tests/test_mutants_{r['package']}.py"]
@@ -766,16 +788,9 @@ def rerun(args) -> None:
             row["last_line"] = f"(now at {m.ident}) " + row["last_line"]
         row["id"] = r["id"]  # the pass's id, so the summary can match it (the code may have moved since)
         row["selected"] = "new tests" if args.tests == ["mutants"] else "files"
-        out_rows.append(row)
+        record(row)
         print(f"{row['status']:8s}  {m.ident}  {m.before[:60]!r} -> {m.after[:60]!r} ({row['seconds']}s)",
               flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "rerun.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, FIELDS)
-            w.writeheader()
-            w.writerows(out_rows)
 
 
 def find(root: Path, ident: str, before: str | None = None, after: str | None = None,
@@ -783,6 +798,8 @@ def find(root: Path, ident: str, before: str | None = None, after: str | None = 
     """The mutant named ``ident``. With ``pass_rev`` (the commit the pass ran on), the same change on a line of
     the same text wherever the code moved since (nearest such line); None when that line is gone."""
     module, line, col, kind, index = ident.rsplit(":", 4)
+    if not (root / module).is_file():
+        return None  # the module was removed or split since
     src = (root / module).read_bytes()
     allm = enumerate_mutants(module, src)
     if pass_rev is None:
