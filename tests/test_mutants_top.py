@@ -156,3 +156,40 @@ def test_kv_accuracy_report_gives_one_gap_line_per_fp8_run():
     # b = rows only the reference gets right: 2 (one prefill, one decode) and 1 (decode); gap = b / 6 rows
     assert "all +33.33" in gaps[0] and "(b 2, c 0)" in gaps[0] and "all +16.67" in gaps[1]
     assert "prefill +0.00" in gaps[1] and "decode +33.33" in gaps[1]
+
+
+@pytest.mark.parametrize("scale", [None, torch.ones(1, dtype=torch.float64), torch.ones(2)])
+def test_mha_prefill_over_an_fp8_pool_needs_its_one_float32_scale(scale):
+    from mla_fa3.chunked_prefix import _check_forward
+    from test_prefill_graph import _plans
+
+    case, _, (plan,) = _plans("budget_splits_mid_page", n=1)
+    kv = case.pool.kv_buffer[case.layer.layer_id].to(torch.float8_e4m3fn)  # an FP8 pool's rows
+    kv_paged = kv.view(-1, case.spec.page_size, 1, kv.shape[-1])
+    _check_forward(case.q, None, case.layer, kv_paged, plan, torch.ones(1))  # the right scale passes
+    with pytest.raises(ValueError, match=r"kv_scale must be the FP8 pool's \[1\] float32 scale"):
+        _check_forward(case.q, None, case.layer, kv_paged, plan, scale)
+
+
+def test_a_prefix_that_fits_the_workspace_runs_one_attention_call(monkeypatch):
+    # the one-pass layout (PrefillPlan.one_pass): prefix and new keys decompressed together, one causal call, no merge
+    from mla_fa3 import chunked_prefix
+    from specs import PREFILL_RUNS, PREFILL_SPECS
+    from test_chunked_prefix import _run, _setup
+
+    spec, (_, cfg) = PREFILL_SPECS["budget_covers_all"], PREFILL_RUNS["budget_covers_all"]
+    case, md, plan = _setup(spec, cfg, 4096)
+    assert plan.one_pass is not None and plan.chunks  # chunks are planned too: the one pass replaces them
+    calls = {"attn": 0, "merge": 0}
+    attn, merge = chunked_prefix.ops.run_flash_attn_varlen, chunked_prefix.ops.run_merge_state
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(chunked_prefix.ops, "run_flash_attn_varlen", count("attn", attn))
+    monkeypatch.setattr(chunked_prefix.ops, "run_merge_state", count("merge", merge))
+    _run(case, md, plan)
+    assert calls == {"attn": 1, "merge": 0}
