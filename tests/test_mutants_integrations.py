@@ -71,3 +71,22 @@ def test_fp8_decode_keeps_the_absorbed_path():
         kv_cache_dtype = "fp8_e4m3"
 
     assert plugin.handle_attention(Attn(), fx.forward_batch).name == "MLA"
+
+
+def test_fp8_prefill_takes_one_shot_mha_when_the_step_fits_the_chunk_capacity():
+    # SGLang's rule (_support_mha_one_shot): one shot when the step's keys (sum of seq_lens, here 3 + 2 = 5) fit
+    # forward_batch.get_max_chunk_capacity(); chunked over the prefix otherwise
+    from mla_fa3.integrations.sglang import plugin
+
+    plugin.register()
+    fx = kit_fixture(case("EXTEND", prefix_lens=(3,), extend_lens=(2,), page_size=64, name="mut_fp8_oneshot"),
+                     fp8=True)
+    fb = fx.forward_batch
+
+    class Attn:
+        kv_cache_dtype = "fp8_e4m3"
+
+    fb.get_max_chunk_capacity = lambda: 5
+    assert plugin.handle_attention(Attn(), fb).name == "MHA_ONE_SHOT"
+    fb.get_max_chunk_capacity = lambda: 4
+    assert plugin.handle_attention(Attn(), fb).name == "MHA_CHUNKED_KV"
