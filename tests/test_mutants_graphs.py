@@ -58,3 +58,28 @@ def test_max_context_equal_to_the_tokens_per_request_is_accepted():
     assert runner.max_context == 3 and runner.tokens_per_request == 3
     with pytest.raises(ValueError, match="max_context must be >= 3"):
         _runner(_Recorder(), mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=3, max_context=2)
+
+
+def test_tree_buffers_check_the_shape_against_the_mode():
+    from types import SimpleNamespace
+
+    from mla_fa3.graphs.tree_buffers import TreeBuffers
+    from mla_fa3.tree import MAX_TREE_TOKENS, DraftTreeError
+
+    cap = SimpleNamespace(with_encoder=False, max_bs=3, packed=torch.zeros(1))
+    registry = {}
+    # DRAFT_DECODE: m = num_draft_tokens queries over n tree keys (n may differ from m)
+    buf = TreeBuffers.for_capture(registry, cap, ForwardMode.DRAFT_DECODE, 2, (2, 5))
+    assert (buf.num_queries, buf.num_keys) == (2, 5) and tuple(buf.mask.shape) == (3, 2, 5)
+    assert buf.mask[:, :, 0].all() and not buf.mask[:, :, 1:].any()  # the padding tree: key 0 only
+    assert TreeBuffers.for_capture(registry, cap, ForwardMode.DRAFT_DECODE, 2, (2, 5)) is buf
+    TreeBuffers.for_capture(registry, cap, ForwardMode.TARGET_VERIFY, 3, (3, 3))
+    for mode, k, shape in ((ForwardMode.DRAFT_DECODE, 2, (3, 5)), (ForwardMode.TARGET_VERIFY, 3, (3, 4))):
+        with pytest.raises(DraftTreeError, match="tree_shape must be"):
+            TreeBuffers.for_capture(registry, cap, mode, k, shape)
+    with pytest.raises(DraftTreeError, match="no cross-attention form"):
+        TreeBuffers.for_capture({}, SimpleNamespace(with_encoder=True, max_bs=3, packed=torch.zeros(1)),
+                                ForwardMode.DRAFT_DECODE, 2, (2, 5))
+    for m, n in ((0, 4), (2, MAX_TREE_TOKENS + 1), (True, 4)):
+        with pytest.raises(DraftTreeError, match=r"must be an int in \[1, "):
+            TreeBuffers.allocate(2, (m, n), torch.device("cpu"))

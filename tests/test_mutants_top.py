@@ -193,3 +193,29 @@ def test_a_prefix_that_fits_the_workspace_runs_one_attention_call(monkeypatch):
     monkeypatch.setattr(chunked_prefix.ops, "run_merge_state", count("merge", merge))
     _run(case, md, plan)
     assert calls == {"attn": 1, "merge": 0}
+
+
+def test_a_verify_mask_error_names_the_first_token_that_does_not_see_itself():
+    import numpy as np
+
+    from mla_fa3.tree import DraftTreeError, check_verify_mask
+
+    mask = np.array([[[True, False], [True, False]], [[False, False], [True, True]]])  # (0, 1) and (1, 0) fail
+    with pytest.raises(DraftTreeError, match=r"tree.mask\[0, 1, 1\] is False: draft token 1 of request 0"):
+        check_verify_mask(mask)
+
+
+def test_a_draft_tree_reads_its_shape_from_the_mask():
+    from mla_fa3.tree import DraftTree
+
+    tree = DraftTree(mask=torch.tensor([[[True, False, True], [True, True, False]]]), verify=False)
+    assert (tree.batch_size, tree.num_queries, tree.num_keys, tree.shape) == (1, 2, 3, (2, 3))
+
+
+def test_forward_absorbed_tree_checks_q_by_default(case):
+    from mla_fa3.absorb_tree import forward_absorbed_tree
+
+    d, H = case.layer.mla, case.layer.num_heads
+    bad = torch.zeros(3, H + 1, d.qk_nope_head_dim + d.qk_rope_head_dim)
+    with pytest.raises(ValueError, match="q must be"):
+        forward_absorbed_tree(bad, case.layer, None, None)
