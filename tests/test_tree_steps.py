@@ -13,23 +13,14 @@ import pytest
 import torch
 
 from mla_cases import rel_err
-from tree_cases import (chain, make_draft_case, make_verify_case, padded, padded_tree_batch, random_tree, star,
-                        tree_of, tree_oracle)
+from tree_cases import (KERNEL_PAGES, backend_for, chain, make_draft_case, make_verify_case, padded,
+                        padded_tree_batch, random_tree, star, tree_of, tree_oracle)
 
-from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 from mla_fa3.policy.paths import DecodeKernel
 
 TOL = 1e-5  # fp32 compute vs the fp64 oracle
 VER, DRAFT = ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE
-KERNEL_PAGES = [("fa3", 1), ("fa3", 16), ("fa3", 64), ("splitkv", 1), ("splitkv", 16), ("splitkv", 64),
-                ("flashmla", 64)]
-
-
-def backend_for(case, **kw) -> MLABackend:
-    return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
-                      page_size=case.layout.page_size, device=case.layout.device, num_heads=case.cfg.num_heads,
-                      mla_dims=case.cfg.dims, **kw)
 
 
 def run(case, batch=None, q=None, new=None, **kw):

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from mla_cases import cosine, rel_err
-from tree_cases import (chain, make_draft_case, make_verify_case, padded, padded_tree_batch, random_tree, star,
-                        tree_of, tree_oracle)
+from tree_cases import (KERNEL_PAGES, backend_for, chain, make_draft_case, make_verify_case, padded,
+                        padded_tree_batch, random_tree, star, tree_of, tree_oracle)
 
-from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardMode
 
 pytestmark = pytest.mark.gpu
@@ -27,14 +26,6 @@ pytestmark = pytest.mark.gpu
 BF16, DEV = torch.bfloat16, "cuda"
 VER, DRAFT = ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE
 MIN_COSINE = 0.9999
-KERNEL_PAGES = [("fa3", 1), ("fa3", 16), ("fa3", 64), ("splitkv", 1), ("splitkv", 16), ("splitkv", 64),
-                ("flashmla", 64)]
-
-
-def backend_for(case, **kw) -> MLABackend:
-    return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
-                      page_size=case.layout.page_size, device=case.layout.device, num_heads=case.cfg.num_heads,
-                      mla_dims=case.cfg.dims, **kw)
 
 
 def torch_bf16_tree(case) -> torch.Tensor:

@@ -25,10 +25,23 @@ from mla_cases import STALE_FINITE, make_layout
 from oracle import dense_attention
 from specs import MLA_CONFIGS, MLAConfig
 
+from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.layer import AttentionLayer
 from mla_fa3.tree import DraftTree
+
+
+# (decode kernel, page size) pairs a tree step runs on: FlashMLA reads pages of 64 only
+KERNEL_PAGES = [("fa3", 1), ("fa3", 16), ("fa3", 64), ("splitkv", 1), ("splitkv", 16), ("splitkv", 64),
+                ("flashmla", 64)]
+
+
+def backend_for(case, **kw) -> MLABackend:
+    """Our backend over ``case``'s pool and request table, at its heads and MLA dims."""
+    return MLABackend(req_to_token_pool=case.layout.req_to_token_pool, kv_pool=case.pool,
+                      page_size=case.layout.page_size, device=case.layout.device, num_heads=case.cfg.num_heads,
+                      mla_dims=case.cfg.dims, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- tree shapes
