@@ -26,3 +26,17 @@ def test_run_merge_state_merges_and_rechecks_the_validated_shape():
         ops.run_merge_state(call, o_a[:2], l_a[:2], o_b[:2], l_b[:2])
     with pytest.raises(ValueError, match="o_a / o_b must be"):
         ops.run_merge_state(call, o_a.double(), l_a, o_b.double(), l_b)
+
+
+def test_a_validated_varlen_call_takes_only_a_q_like_its_own():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 4, generator=g)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    chosen, call = ops.prepare_flash_attn_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3,
+                                                 max_seqlen_k=3, causal=True, impl="reference")
+    q2 = torch.randn(5, 2, 8, generator=g)
+    assert call.with_q(q2).q is q2 and call.q is q
+    strided = torch.randn(5, 2, 16, generator=g)[:, :, ::2]  # q's shape and dtype, last stride 2
+    for bad in (q2[:4], q2.double(), strided):
+        with pytest.raises(ValueError, match="q must match the validated call's q"):
+            call.with_q(bad)
