@@ -34,13 +34,18 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
     srt/layers/attention/verify_mask.py          VerifyMask: the buffer EAGLE (topk > 1) writes draft trees into,
     srt/speculative/eagle_utils.py                 TreeMaskMode.QLEN_ONLY (k x k per request) or FULL_MASK
     srt/speculative/eagle_worker_common.py         (build_eagle_verify_input takes the target backend's verify_mask)
-    srt/speculative/draft_utils.py               (not touched) the draft model's backends come from SGLang's own
-                                                 table, without mla_fa3 (srt/plugins/hook_registry.py could route
-                                                 DraftBackendFactory to one): EAGLE drafts on
-                                                 --speculative-draft-attention-backend
+    srt/speculative/draft_utils.py               DraftBackendFactory, through srt/plugins/hook_registry.py (AROUND
+                                                 hooks, applied by load_plugins): create_decode_backend of a draft
+                                                 resolving to mla_fa3 -> draft.SGLangMLAMultiStepDraftBackend;
+                                                 create_draft_extend_backend of one -> SGLang's own fa3 entry
+                                                 (draft.route_draft_decode / route_draft_extend; other names: the
+                                                 original). --speculative-draft-attention-backend overrides both
+    srt/model_executor/forward_batch_info.py     build_inner_fb_view: the DECODE view each draft step plans on
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from sglang.srt import server_args
 from sglang.srt.layers.attention import attention_registry
@@ -48,11 +53,17 @@ from sglang.srt.models.deepseek_common import attention_backend_handler as handl
 from sglang.srt.models.deepseek_common import utils as deepseek_utils
 from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from mla_fa3.integrations.sglang import draft
 from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
 
-__all__ = ["BACKEND_NAME", "register", "create_backend", "handle_attention"]
+__all__ = ["BACKEND_NAME", "DRAFT_HOOKS", "register", "create_backend", "handle_attention"]
 
 BACKEND_NAME = "mla_fa3"
+_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory"
+DRAFT_HOOKS = {f"{_FACTORY}.create_decode_backend": partial(draft.route_draft_decode, backend_name=BACKEND_NAME),
+               f"{_FACTORY}.create_draft_extend_backend": partial(draft.route_draft_extend, backend_name=BACKEND_NAME)}
 
 
 def create_backend(model_runner) -> SGLangMLABackend:
@@ -89,3 +100,6 @@ def register() -> None:
               deepseek_utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.append)
     _add_once(handlers.MHA_ONE_SHOT_SUPPORTED_BACKENDS, BACKEND_NAME, handlers.MHA_ONE_SHOT_SUPPORTED_BACKENDS.append)
     handlers.AttentionBackendRegistry.register(BACKEND_NAME, handle_attention)
+    for target, hook in DRAFT_HOOKS.items():  # load_plugins applies them (HookRegistry.apply_hooks) after us
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)

@@ -1,0 +1,187 @@
+"""The EAGLE draft model's multi-step decode backend on mla_fa3 (SGLang 0.5.17), the counterpart of SGLang's
+``FlashAttentionMultiStepBackend`` (``srt/layers/attention/flashattention_backend.py``).
+
+SGLang builds the draft model's backends from its own table (``srt/speculative/draft_utils.py``,
+``DraftBackendFactory``); ``plugin.register`` hooks ``create_decode_backend`` so that a draft whose resolved backend
+is ``mla_fa3`` gets :class:`SGLangMLAMultiStepDraftBackend` (:func:`route_draft_decode`). DRAFT_EXTEND (the draft
+model's extend over the accepted tokens) stays on SGLang's table: ``create_draft_extend_backend`` of an ``mla_fa3``
+draft builds SGLang's ``fa3`` entry (:func:`route_draft_extend`), and a DRAFT_EXTEND batch handed to ours raises
+:class:`~mla_fa3.integrations.sglang.convert.UnsupportedStepError`.
+
+The draft step, as SGLang's EAGLE runs it (``speculative/eagle_worker_v2.py:draft_forward``,
+``speculative/eagle_worker_common.py:prepare_for_draft``), for bs requests with committed prefixes ``P_b`` (the
+draft batch's ``seq_lens``), ``topk`` branches and ``S`` = ``speculative_num_steps``::
+
+    prepare_for_draft   req_to_token[b, P_b + j·S + s] = draft slot of branch j, step s   (branch-major; page 1 or
+                        topk 1 — page > 1 with topk > 1 has a page-aligned layout, refused here by name)
+    init_forward_metadata(fb)              every step's plan at once (attn_backends[i], i < S - 1)
+    for i in 0 .. S - 2:                   (the last step's token needs no forward)
+        fb.out_cache_loc = slots of step i   [bs·topk]: the model stores each branch's latent row there
+        layer(...) -> attn_backends[i]     query row b·topk + j (branch j of request b) sees
+                                             the prefix req_to_token[b, :P_b]  and  its own keys of steps 0 .. i
+
+Worked example, topk = 2, S = 3, P = [5]: the row's draft columns 5..10 are [j0s0 j0s1 j0s2 j1s0 j1s1 j1s2]; at
+step 1 branch 0 sees columns 0..4 and 5, 6; branch 1 sees 0..4 and 8, 9.
+
+Step i's batch (ours, :meth:`SGLangDraftStepBackend._convert`): topk > 1, a DRAFT_DECODE tree step —
+``seq_lens = P + topk·S`` (the tree keys are the row's last topk·S columns), ``tree =
+DraftTree.draft(sglang_draft_mask(bs, topk, S, i))`` (the same layout as :func:`mla_fa3.draft_backend.sglang_tree_steps`),
+run by the core as the prefix part on the plan's kernel plus the tree part, merged by LSE; topk = 1, a chain —
+``seq_lens = P + i + 1``, one query per request over its first P + i + 1 columns. Either way the slots step i writes
+are gathered on the device from ``req_to_token`` (no sync) for the plan; the layer stores at SGLang's live
+``fb.out_cache_loc``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
+from sglang.srt.model_executor.forward_batch_info import build_inner_fb_view
+
+from mla_fa3.batch import ForwardBatch, ForwardMode
+from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
+from mla_fa3.integrations.sglang.convert import UnsupportedStepError, _host_int32
+from mla_fa3.tree import DraftTree, sglang_draft_mask
+
+__all__ = ["SGLangDraftStepBackend", "SGLangMLAMultiStepDraftBackend", "create_draft_decode_backend",
+           "route_draft_decode", "route_draft_extend", "DRAFT_EXTEND_BACKEND"]
+
+DRAFT_EXTEND_BACKEND = "fa3"  # the entry of SGLang's own table that serves an mla_fa3 draft's DRAFT_EXTEND
+
+
+class SGLangDraftStepBackend(SGLangMLABackend):
+    """Draft step ``step`` of ``num_steps`` (``attn_backends[step]``): SGLangMLABackend's pools, planning, CUDA-graph
+    protocol and absorbed forward, with SGLang's draft batch converted into this step's tree (or chain) batch."""
+
+    def __init__(self, model_runner, topk: int, num_steps: int, step: int):
+        super().__init__(model_runner)
+        self._verify_mask = None  # a draft model never verifies
+        self.topk, self.num_steps, self.step = int(topk), int(num_steps), int(step)
+        self._trees: dict[int, DraftTree] = {}  # bs -> this step's tree on the device (constant per bs)
+
+    def _tree(self, bs: int) -> DraftTree:
+        tree = self._trees.get(bs)
+        if tree is None:
+            tree = DraftTree.draft(sglang_draft_mask(bs, self.topk, self.num_steps, self.step), self.device)
+            self._trees[bs] = tree
+        return tree
+
+    def _convert(self, fb) -> ForwardBatch:
+        """SGLang's draft batch (``seq_lens`` = the committed prefixes) -> our DRAFT_DECODE batch of this step."""
+        mode = getattr(fb, "actual_forward_mode", None) or fb.forward_mode
+        name = getattr(mode, "name", str(mode))
+        if name == "IDLE" or int(fb.batch_size) == 0:
+            return ForwardBatch.idle(self.device)
+        if name not in ("DECODE", "DRAFT_DECODE"):  # SGLang's draft decode steps run as DECODE with spec_info
+            raise UnsupportedStepError(f"forward_mode {name} reached mla_fa3's multi-step draft decode backend, which "
+                                       "serves the draft's DECODE steps only (DRAFT_EXTEND runs on SGLang's "
+                                       f"{DRAFT_EXTEND_BACKEND!r} backend)")
+        bs, topk, S, i = int(fb.batch_size), self.topk, self.num_steps, self.step
+        rows = fb.req_pool_indices[:bs].to(torch.int64)
+        prefix_cpu = _host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
+        prefix = fb.seq_lens[:bs].to(torch.int32)
+        table = self.req_to_token_pool.req_to_token
+        last = table.shape[1] - 1  # columns clamped: padding rows of a replay; a live overflow fails validation
+        if topk == 1:
+            col = (prefix.to(torch.int64) + i).clamp(max=last)
+            loc = table[rows, col].to(torch.int64)
+            return ForwardBatch(forward_mode=ForwardMode.DRAFT_DECODE, batch_size=bs, req_pool_indices=rows,
+                                seq_lens=prefix + (i + 1), seq_lens_cpu=prefix_cpu + (i + 1), out_cache_loc=loc,
+                                draft_step=i)
+        # step i's slots, branch-major: req_to_token[b, P_b + j·S + i]   [bs, topk] -> [bs·topk]
+        branch = torch.arange(topk, dtype=torch.int64, device=rows.device) * S + i
+        col = (prefix.to(torch.int64)[:, None] + branch[None, :]).clamp(max=last)
+        loc = table[rows[:, None], col].reshape(-1).to(torch.int64)
+        n = topk * S
+        return ForwardBatch(forward_mode=ForwardMode.DRAFT_DECODE, batch_size=bs, req_pool_indices=rows,
+                            seq_lens=prefix + n, seq_lens_cpu=prefix_cpu + n, out_cache_loc=loc,
+                            num_draft_tokens=topk, draft_step=i, tree=self._tree(bs))
+
+
+class SGLangMLAMultiStepDraftBackend:
+    """SGLang's multi-step draft decode container (the interface of ``FlashAttentionMultiStepBackend``):
+    ``attn_backends[i]`` serves draft step i (i < num_steps - 1); the worker runs step i's layers under it."""
+
+    needs_cpu_seq_lens = True  # every step is planned from host prefix lengths
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        topk, steps = int(topk), int(speculative_num_steps)
+        if topk < 1 or steps < 2:
+            raise ValueError(f"a multi-step draft needs topk >= 1 and speculative_num_steps >= 2, got topk {topk}, "
+                             f"speculative_num_steps {steps}")
+        page = int(model_runner.page_size)
+        if page > 1 and topk > 1:
+            raise ValueError(f"--page-size {page} with --speculative-eagle-topk {topk}: SGLang lays the draft "
+                             "branches out page-aligned (duplicate_prefix_tail_to_draft_branches), which mla_fa3's "
+                             "draft decode does not read; use --page-size 1, topk 1, or "
+                             "--speculative-draft-attention-backend fa3")
+        self.model_runner, self.topk, self.speculative_num_steps = model_runner, topk, steps
+        self.attn_backends = [SGLangDraftStepBackend(model_runner, topk, steps, i) for i in range(steps - 1)]
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Plan every step (eager): step i's metadata lives in ``attn_backends[i]``."""
+        _refuse_draft_extend(forward_batch)
+        for backend in self.attn_backends:
+            backend.init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        for backend in self.attn_backends:
+            backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Capture, or a replay's host update, of every step: each on SGLang's inner DECODE view of the batch."""
+        _refuse_draft_extend(forward_batch)
+        inner = build_inner_fb_view(forward_batch, bs=forward_batch.batch_size, forward_mode=SGLangMode.DECODE,
+                                    encoder_lens=getattr(forward_batch, "encoder_lens", None))
+        for backend in self.attn_backends:
+            backend.init_forward_metadata_out_graph(inner, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        for backend in self.attn_backends:
+            backend.init_forward_metadata_in_graph(forward_batch)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.attn_backends[0].get_cuda_graph_seq_len_fill_value()
+
+
+def _refuse_draft_extend(fb) -> None:
+    mode = getattr(fb, "forward_mode", None)
+    if mode is not None and getattr(mode, "name", "").startswith("DRAFT_EXTEND"):
+        raise UnsupportedStepError(f"forward_mode {mode.name}: mla_fa3's draft backend serves the multi-step draft "
+                                   f"decode only; DRAFT_EXTEND runs on SGLang's {DRAFT_EXTEND_BACKEND!r} backend "
+                                   "(DraftBackendFactory.create_draft_extend_backend)")
+
+
+def create_draft_decode_backend(model_runner, topk: int, speculative_num_steps: int):
+    return SGLangMLAMultiStepDraftBackend(model_runner, topk, speculative_num_steps)
+
+
+def _resolved_name(factory, field: str) -> str | None:
+    """The backend name ``DraftBackendFactory._create_backend`` picks (draft_utils.py): the draft flag, else the
+    server's ``field``, else ``attention_backend``."""
+    sa = factory.server_args
+    return factory.draft_attn_backend or getattr(sa, field, None) or sa.attention_backend
+
+
+def route_draft_decode(original, factory, *args, backend_name: str, **kwargs):
+    """AROUND hook on ``DraftBackendFactory.create_decode_backend`` (``plugin.DRAFT_HOOKS`` binds ``backend_name``,
+    ``mla_fa3``): ours when the draft resolves to ``backend_name``, else SGLang's ``original``."""
+    if _resolved_name(factory, "decode_attention_backend") != backend_name:
+        return original(factory, *args, **kwargs)
+    if factory.speculative_num_steps <= 1:  # as SGLang: no multi-step backend for 0 or 1 steps
+        return None
+    return create_draft_decode_backend(factory.draft_model_runner, factory.topk, factory.speculative_num_steps)
+
+
+def route_draft_extend(original, factory, *args, backend_name: str, **kwargs):
+    """AROUND hook on ``DraftBackendFactory.create_draft_extend_backend``: an ``mla_fa3`` draft's DRAFT_EXTEND is
+    built from SGLang's own ``fa3`` entry (what ``--speculative-draft-attention-backend fa3`` gives today)."""
+    field = "decode_attention_backend" if getattr(factory.server_args, "speculative_attention_mode", None) == "decode" \
+        else "prefill_attention_backend"
+    if _resolved_name(factory, field) != backend_name:
+        return original(factory, *args, **kwargs)
+    shadow = copy.copy(factory)
+    shadow.draft_attn_backend = DRAFT_EXTEND_BACKEND
+    return original(shadow, *args, **kwargs)
