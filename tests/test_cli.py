@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import mla_fa3
 from mla_fa3 import cli
+from mla_fa3.cli.parser import TINY_NAMES
 from mla_fa3 import hf_compare
 from mla_fa3.models.fp8 import quantize_block_fp8
 from mla_fa3.models.tiny import TINY_CONFIGS, random_hf_model, save_hf_checkpoint
@@ -106,7 +107,7 @@ def test_validate_fp8_checkpoint(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_cli_config_names_match_the_embedded_configs():
-    assert set(cli.TINY_NAMES) == set(TINY_CONFIGS)
+    assert set(TINY_NAMES) == set(TINY_CONFIGS)
 
 
 def test_module_entry_point_help():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mla_fa3 import cli
+from mla_fa3.cli import commands
 from mla_fa3.models import loader
 from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
 
@@ -175,7 +176,7 @@ def test_missing_torch_is_a_one_line_hint(monkeypatch, capsys):
     def no_torch(args):
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
-    monkeypatch.setattr(cli, "_validate", no_torch)
+    monkeypatch.setattr(commands, "validate", no_torch)
     assert cli.main(["validate"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "torch is not installed" in err and "README" in err

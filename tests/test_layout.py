@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("serve", "hf_compare", "kv_accuracy"),  # generation and serving loops; the comparisons with transformers
     ("bench",),  # H200 benchmarks
     ("integrations",),  # other engines loading the backend (the SGLang plugin): the only sglang imports
-    ("cli", "__main__", "__init__"),  # the `mla-fa3` command
+    ("cli", "__main__", "__init__"),  # the `mla-fa3` command (cli/: parser, commands; main in its __init__)
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 KERNEL_IMPORT_POINT = "mla_fa3.ops.fa3"  # the one module that imports the optional sgl_kernel submodules
