@@ -219,3 +219,18 @@ def test_forward_absorbed_tree_checks_q_by_default(case):
     bad = torch.zeros(3, H + 1, d.qk_nope_head_dim + d.qk_rope_head_dim)
     with pytest.raises(ValueError, match="q must be"):
         forward_absorbed_tree(bad, case.layer, None, None)
+
+
+def test_a_verify_mask_error_names_the_first_token_that_sees_a_later_one():
+    import numpy as np
+
+    from mla_fa3.tree import DraftTree, DraftTreeError, check_verify_mask
+
+    eye = np.eye(3, dtype=bool)
+    first, second = eye.copy(), eye.copy()
+    first[0, 2] = True  # token 0 of request 0 sees token 2
+    second[1, 2] = True  # token 1 of request 1 sees token 2
+    with pytest.raises(DraftTreeError, match=r"tree.mask\[0, 0, 2\] is True: draft token 0 of request 0"):
+        check_verify_mask(np.stack([first, second]))
+    one_key = DraftTree(mask=torch.ones(2, 1, 1, dtype=torch.bool), verify=False)  # n = 1 tree key is a tree
+    assert one_key.shape == (1, 1)

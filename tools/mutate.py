@@ -151,6 +151,10 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "0", "(-1)",
         "num_draft_tokens without speculative decoding (or 0 -> or -1): read only for verify steps and EAGLE trees "
         "(topk > 1), which SGLang sends only with speculative decoding on, and then the setting is a number"),
+    "mla_fa3/ops/fa3.py:201:107:const:0": (
+        "True", "False", "CUDA only: an argument of sgl_kernel's flash_attn_with_kvcache, called on an FA3 device only"),
+    "mla_fa3/ops/pdl.py:25:51:const:1": (
+        "0", "(-1)", "CUDA only: the major compute capability of a CUDA device (programmatic dependent launch)"),
     "mla_fa3/pages.py:76:21:argswap:0": (
         "values, live", "live, values", "torch.mul commutes; int x bool promotes to the int dtype in either order"),
     "mla_fa3/pages.py:101:60:const:1": (
@@ -684,18 +688,21 @@ def summarize(csv_path: Path, out: Path) -> None:
     shows killed counts as killed, in the column ``new``."""
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    again = {}
-    for rerun_path in sorted(out.glob("rerun*.csv")):  # in name order: a later file's verdict wins
+    again: dict[str, list[dict]] = {}
+    for rerun_path in sorted(out.glob("rerun*.csv")):
         with open(rerun_path) as f:
-            again.update({r["id"]: r for r in csv.DictReader(f)})
+            for r in csv.DictReader(f):
+                again.setdefault(r["id"], []).append(r)
     for r in rows:
-        if again.get(r["id"], {}).get("status") == "gone":  # the code was rewritten since the pass
+        runs = again.get(r["id"], [])
+        dead = [a for a in runs if a["status"] in ("killed", "timeout")]
+        if any(a["status"] == "gone" for a in runs):  # the code was rewritten since the pass
             r["status"] = "gone"
-        elif r["status"] == "error" and r["id"] in again:  # a selection problem, run again on whole files
-            r["status"] = again[r["id"]]["status"]
-        elif r["status"] == "survived" and again.get(r["id"], {}).get("status") in ("killed", "timeout"):
-            # killed by the tests written against it (new), or by package tests the pass did not run
-            r["status"] = "new" if again[r["id"]].get("selected") == "new tests" else "killed"
+        elif r["status"] in ("survived", "error") and dead:
+            # killed by package tests the pass did not run (killed), or only by the tests written against it (new)
+            r["status"] = "killed" if any(a.get("selected") != "new tests" for a in dead) else "new"
+        elif r["status"] == "error" and runs:
+            r["status"] = runs[-1]["status"]
     enum_path = out / "enumerated.csv"
     enumerated = {}
     if enum_path.exists():
