@@ -28,7 +28,7 @@ the original file is put back after each mutant. Sampling: ``--per-module N`` ta
 N mutants per module (all of them when a module has fewer); the CSV and the summary say how many were
 enumerated and how many ran.
 
-    python tools/mutate.py --per-module 6 --seed 43 --out /tmp/mut_out          # the whole pass
+    python tools/mutate.py --per-module 5 --seed 43 --out /tmp/mut_out          # the whole pass
     python tools/mutate.py --packages kv --per-module 0 --out /tmp/mut_kv       # every kv mutant
     python tools/mutate.py --show 'mla_fa3/kv/pools.py:120:8:compare:0'           # print one mutant
     python tools/mutate.py --rerun /tmp/mut_out/mutants.csv --status survived      # rerun the survivors
@@ -837,7 +837,7 @@ def main(argv=None) -> None:
     p.add_argument("--packages", type=lambda s: s.split(","), default=list(PACKAGES),
                    help=f"comma-separated, of: {', '.join(PACKAGES)} (default: all)")
     p.add_argument("--modules", type=lambda s: s.split(","), default=None, help="only these module paths")
-    p.add_argument("--per-module", type=int, default=6, help="mutants sampled per module; 0 = all (default 6)")
+    p.add_argument("--per-module", type=int, default=5, help="mutants sampled per module; 0 = all (default 5)")
     p.add_argument("--seed", type=int, default=43)
     p.add_argument("--timeout", type=float, default=60, help="least per-mutant limit in seconds (default 60)")
     p.add_argument("--baseline-timeout", type=float, default=1200)
