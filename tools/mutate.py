@@ -19,7 +19,7 @@ Mutation operators (each mutant changes one place):
 
 Not mutated: docstrings and strings, f-strings, annotations, ``if TYPE_CHECKING`` / ``__main__`` blocks, and
 data tables (literal lists, tuples, dicts of 8 entries or more: the measured decode times, name maps).
-``mla_fa3/bench/`` and ``mla_fa3/cli.py`` are skipped (benchmark drivers and the command line: their CPU
+``mla_fa3/bench/`` and ``mla_fa3/cli/`` are skipped (benchmark drivers and the command line: their CPU
 tests are smoke runs, so a score there would say little about the library).
 
 The source tree is never touched: ``--work`` receives a copy of the tracked files (``git ls-files``), the
@@ -87,7 +87,6 @@ PACKAGES: dict[str, dict] = {
     },
     "top": {
         "modules": ["mla_fa3/*.py", "mla_fa3/hf_compare/*.py"],
-        "exclude": ["mla_fa3/cli.py"],
         "tests": ["test_batch.py", "test_metadata.py", "test_absorb.py", "test_backend.py", "test_backend_errors.py",
                   "test_boundaries.py", "test_chunked_prefix.py", "test_mha_fallback.py",
                   "test_mha_fallback_cross.py", "test_prefill_planning.py", "test_prefill_graph.py",
@@ -96,10 +95,11 @@ PACKAGES: dict[str, dict] = {
     },
     "integrations": {
         "modules": ["mla_fa3/integrations/*.py", "mla_fa3/integrations/sglang/*.py"],
-        "tests": ["test_sglang_plugin.py", "test_sglang_tree.py", "test_layout.py", "test_mutants_integrations.py"],
+        "tests": ["test_sglang_plugin.py", "test_sglang_tree.py", "test_sglang_draft.py", "test_layout.py",
+                  "test_mutants_integrations.py"],
     },
 }
-SKIPPED = "mla_fa3/bench/ and mla_fa3/cli.py"
+SKIPPED = "mla_fa3/bench/ and mla_fa3/cli/"
 DATA_TABLE = 8  # literal lists / tuples / dicts of this many entries or more are data tables: not mutated
 
 _TINY = ("the tiny random model's data (a config value or an init scale in models.tiny): any value gives a valid "

@@ -73,9 +73,9 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
     if mode is ForwardMode.IDLE or fb.batch_size == 0:
         return ForwardBatch.idle(device)
     if mode is ForwardMode.DECODE and getattr(fb, "spec_info", None) is not None:
-        raise UnsupportedStepError("a DECODE batch with spec_info is a speculative draft step: SGLang 0.5.17 builds "
-                                   "draft backends from its own table (speculative/draft_utils.py), which has no "
-                                   "mla_fa3 entry; run the draft model on another backend")
+        raise UnsupportedStepError("a DECODE batch with spec_info is a speculative draft step: it belongs to the draft "
+                                   "model's multi-step backend (draft.py, through SGLang's DraftBackendFactory), not "
+                                   "to the target model's backend")
     bs = int(fb.batch_size)
     rows = fb.req_pool_indices[:bs].to(torch.int64)
     seq_cpu = _host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
