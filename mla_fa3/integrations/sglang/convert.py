@@ -26,7 +26,7 @@ import torch
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.tree import MAX_TREE_TOKENS, DraftTree
 
-__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of", "verify_tree"]
+__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of", "verify_tree", "host_int32"]
 
 
 class UnsupportedStepError(ValueError):
@@ -44,7 +44,7 @@ def num_draft_tokens_of(fb, configured: int) -> int:
     return int(k) if k is not None else int(configured)
 
 
-def _host_int32(values, name: str, bs: int) -> torch.Tensor:
+def host_int32(values, name: str, bs: int) -> torch.Tensor:
     """A CPU int32 tensor of the first ``bs`` host values (a list or a CPU tensor); a device tensor is refused:
     reading it would sync."""
     if values is None:
@@ -78,7 +78,7 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
                                    "to the target model's backend")
     bs = int(fb.batch_size)
     rows = fb.req_pool_indices[:bs].to(torch.int64)
-    seq_cpu = _host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
+    seq_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
     seq = fb.seq_lens[:bs].to(torch.int32)
     loc = fb.out_cache_loc.to(torch.int64)
     positions = getattr(fb, "positions", None)
@@ -91,8 +91,8 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
         k = num_draft_tokens_of(fb, num_draft_tokens)
         tree = verify_tree(fb, bs, k, seq_cpu, device, verify_mask) if topk > 1 else None
         return ForwardBatch(seq_lens=seq + k, seq_lens_cpu=seq_cpu + k, num_draft_tokens=k, tree=tree, **common)
-    ext_cpu = _host_int32(fb.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
-    pre_cpu = _host_int32(fb.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
+    ext_cpu = host_int32(fb.extend_seq_lens_cpu, "extend_seq_lens_cpu", bs)
+    pre_cpu = host_int32(fb.extend_prefix_lens_cpu, "extend_prefix_lens_cpu", bs)
     ext = fb.extend_seq_lens[:bs].to(torch.int32)
     pre = fb.extend_prefix_lens[:bs].to(torch.int32) if fb.extend_prefix_lens is not None else seq - ext
     return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, extend_prefix_lens=pre, extend_prefix_lens_cpu=pre_cpu,

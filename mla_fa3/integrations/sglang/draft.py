@@ -42,7 +42,7 @@ from sglang.srt.model_executor.forward_batch_info import build_inner_fb_view
 
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
-from mla_fa3.integrations.sglang.convert import UnsupportedStepError, _host_int32
+from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32
 from mla_fa3.tree import DraftTree, sglang_draft_mask
 
 __all__ = ["SGLangDraftStepBackend", "SGLangMLAMultiStepDraftBackend", "create_draft_decode_backend",
@@ -80,7 +80,7 @@ class SGLangDraftStepBackend(SGLangMLABackend):
                                        f"{DRAFT_EXTEND_BACKEND!r} backend)")
         bs, topk, S, i = int(fb.batch_size), self.topk, self.num_steps, self.step
         rows = fb.req_pool_indices[:bs].to(torch.int64)
-        prefix_cpu = _host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
+        prefix_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
         prefix = fb.seq_lens[:bs].to(torch.int32)
         table = self.req_to_token_pool.req_to_token
         last = table.shape[1] - 1  # columns clamped: padding rows of a replay; a live overflow fails validation
