@@ -48,6 +48,21 @@ def test_kit_target_verify_gpu(backend, graph, topk):
     run(TESTCASE, c, topk=topk, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topk,page_size", [(1, 16), (2, 1)])
+def test_kit_eagle_draft_gpu(backend, topk, page_size):
+    """The kit's EAGLE multi-step draft under its CUDA-graph runner: the draft backend SGLang's DraftBackendFactory
+    builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches, page 1)."""
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
+
+    c = case("DECODE", prefix_lens=(14, 5, 30), page_size=page_size, backend=backend,
+             name=f"draft_{backend}_{topk}_{page_size}")
+    dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=3,
+                                                  speculative_num_draft_tokens=4 if topk > 1 else 3,
+                                                  kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda",
+                                                  dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("kernel", ["auto", "splitkv", "flashmla"])
 def test_fp8_decode_gpu(page_size, kernel, monkeypatch):
