@@ -126,6 +126,9 @@ def query_inputs(T: int, H: int, dtype: torch.dtype, seed: int, kind: str = "ran
     q = torch.randn(T, H, 192, generator=g, dtype=torch.float64)
     if kind == "zero":
         lat.zero_(), q.zero_()
+    if kind == "rope_max":  # the absmax in q_rope's last head of the last row: every head's rope row must be read
+        lat.mul_(1e-3)
+        q[-1, -1, 128 + 5] = -40.0
     return lat.to(dtype), q.to(dtype)[..., 128:]
 
 
@@ -136,6 +139,7 @@ QUERY_CASES = {  # name -> (T, H, dtype, kind)
     "all_zero": (2, 4, "bfloat16", "zero"),
     "bf16_decode_128_heads": (1, 128, "bfloat16", "randn"),  # 32 programs, 32 partials (4 rows each)
     "bf16_16_rows_per_block": (17, 130, "bfloat16", "randn"),  # 2210 rows: 16 a block (fp8_triton.QUANT_BLOCK_N)
+    "bf16_rope_holds_the_max": (4, 16, "bfloat16", "rope_max"),  # the scale comes from q_rope's head stride
 }
 
 
