@@ -40,3 +40,35 @@ def test_a_validated_varlen_call_takes_only_a_q_like_its_own():
     for bad in (q2[:4], q2.double(), strided):
         with pytest.raises(ValueError, match="q must match the validated call's q"):
             call.with_q(bad)
+
+
+def _tree_inputs(seed=2, bs=2, m=2, n=3, H=2, r=4, dr=2, slots=11):
+    g = torch.Generator().manual_seed(seed)
+    q_lat, q_rope = torch.randn(bs * m, H, r, generator=g), torch.randn(bs * m, H, dr, generator=g)
+    kv = torch.randn(slots, r + dr, generator=g)
+    key_slots = torch.randperm(slots, generator=g)[: bs * n].view(bs, n).to(torch.int64)
+    mask = torch.rand(bs, m, n, generator=g) < 0.6
+    mask[:, :, 0] = True  # every query sees a key
+    return q_lat, q_rope, kv, key_slots, mask
+
+
+def test_tree_attention_matches_float64_and_names_bad_shapes():
+    q_lat, q_rope, kv, key_slots, mask = _tree_inputs()
+    bs, m, n = mask.shape
+    r, scale = q_lat.shape[2], 0.7
+    out, lse = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=scale)
+    # row t = b*m + i over keys j with mask[b, i, j]: s = scale (q_lat·c_kv + q_rope·k_rope), out = Σ softmax(s) c_kv
+    for b in range(bs):
+        rows = kv[key_slots[b]].double()
+        for i in range(m):
+            t, vis = b * m + i, mask[b, i]
+            s = scale * (q_lat[t].double() @ rows[vis, :r].T + q_rope[t].double() @ rows[vis, r:].T)  # [H, |V|]
+            p = torch.softmax(s, dim=-1)
+            torch.testing.assert_close(out[t].double(), p @ rows[vis, :r], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[t].double(), torch.logsumexp(s, dim=-1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kv must be"):
+        ops.tree_attention(q_lat, q_rope, torch.randn(11, r + 3), key_slots, mask, softmax_scale=scale)
+    with pytest.raises(ValueError, match="kv must be"):
+        ops.tree_attention(q_lat, q_rope, kv.view(11, 1, -1), key_slots, mask, softmax_scale=scale)
+    with pytest.raises(ValueError, match="key_slots must be"):
+        ops.tree_attention(q_lat, q_rope, kv, key_slots[:, :2], mask, softmax_scale=scale)
