@@ -234,3 +234,25 @@ def test_a_verify_mask_error_names_the_first_token_that_sees_a_later_one():
         check_verify_mask(np.stack([first, second]))
     one_key = DraftTree(mask=torch.ones(2, 1, 1, dtype=torch.bool), verify=False)  # n = 1 tree key is a tree
     assert one_key.shape == (1, 1)
+
+
+def test_host_ints_refuses_a_string_and_a_scalar_by_name():
+    from mla_fa3.host import host_ints
+
+    assert host_ints((3, 0, 7), "lens") == [3, 0, 7]
+    with pytest.raises(TypeError, match="lens must be a sequence of ints, got str"):
+        host_ints("12", "lens")  # iterable, but not a sequence of ints: never ['1', '2']
+    with pytest.raises(TypeError, match="lens must be a sequence of ints, got int"):
+        host_ints(5, "lens")
+
+
+def test_batch_rows_from_zero_to_the_last_are_in_range_without_a_pool():
+    """Without a ReqToTokenPool the row check is the range [0, rows of req_to_token): both ends are rows."""
+    from mla_fa3.batch_checks import BatchChecks
+
+    checks = BatchChecks(torch.zeros(4, 8, dtype=torch.int32), None, 1, torch.device("cpu"), num_slots=None,
+                         debug_checks=False)
+    checks.check_rows(None, torch.tensor([0, 3]))  # row 0 and the last row: valid
+    for bad in ([-1, 2], [1, 4]):
+        with pytest.raises(ValueError, match=r"req_pool_indices must be in \[0, 4\)"):
+            checks.check_rows(None, torch.tensor(bad))

@@ -68,7 +68,7 @@ PACKAGES: dict[str, dict] = {
     "graphs": {
         "modules": ["mla_fa3/graphs/*.py"],
         "tests": ["test_graphs_capture.py", "test_graph_runner.py", "test_tree_graph_runner.py",
-                  "test_fp8_splitkv.py", "test_mutants_graphs.py"],
+                  "test_fp8_splitkv.py", "test_backend.py", "test_mutants_graphs.py"],
     },
     "policy": {
         "modules": ["mla_fa3/policy/*.py"],
@@ -91,7 +91,9 @@ PACKAGES: dict[str, dict] = {
                   "test_boundaries.py", "test_chunked_prefix.py", "test_mha_fallback.py",
                   "test_mha_fallback_cross.py", "test_prefill_planning.py", "test_prefill_graph.py",
                   "test_tree_steps.py", "test_tree_errors.py", "test_graphs_capture.py", "test_kv_ownership.py",
-                  "test_kv_accuracy.py", "test_hf_compare.py", "test_fp8_cache.py", "test_mutants_top.py"],
+                  "test_kv_accuracy.py", "test_hf_compare.py", "test_fp8_cache.py", "test_validate_fp8_cache.py",
+                  "test_validate_fp8_checkpoint.py", "test_fa3_schedule.py", "test_replay_host_path.py",
+                  "test_mutants_top.py"],
     },
     "integrations": {
         "modules": ["mla_fa3/integrations/*.py", "mla_fa3/integrations/sglang/*.py"],
