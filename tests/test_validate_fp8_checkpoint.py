@@ -68,3 +68,26 @@ def test_a_wrong_dequantization_in_our_loader_fails_validate(fp8_checkpoint, pla
     else:
         assert max(r.rel for r in report.rows) < 1e-5
 
+
+
+def test_a_checkpoint_without_weight_block_size_reads_as_blocks_of_128(tmp_path):
+    """A block-FP8 config that omits ``weight_block_size`` means DeepSeek's [128, 128] (transformers' default): the
+    reference's weight is the block formula at [128, 128], worked element by element here (the tiny weights are
+    smaller than one block: one scale each)."""
+    from mla_fa3.hf_compare import hf_reference_model
+
+    path = save_hf_checkpoint(random_hf_model("tiny_v3", seed=5), str(tmp_path))
+    tensors = load_file(f"{path}/model.safetensors")
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    tensors[name], tensors[name + "_scale_inv"] = quantize_block_fp8(tensors[name], (128, 128))
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8"}  # no weight_block_size
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(cfg, f)
+    q, s = tensors[name], tensors[name + "_scale_inv"]
+    assert s.shape == (1, 1)
+    want = q.double() * float(s[0, 0])
+    got = dict(hf_reference_model(path).named_parameters())[name]
+    assert torch.equal(got.detach(), want.float())  # exact in float64, rounded once to the model's float32
