@@ -238,6 +238,17 @@ def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
+def check_bf16_rule(out: torch.Tensor, ref: torch.Tensor, torch_bf16: torch.Tensor, min_cosine: float) -> None:
+    """The GPU precision rule: a kernel's error against the fp64 oracle ``ref`` is at most twice the error of the
+    same computation written in torch bf16 (plus 1e-6 of the oracle's scale), and its cosine is >= ``min_cosine``."""
+    ref = ref.double().cpu()
+    err = (out.double().cpu() - ref).abs().max().item()
+    base = (torch_bf16.double().cpu() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-6 * ref.abs().max().item(), f"kernel error {err:.3e} vs torch-bf16 error {base:.3e}"
+    cos = cosine(out, ref)
+    assert cos >= min_cosine, f"cosine {cos:.6f}"
+
+
 def follow_up(case: MLACase, mode: ForwardMode, prefix_lens, extend_lens, *, requests=None,
               seed: int = 0, pad_to: int | None = None) -> MLACase:
     """A later step over the SAME layout, pool and layer: requests ``requests`` (default the first ones)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_cases import capture_layer_graph, follow_up, make_batch, make_mla_case, mla_oracle, padded
+from mla_cases import (capture_layer_graph, check_bf16_rule, follow_up, make_batch, make_mla_case, mla_oracle,
+                       padded)
 from specs import NONIDLE_SPECS, SPECS, BatchSpec
 
 from mla_fa3 import ops
@@ -49,12 +50,7 @@ def torch_bf16_absorbed(case) -> torch.Tensor:
 
 
 def check_precision(out: torch.Tensor, case) -> None:
-    ref = mla_oracle(case)
-    err = (out.double().cpu() - ref).abs().max().item()
-    base = (torch_bf16_absorbed(case).double().cpu() - ref).abs().max().item()
-    assert err <= 2 * base + 1e-6 * ref.abs().max().item(), f"kernel error {err:.3e} vs torch-bf16 error {base:.3e}"
-    cos = torch.nn.functional.cosine_similarity(out.double().cpu().flatten(), ref.flatten(), dim=0).item()
-    assert cos >= MIN_COSINE, f"cosine {cos:.6f}"
+    check_bf16_rule(out, mla_oracle(case), torch_bf16_absorbed(case), MIN_COSINE)
 
 
 def backend_for(case, **kw) -> MLABackend:

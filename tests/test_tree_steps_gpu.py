@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from mla_cases import cosine, rel_err
+from mla_cases import check_bf16_rule, cosine, rel_err
 from tree_cases import (KERNEL_PAGES, backend_for, chain, make_draft_case, make_verify_case, padded,
                         padded_tree_batch, random_tree, star, tree_of, tree_oracle)
 
@@ -48,11 +48,7 @@ def torch_bf16_tree(case) -> torch.Tensor:
 
 
 def check_precision(out: torch.Tensor, case) -> None:
-    ref = tree_oracle(case)
-    err = (out.double().cpu() - ref).abs().max().item()
-    base = (torch_bf16_tree(case).double().cpu() - ref).abs().max().item()
-    assert err <= 2 * base + 1e-6 * ref.abs().max().item(), f"kernel error {err:.3e} vs torch-bf16 error {base:.3e}"
-    assert cosine(out, ref) >= MIN_COSINE
+    check_bf16_rule(out, tree_oracle(case), torch_bf16_tree(case), MIN_COSINE)
 
 
 def run(case, **kw):
