@@ -7,7 +7,8 @@ Symbols of :mod:`mla_fa3.absorb` and :mod:`mla_fa3.tree`: request ``b`` has ``m`
     o_P, lse_P = attend_prefix(q_lat, q_rope)          # the step's decode kernel, m rows per request over the
                                                        # P_b prefix keys, no causal mask (FA3 / FlashMLA /
                                                        # split-KV; an FP8 pool read as the kernel reads it)
-    o_T, lse_T = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask)   # dense masked, n <= 64 keys
+    o_T, lse_T = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask)   # masked, n <= 64 keys (one Triton
+                                                                          # launch on CUDA; torch elsewhere)
     o_lat      = merge_states(o_P, lse_P, o_T, lse_T)  # o = Σ o_i·e^(lse_i − lse), lse = ln Σ e^(lse_i)
     o          = o_lat · W_UVᵀ                         # project_output
 
@@ -72,7 +73,7 @@ def attend_latent_tree(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: Attenti
                                kv_scale=kv_scale, impl=impl)
     fp8 = kv_paged.dtype == FP8_DTYPE
     o_t, lse_t = ops.tree_attention(q_lat, q_rope, kv_rows, tree.key_slots, tree.mask, softmax_scale=layer.scaling,
-                                    softcap=layer.logit_cap, kv_scale=kv_scale if fp8 else None)
+                                    softcap=layer.logit_cap, kv_scale=kv_scale if fp8 else None, impl=impl)
     o, _ = merge_states(o_p.to(o_t.dtype), NaturalLSE(lse_p), o_t, NaturalLSE(lse_t), impl=_merge_impl(impl))
     return o
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the checkout root, after the pieces of tools/device_pack.sh were copied to /tmp/up:
 # assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
-#   $1 = tests | bench | engine | onebatch | all  (results under $OUT)
+#   $1 = tests | bench | engine | onebatch | tree | all  (results under $OUT)
 # MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
 # otherwise flashinfer is answered by tools/flashinfer_placeholder.py, whose functions raise if called.
 set -uo pipefail
@@ -48,4 +48,8 @@ fi
 if [ "$what" = onebatch ] || [ "$what" = all ]; then
   timeout ${ONEBATCH_TIMEOUT:-540} python3 benchmarks/sglang_one_batch.py --out $OUT/one_batch.csv ${ONEBATCH_ARGS:-} > $OUT/one_batch.txt 2>&1
   tail -40 $OUT/one_batch.txt | cut -c1-300
+fi
+if [ "$what" = tree ] || [ "$what" = all ]; then
+  timeout ${TREE_TIMEOUT:-300} python3 benchmarks/sglang_tree_verify.py --out $OUT/tree_verify.csv ${TREE_ARGS:-} > $OUT/tree_verify.txt 2>&1
+  grep -v Warning $OUT/tree_verify.txt | tail -60 | cut -c1-300
 fi

@@ -11,11 +11,19 @@ request b (token-major row ``t = b*m + i``) and its visible keys ``V = {j : mask
 
 — the absorbed MLA state over the tree keys, merged with the prefix part's state by ``lse.merge_states``.
 
-One implementation, plain torch, on every device: gather the ``bs·n`` rows once, fp32 scores ``[bs, m, H, n]``
-under the mask, fp32 softmax and sums, the output rounded once to q's dtype. No host value is read (graph-
-capturable). Rows no query of their request sees are zeroed before use, so garbage there (a future draft
-step's slot, a poisoned row) cannot reach the output through ``0 · NaN``. It is also the reference the tests'
-fp64 oracle is compared with (that oracle builds the whole causal-plus-tree mask itself).
+Two implementations, one contract (``impl=``, as the other kernels of ``mla_fa3.ops``):
+
+- TRITON (``tree_attention_triton.py``): one launch, the (row, head) pairs of a request as the M dimension of a tile,
+  the dots in q's dtype with fp32 accumulation, P rounded to q's dtype before P·V (as FA3 and FlashMLA do). AUTO and
+  FA3 ("the compiled kernels") run it on CUDA wherever Triton imports; TRITON asks for it (on the CPU only under
+  ``TRITON_INTERPRET=1``, in tests; a named error elsewhere).
+- REFERENCE, plain torch on every device (AUTO's choice off CUDA or without Triton): gather the ``bs·n`` rows once,
+  fp32 scores ``[bs, m, H, n]`` under the mask, fp32 softmax and sums, the output rounded once to q's dtype.
+
+Neither reads a host value (graph-capturable). Keys no query of their request sees are never used (the reference
+zeroes them, the kernel does not load them), so garbage there (a future draft step's slot, a poisoned row) cannot
+reach the output through ``0 · NaN``. The tests compare both with an fp64 oracle that builds the whole
+causal-plus-tree mask itself.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import torch
 
 from . import _checks as chk
 from .fp8 import FP8_DTYPE
+from .selection import ImplLike, coerce, get_impl
+from .triton_ops import _kernel_not_torch, _on, _triton_module
+from .types import Impl
 
 __all__ = ["tree_attention"]
 
@@ -33,16 +44,34 @@ Tensor = torch.Tensor
 
 
 def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor, mask: Tensor, *,
-                   softmax_scale: float, softcap: float = 0.0, kv_scale: Optional[Tensor] = None
-                   ) -> Tuple[Tensor, Tensor]:
+                   softmax_scale: float, softcap: float = 0.0, kv_scale: Optional[Tensor] = None,
+                   impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
     """(out [T, H, r] in q_lat's dtype, lse [T, H] float32 natural log) of the tree part (module docstring).
 
     q_lat ``[T, H, r]``, q_rope ``[T, H, d_rope]`` (any strides), kv ``[num_slots, r + d_rope]`` — the layer's
     latent rows (``MLATokenPool.kv_buffer[layer]``, or the paged view flattened), key_slots ``[bs, n]`` int64
     pool slots of each request's tree keys, mask ``[bs, m, n]`` bool with ``T = bs · m``; ``kv_scale`` [1]
-    float32 for an e4m3 ``kv`` (required then). Checks read shapes, dtypes and devices only.
+    float32 for an e4m3 ``kv`` (required then). Checks read shapes, dtypes and devices only. ``impl``: module
+    docstring (not recorded by ``last_impl()``, which keeps telling the step's prefix kernel).
     """
     _check(q_lat, q_rope, kv, key_slots, mask, softmax_scale, softcap, kv_scale)
+    chosen = get_impl() if impl is None else coerce(impl)
+    kernels = _triton_module("tree")
+    if _kernel_not_torch(chosen, q_lat.device, kernels, "tree attention"):
+        if mask.shape[2] > kernels.MAX_KEYS:
+            if chosen is Impl.TRITON:
+                raise ValueError(f"impl='triton': the tree kernel takes at most {kernels.MAX_KEYS} tree keys per "
+                                 f"request, got {mask.shape[2]}")
+        else:
+            with _on(q_lat.device):
+                return kernels.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=softmax_scale,
+                                              softcap=softcap, kv_scale=kv_scale)
+    return _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, softmax_scale=softmax_scale, softcap=softcap,
+                                 kv_scale=kv_scale)
+
+
+def _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, *, softmax_scale, softcap, kv_scale):
+    """The REFERENCE form (module docstring)."""
     bs, m, n = mask.shape
     T, H, r = q_lat.shape
     rows = kv.index_select(0, key_slots.reshape(-1)).view(bs, n, kv.shape[1]).float()

@@ -3,7 +3,8 @@
 Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
 TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
 imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``,
-``head_matmul_triton.py``) and only when available.
+``head_matmul_triton.py``, ``tree_attention_triton.py`` — the last one's op is ``tree_attention.py``) and only when
+available.
 Re-exported by ``mla_fa3.ops``.
 """
 
@@ -37,7 +38,8 @@ Tensor = torch.Tensor
 
 @functools.lru_cache(maxsize=None)
 def _triton_module(which: str):
-    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8" | "matmul"), or why it does not import (str)."""
+    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8" | "matmul" | "tree"), or why it does not
+    import (str)."""
     try:
         if which == "splitkv":
             from . import splitkv_triton as module
@@ -45,6 +47,8 @@ def _triton_module(which: str):
             from . import splitkv_replan_triton as module
         elif which == "matmul":
             from . import head_matmul_triton as module
+        elif which == "tree":
+            from . import tree_attention_triton as module
         else:
             from . import fp8_triton as module
     except Exception as exc:  # ImportError (no triton) or a broken triton install
