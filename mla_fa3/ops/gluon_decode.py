@@ -1,0 +1,342 @@
+"""Warp-specialized absorbed-MLA decode, phase 1 in Triton's Gluon (issue 40, the spike): one shape, bf16.
+
+Symbols: H = 16 heads (one query token per request), r = 512 latent columns, d_rope = 64, D = r + d_rope = 576,
+page = BLOCK_N = 64 keys (one page is one key tile), CW = 64 columns per chunk (a 128-byte swizzled TMA box),
+CHUNKS = D / CW = 9 chunks per tile, 8 of them the value (c_kv) and the last one k_rope. Same contract as
+``splitkv_triton.splitkv_mla_with_kvcache`` (docstring there; torch oracle ``reference.flash_mla_with_kvcache``):
+the step is this module's phase 1 plus our combine (``splitkv_combine_triton.combine_splits``), which merges the
+base-2 partials into (out [bs, 1, H, r] bf16, lse [bs, 1, H] float32, natural log).
+
+The kernel computes the TRANSPOSED tiles: keys are wgmma's M dimension and the 16 heads its N dimension
+(wgmma takes N = 16; M is 64 per warpgroup), so no row of the tensor core is padding, S needs 8 registers per
+thread and the whole [r, H] output accumulator 64 — one consumer warpgroup holds it (the heads-as-M layout
+would pad 16 heads to M = 64 and need a [64, 512] fp32 accumulator: 256 registers per thread, two warpgroups).
+
+    # one program (CTA) per schedule work row w = (b, start, end, slot); rows past num_work write nothing
+    end = min(end, L_b);  tiles = ceil((end - start) / 64)         (start: a multiple of 64, the planner's granule)
+    smem: q [9][16, 64] (loaded once), kv ring [STAGES][9][64, 64], p [16, 64], mbarriers ready/empty[STAGES]
+    producer warp (1 warp, few registers):
+        for i in range(tiles):                                      (page id of tile i + 1 read one tile ahead)
+            s = i % STAGES; wait empty[s] (phase ((i // STAGES) & 1) ^ 1)
+            expect ready[s] 9·8 KB; for c in 0..8: TMA kv2d[page_table[b, start/64 + i]·64 : +64, 64c : 64c + 64]
+                                                        -> ring[s][c]   (kv2d = the pool viewed [pages·64, 576])
+    consumer warpgroup (4 warps, the default partition):
+        q -> smem (plain loads: q_lat and q_rope may lie apart, any strides);  m = -inf [H], l = 0 [64, H],
+        accᵀ[c] = 0 [64, H] for c in 0..7
+        for i in range(tiles):
+            wait ready[s]
+            Sᵀ = Σ_c ring[s][c] @ q[c]ᵀ                      9 wgmma m64n16k16 x 4 (K 64 per chunk), async, wait
+            s2 = where(key < end, Sᵀ · scale · log2 e, -inf)
+            m' = max(m, colmax(s2)); α = 2^(m - m'); Pᵀ = 2^(s2 - m'); m = m'
+            l = l·α + Pᵀ   (elementwise, per thread: summed over keys once, after the loop)
+            last tile of the request (end - n0 < 64): rows past end of ring[s][0..7] <- 0 (the page's tail may
+                hold anything, NaN included, and 0 · NaN = NaN in P·V; keys are masked in s2 already)
+            p <- P (bf16);  accᵀ[c] = accᵀ[c]·α + ring[s][c]ᵀ @ Pᵀ  for c in 0..7  (A: the V chunk, MN-major)
+            arrive empty[s]
+        part_o[slot][h, 64c + j] = accᵀ[c][j, h] / Σ l[:, h];  part_lse2[slot][h] = m + log2 Σ l   (0, -inf: no key)
+
+Ring: STAGES = 2 tiles of 9 x 8 KB = 144 KB, plus q 18 KB and p 2 KB: 164 KB of shared memory, one CTA per SM;
+while the consumer works on one tile the next one (72 KB) is in flight, more than the ~40 KB per SM that
+bandwidth x latency asks for. A ring of single chunks (24 chunks = 2.7 tiles in 212 KB) is the next step if two
+tiles are not enough.
+
+Registers: the consumer holds accᵀ (64), Sᵀ / Pᵀ / l (8 each) and the per-head vectors; the producer warp runs
+with ``PRODUCER_REGS`` (setmaxnreg). ``compile_for_hopper`` compiles for sm_90a without a GPU
+(``tests/test_gluon_decode_compile.py`` reads wgmma, TMA and mbarrier instructions off the PTX and the spill
+count off the cubin); docs/DECODE_KERNEL.md has the numbers and the design discussion.
+
+Written against the Gluon API of triton 3.6 (the GPU machine's); see docs/DECODE_KERNEL.md for what differs in
+3.9. Imported lazily by its users: a CPU install without triton never imports it.
+
+Measured
+--------
+Not yet run on a GPU (benchmarks/gluon_decode_spike.py is the command; results go to docs/DECODE_KERNEL.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import validate
+from .splitkv_combine_triton import combine_splits
+from .splitkv_plan import SplitKVSchedule
+from .types import Impl
+
+Tensor = torch.Tensor
+LOG2E = 1.4426950408889634
+
+HEADS = 16  # wgmma N: one program holds every head of a request
+LATENT = 512  # r
+ROPE = 64  # d_rope
+PAGE = 64  # keys per page = keys per tile (BLOCK_N)
+CW = 64  # columns per chunk: 64 bf16 = 128 bytes, the widest 128B-swizzled TMA box
+STAGES = 2  # key tiles in the shared-memory ring
+NUM_WARPS = 4  # the consumer warpgroup (the default partition)
+PRODUCER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; 24 is the floor)
+MAX_ROWS = 2**31  # TMA coordinates are int32: page_id · 64 must fit
+
+# the TMA load's name: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` in later releases (3.9 raises
+# on the old name)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _producer(kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr):
+    """The load warp: for each tile, wait for a free ring slot, then 9 TMA boxes of the tile's page into it."""
+    BN: gl.constexpr = kv_desc.block_type.shape[0]
+    BW: gl.constexpr = kv_desc.block_type.shape[1]
+    page_next = first_page
+    for i in range(n_tiles):
+        page = page_next
+        page_next = gl.load(pt + i + 1, mask=i + 1 < n_tiles, other=0)  # read ahead: its latency hides behind the wait
+        s = i % NSTAGES
+        mbarrier.wait(empty.index(s), ((i // NSTAGES) & 1) ^ 1)  # a fresh barrier counts as released once
+        bar = ready.index(s)
+        mbarrier.expect(bar, CHUNKS * kv_desc.block_type.nbytes)
+        row = page * BN
+        for c in gl.static_range(CHUNKS):
+            _tma_load(kv_desc, [row, c * BW], bar, ring.index(s * CHUNKS + c))
+
+
+@gluon.jit
+def _zero_tail(ring, base, valid, LAT_CHUNKS: gl.constexpr, BN: gl.constexpr, BW: gl.constexpr,
+               layout: gl.constexpr):
+    """Rows >= ``valid`` of the value chunks ring[base .. base + LAT_CHUNKS) set to 0 (in place, shared memory)."""
+    keep = (gl.arange(0, BN, layout=gl.SliceLayout(1, layout)) < valid)[:, None]
+    for c in gl.static_range(LAT_CHUNKS):
+        buf = ring.index(base + c)
+        x = buf.load(layout)
+        buf.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready, empty, o_row, stride_oh, lse_row,
+              start, end, n_tiles, live, scale_log2,
+              H: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr, BN: gl.constexpr,
+              BW: gl.constexpr):
+    """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials."""
+    LAT: gl.constexpr = R // BW
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+    head_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # [H]
+    key_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # [BN] (and [BW]: the rows of accᵀ are latent columns)
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, 64] per pass, rows x 16 B
+
+    # q: 8 latent chunks and the rope chunk, [H, 64] each (wgmma's B, K-major after the permute below)
+    hh = gl.arange(0, H, layout=gl.SliceLayout(1, tile_l))
+    cc = gl.arange(0, BW, layout=gl.SliceLayout(0, tile_l))
+    for c in gl.static_range(LAT):
+        q_smem.index(c).store(gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]))
+    q_smem.index(LAT).store(gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]))
+    fence_async_shared()
+
+    m = gl.full([H], float("-inf"), gl.float32, head_l)
+    l_part = gl.zeros([BN, H], gl.float32, acc_l)  # per-thread partial row sums, reduced once after the loop
+    acc = ()
+    for c in gl.static_range(LAT):
+        acc = acc + (gl.zeros([BW, H], gl.float32, acc_l),)
+    for i in range(n_tiles):
+        s = i % NSTAGES
+        base = s * CHUNKS
+        mbarrier.wait(ready.index(s), (i // NSTAGES) & 1)
+        st = gl.zeros([BN, H], gl.float32, acc_l)
+        for c in gl.static_range(CHUNKS):
+            st = warpgroup_mma(ring.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma_wait(0, deps=[st])
+
+        n0 = start + i * BN
+        keys = n0 + gl.arange(0, BN, layout=key_l)
+        s2 = gl.where((keys < end)[:, None], st * scale_log2, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s2, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_safe)
+        p = gl.exp2(s2 - m_safe[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m = m_new
+        if end - n0 < BN:  # the request's last tile: the page's rows past its end are not keys (may hold NaN)
+            _zero_tail(ring, base, end - n0, LAT, BN, BW, tile_l)
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        new_acc = ()
+        for c in gl.static_range(LAT):
+            new_acc = new_acc + (warpgroup_mma(ring.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
+                                               acc[c] * alpha[None, :], is_async=True),)
+        acc = warpgroup_mma_wait(0, deps=new_acc)
+        mbarrier.arrive(empty.index(s), count=1)
+
+    if live:
+        l = gl.sum(l_part, axis=0)
+        seen = l > 0.0
+        l_safe = gl.where(seen, l, 1.0)
+        hv = gl.arange(0, H, layout=head_l)
+        gl.store(lse_row + hv, gl.where(seen, m + gl.log2(l_safe), float("-inf")))
+        out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [0, 1])  # latent column fastest: coalesced
+        jj = gl.arange(0, BW, layout=gl.SliceLayout(1, out_l))
+        ho = gl.arange(0, H, layout=gl.SliceLayout(0, out_l))
+        inv = 1.0 / l_safe
+        for c in gl.static_range(LAT):
+            o = gl.convert_layout(acc[c] * inv[None, :], out_l)
+            gl.store(o_row + ho[None, :] * stride_oh + c * BW + jj[:, None], o)
+
+
+@gluon.jit
+def _gluon_mla_decode_kernel(
+    kv_desc, Q, QR, PageTable, SeqLens, Work, NumWork, PartO, PartLse2,
+    stride_qb, stride_qh, stride_qrb, stride_qrh, stride_ptb, max_pages, stride_ow, stride_oh, stride_lw,
+    scale_log2,
+    H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr, PRODUCER_NREG: gl.constexpr,
+):
+    BN: gl.constexpr = kv_desc.block_type.shape[0]
+    BW: gl.constexpr = kv_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = (R + DR) // BW
+    w = gl.program_id(0)
+    num_work = gl.load(NumWork)
+    b = gl.load(Work + w * 4)
+    start = gl.load(Work + w * 4 + 1)
+    stop = gl.load(Work + w * 4 + 2)
+    slot = gl.load(Work + w * 4 + 3)
+    live = w < num_work
+    # the first page id is read with the length, not after it (one dependent load less before the first TMA)
+    pt = PageTable + b.to(gl.int64) * stride_ptb + start // BN
+    first_page = gl.load(pt, mask=live & (start < stop) & (start // BN < max_pages), other=0)
+    end = gl.minimum(stop, gl.load(SeqLens + b))
+    n_tiles = gl.where(live & (end > start), (end - start + BN - 1) // BN, 0)
+
+    ring = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES * CHUNKS, BN, BW], kv_desc.layout)
+    qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BW], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, H, BW], qp_l)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BN], qp_l)
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NSTAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+
+    q_row = Q + b.to(gl.int64) * stride_qb
+    qr_row = QR + b.to(gl.int64) * stride_qrb
+    o_row = PartO + slot.to(gl.int64) * stride_ow
+    lse_row = PartLse2 + slot.to(gl.int64) * stride_lw
+    gl.warp_specialize([
+        (_consumer, (q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready, empty, o_row, stride_oh,
+                     lse_row, start, end, n_tiles, live, scale_log2, H, R, CHUNKS, NSTAGES, BN, BW)),
+        (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
+    ], [1], [PRODUCER_NREG])
+
+
+def _kv_layout():
+    """The ring's shared layout: one [64 keys, 64 columns] bf16 box, 128-byte swizzle (TMA writes, wgmma reads)."""
+    return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.bfloat16)
+
+
+def _constexprs(num_heads: int = HEADS) -> dict:
+    return dict(H=num_heads, R=LATENT, DR=ROPE, NSTAGES=STAGES, PRODUCER_NREG=PRODUCER_REGS)
+
+
+def compile_for_hopper(capability: int = 90):
+    """Compile the kernel for ``GPUTarget("cuda", capability, 32)`` without a GPU -> triton's CompiledKernel
+    (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this triton fills them in)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    desc = f"tensordesc<bf16[{PAGE}, {CW}],{_kv_layout()!r}>"
+    sig = dict(kv_desc=desc, Q="*bf16", QR="*bf16", PageTable="*i32", SeqLens="*i32", Work="*i32", NumWork="*i32",
+               PartO="*fp32", PartLse2="*fp32")
+    for name in ("stride_qb", "stride_qh", "stride_qrb", "stride_qrh", "stride_ptb", "max_pages", "stride_ow",
+                 "stride_oh", "stride_lw"):
+        sig[name] = "i32"
+    sig["scale_log2"] = "fp32"
+    consts = _constexprs()
+    sig.update({k: "constexpr" for k in consts})
+    src = GluonASTSource(fn=_gluon_mla_decode_kernel, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
+
+
+def check_supported(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
+                    schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
+                    head_dim_v: int = LATENT):
+    """The split-KV op's boundary checks (``validate.check_splitkv``), then this spike's one shape; a ValueError
+    naming the argument otherwise, before any launch. Reads shapes, dtypes, strides and devices only (no sync).
+    Returns the validated ``FlashMLACall``."""
+    call = validate.check_splitkv(q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
+                                  softmax_scale=softmax_scale, causal=True, descale_q=None, descale_k=None,
+                                  impl=Impl.TRITON, q_rope=q_rope)
+    bs, sq, H = q.shape[:3]
+    for x, name in ((q, "q"), (q_rope, "q_rope"), (kv_cache, "kv_cache")):
+        if x is not None and x.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 for the Gluon decode kernel (its one shape), got {x.dtype}")
+    if head_dim_v != LATENT:
+        raise ValueError(f"head_dim_v must be {LATENT} for the Gluon decode kernel, got {head_dim_v}")
+    if sq != 1:
+        raise ValueError(f"q must hold one query token per request (q.shape[1] == 1) for the Gluon decode kernel, "
+                         f"got {sq}")
+    if H != HEADS:
+        raise ValueError(f"q must have {HEADS} heads for the Gluon decode kernel (wgmma N = heads), got {H}")
+    if kv_cache.shape[1:] != (PAGE, 1, LATENT + ROPE):
+        raise ValueError(f"kv_cache must be [num_pages, {PAGE}, 1, {LATENT + ROPE}] for the Gluon decode kernel, got "
+                         f"{tuple(kv_cache.shape)}")
+    D = LATENT + ROPE
+    if kv_cache.stride() != (PAGE * D, D, D, 1):
+        raise ValueError(f"kv_cache must be contiguous (the TMA descriptor views it as [num_pages·{PAGE}, {D}]), got "
+                         f"strides {kv_cache.stride()}")
+    if kv_cache.data_ptr() % 16:
+        raise ValueError("kv_cache must start on a 16-byte boundary (TMA)")
+    if kv_cache.shape[0] * PAGE >= MAX_ROWS:
+        raise ValueError(f"kv_cache has {kv_cache.shape[0]} pages; the Gluon decode kernel addresses rows with int32 "
+                         f"TMA coordinates (at most {MAX_ROWS // PAGE - 1} pages)")
+    if schedule.granule % PAGE:
+        raise ValueError(f"schedule must start splits on whole {PAGE}-key tiles, got granule {schedule.granule}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device (sm_90) for the Gluon decode kernel, got {q.device}")
+    return call
+
+
+def gluon_partials(call, schedule: SplitKVSchedule) -> Tuple[Tensor, Tensor]:
+    """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32, part_lse2 [capacity, 1,
+    H] float32, base 2): the workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE)."""
+    q, kv = call.q, call.kv_cache
+    q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
+    H, cap = q.shape[2], schedule.capacity
+    part_o = torch.empty(cap, 1, H, LATENT, dtype=torch.float32, device=q.device)
+    part_lse2 = torch.empty(cap, 1, H, dtype=torch.float32, device=q.device)
+    rows = kv.view(kv.shape[0] * PAGE, LATENT + ROPE)
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [PAGE, CW], _kv_layout())
+    with torch.cuda.device(q.device):  # triton launches on the current device
+        _gluon_mla_decode_kernel[(cap,)](
+            desc, q, q_rope, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
+            q.stride(0), q.stride(2), q_rope.stride(0), q_rope.stride(2), call.page_table.stride(0),
+            call.page_table.shape[1],
+            part_o.stride(0), part_o.stride(2), part_lse2.stride(0),
+            call.softmax_scale * LOG2E, **_constexprs(H), num_warps=NUM_WARPS,
+        )
+    return part_o, part_lse2
+
+
+def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
+                     schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
+                     head_dim_v: int = LATENT) -> Tuple[Tensor, Tensor]:
+    """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's one shape -> (out [bs, 1, 16, 512]
+    bf16, lse [bs, 1, 16] float32, natural log; a request without keys: 0, -inf).
+
+    q ``[bs, 1, 16, 576]`` bf16 (q_lat | q_rope), or q ``[bs, 1, 16, 512]`` with ``q_rope [bs, 1, 16, 64]`` apart
+    (any strides, contiguous last dims); kv_cache ``[num_pages, 64, 1, 576]`` bf16 contiguous, read in place;
+    page_table ``[bs, max_pages] int32``; cache_seqlens ``[bs] int32``; ``schedule`` from
+    ``ops.get_splitkv_schedule`` (page_size 64) planned from the same lengths. Phase 1 here, then our combine (two
+    launches, no sync; the tensor descriptor is built on the host per call). Anything else: a ValueError first."""
+    call = check_supported(q, kv_cache, page_table, cache_seqlens, schedule=schedule, softmax_scale=softmax_scale,
+                           q_rope=q_rope, head_dim_v=head_dim_v)
+    bs, sq, H = q.shape[:3]
+    out = torch.empty(bs, sq, H, LATENT, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
+    if bs == 0:
+        return out, lse
+    part_o, part_lse2 = gluon_partials(call, schedule)
+    with torch.cuda.device(q.device):
+        combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse)
+    return out, lse

@@ -1,0 +1,95 @@
+"""The Gluon MLA decode kernel (``ops/gluon_decode.py``) compiled for sm_90a on the CPU: no GPU needed.
+
+What the design relies on, read off the PTX and the cubin of ``compile_for_hopper()`` (about 2 s):
+    wgmma.mma_async        68 = 9 chunks x 4 (Sᵀ, K = 576) + 8 chunks x 4 (accᵀ, 64 keys)  — m64n16k16 bf16
+    cp.async.bulk.tensor    9 = the 9 TMA boxes of one key tile (the producer's loop body)
+    mbarrier                expect_tx on the ready barrier (9 x 8 KB), try_wait in both partitions, arrive (empty)
+    setmaxnreg              the producer warp gives registers back, the consumer warpgroup takes them
+    spills                  none (cuobjdump: LOCAL 0, STACK 0; no LDL / STL in the SASS)
+Skipped where triton or its Gluon (Hopper) API is missing, or triton < 3.6 (this kernel's API); checked with
+triton 3.6 (the GPU machine's) and 3.9 (this venv's): the TMA load is ``async_copy_global_to_shared`` in 3.6 and
+``async_load`` in 3.9, the module picks whichever exists; the TMA's PTX destination is ``shared::cluster`` in 3.6 and
+``shared::cta`` in 3.9.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):
+    pytest.skip(f"triton {triton.__version__} < 3.6: the kernel is written for the Gluon API of 3.6",
+                allow_module_level=True)
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="this triton has no Gluon Hopper API")
+
+from mla_fa3 import ops  # noqa: E402
+from mla_fa3.ops import gluon_decode as gd  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return gd.compile_for_hopper()
+
+
+def _count(text: str, what: str) -> int:
+    return len(re.findall(re.escape(what), text))
+
+
+def test_ptx_has_the_warp_specialized_structure(compiled):
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 9 * 4 + 8 * 4
+    # the destination space is shared::cluster in 3.6's PTX, shared::cta in 3.9's
+    tma = r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes"
+    assert len(re.findall(tma, ptx)) == 9
+    assert _count(ptx, "mbarrier.arrive.expect_tx") == 1  # one per tile: 9 boxes x 64 x 64 x 2 bytes
+    assert "73728" in ptx
+    assert _count(ptx, "mbarrier.try_wait") >= 2  # ready (consumer) and empty (producer)
+    assert _count(ptx, "mbarrier.arrive.shared") >= 1  # the consumer releases a ring slot
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "fence.proxy.async" in ptx  # generic-proxy writes (q, p, the zeroed tail) before wgmma reads them
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def test_cubin_has_no_spills(compiled):
+    nvidia = os.path.dirname(triton.backends.nvidia.__file__)
+    cuobjdump = os.path.join(nvidia, "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip(f"no cuobjdump in {nvidia}/bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert _count(sass, "HGMMA.64x16x16.F32.BF16") == 68 and _count(sass, "UTMALDG.2D") == 9
+
+
+def test_other_shapes_raise_a_named_value_error_before_any_launch():
+    lens = [65, 130]
+    q = torch.randn(2, 1, 16, 576).bfloat16()
+    kv = torch.randn(8, 64, 1, 576).bfloat16()
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    sched = ops.get_splitkv_schedule(lens, num_heads=16, page_size=64)
+    cases = {
+        "^q must have 16 heads": dict(q=q[:, :, :8]),
+        "^q must hold one query token": dict(q=q.expand(2, 2, 16, 576)),
+        r"^kv_cache must be \[num_pages, 64, 1, 576\]": dict(kv=kv.view(16, 32, 1, 576)),
+        "^kv_cache must be contiguous": dict(kv=kv.transpose(0, 1).contiguous().transpose(0, 1)),
+        "^q must be bfloat16": dict(q=q.half(), kv=kv.half()),
+        "^q must be on a CUDA device": dict(),  # everything else fits: the device is the last check
+    }
+    for message, change in cases.items():
+        args = dict(q=q, kv=kv)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            gd.gluon_mla_decode(args["q"], args["kv"], table, seqlens, schedule=sched, softmax_scale=0.1)

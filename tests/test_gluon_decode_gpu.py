@@ -1,0 +1,162 @@
+"""The Gluon warp-specialized MLA decode (``ops/gluon_decode.py``, issue 40's spike) on a Hopper GPU.
+
+Its one shape: bf16 q and latent cache, 16 heads, one query token, r 512 + d_rope 64, page 64. Caches are
+adversarial: shuffled page ids, ``BAD_PAGE`` in unused page-table entries, NaN in every slot past a request's end
+and in every unused page. NaN matters here: the kernel loads whole pages by TMA, so the tail of a request's last
+page reaches shared memory and must be masked out of Sᵀ and zeroed before P·V (0 · NaN = NaN).
+Tolerances from precision (``ops_cases.check``): err(kernel vs fp64 oracle) <= 2 · err(torch bf16 vs oracle) + 1e-4,
+cosine >= 0.9999 against our Triton split-KV on the same cache, LSE (natural log) within 2e-3.
+
+Skips: no CUDA sm90 (and, via ``conftest``, no sgl_kernel), a triton without Gluon, or a triton older than 3.6
+(the Gluon API this kernel is written for). With triton >= 3.6 on the GPU, an import or build error FAILS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ops_cases import BAD_PAGE, check, cosine
+
+from mla_fa3 import ops
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16 = torch.bfloat16
+R, D_ROPE, H, PAGE = 512, 64, 16, 64
+D = R + D_ROPE
+SCALE = (128 + D_ROPE) ** -0.5
+
+
+def _triton_version():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+@pytest.fixture(scope="module")
+def gd():
+    """The kernel module; skipped where it cannot run, imported (errors = failures) where it must."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs a CUDA sm90 GPU")
+    version = _triton_version()
+    if version is None:
+        pytest.skip("triton is not installed")
+    if version < (3, 6):
+        pytest.skip(f"triton {version} < 3.6: the kernel is written for the Gluon API of 3.6")
+    from mla_fa3.ops import gluon_decode  # an ImportError here, with triton >= 3.6 on sm90, is a failure
+
+    return gluon_decode
+
+
+def build(lens, *, seed=0):
+    """q [bs, 1, 16, 576] bf16, kv [pages, 64, 1, 576] (NaN outside the live slots), table, lens, dense rows."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(L / PAGE) for L in lens]
+    num_pages = sum(need) + 3
+    ids = torch.randperm(num_pages, generator=g).tolist()
+    kv = torch.full((num_pages, PAGE, 1, D), float("nan"), dtype=BF16)
+    table = torch.full((len(lens), max(need + [0]) + 2), BAD_PAGE, dtype=torch.int32)
+    q = torch.randn(len(lens), 1, H, D, generator=g).to(BF16)
+    dense = []
+    for b, L in enumerate(lens):
+        kv_b = torch.randn(L, 1, D, generator=g).to(BF16)
+        rows = kv_b.new_full((need[b] * PAGE, 1, D), float("nan"))
+        rows[:L] = kv_b
+        pages = [ids.pop() for _ in range(need[b])]
+        table[b, : need[b]] = torch.tensor(pages, dtype=torch.int32)
+        kv[pages] = rows.view(need[b], PAGE, 1, D)
+        dense.append((q[b], kv_b))
+    return q.to(DEV), kv.to(DEV), table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV), dense
+
+
+def _attend(q, kv, dtype):
+    """One request in ``dtype`` on the GPU: q [1, H, 576], kv [L, 1, 576] -> (out [1, H, 512], lse [1, H])."""
+    q, kv = q.to(DEV, dtype), kv[:, 0].to(DEV, dtype)
+    s = torch.einsum("nhd,ld->hnl", q, kv) * SCALE
+    lse = torch.logsumexp(s.double(), dim=-1).transpose(0, 1)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnl,ld->nhd", p, kv[:, :R]).cpu(), lse.cpu()
+
+
+def oracle_and_lowp(dense):
+    oracle = [_attend(q_b, kv_b, torch.float64) for q_b, kv_b in dense]
+    lowp = [_attend(q_b, kv_b, BF16)[0] for q_b, kv_b in dense]
+    return torch.stack([o for o, _ in oracle]), torch.stack([l for _, l in oracle]), torch.stack(lowp)
+
+
+def schedule_for(lens, **kw):
+    return ops.get_splitkv_schedule(list(lens), num_heads=H, page_size=PAGE, device=DEV, **kw)
+
+
+def run_triton(q, kv, table, seqlens, sched):
+    return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                        causal=True, impl="triton")
+
+
+# lengths 1, page ± 1, a page exactly, 4097 (a one-key last tile), 64k; bs 1 / 3 / 8
+CASES = {
+    "bs1_64k": (65536,),
+    "bs1_one_key": (1,),
+    "bs3_short_and_4097": (63, 64, 4097),
+    "bs8_mixed": (1, 63, 64, 65, 4097, 65536, 2, 130),
+}
+# the planner's default split (one wave of CTAs) and many short splits per request (64-token granule)
+PLANS = {"default": dict(waves=1.0), "many_splits": dict(waves=8.0, min_split_tokens=64)}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_gluon_matches_oracle_and_triton_splitkv(gd, name, plan):
+    lens = CASES[name]
+    q, kv, table, seqlens, dense = build(lens, seed=len(lens))
+    sched = schedule_for(lens, **PLANS[plan])
+    if plan == "many_splits" and max(lens) > 128:
+        assert sched.planned_work > len(lens)  # some request really is cut in several splits
+    out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    torch.cuda.synchronize()
+    assert out.dtype == BF16 and out.shape == (len(lens), 1, H, R) and lse.shape == (len(lens), 1, H)
+    tri, tri_lse = run_triton(q, kv, table, seqlens, schedule_for(lens))
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    check(out, lse, ref_out, ref_lse, lowp, tri)  # finite, precision rule, cosine vs Triton, LSE vs oracle
+    assert cosine(out, tri) >= 0.9999
+    assert (lse - tri_lse).abs().max().item() <= 2e-3
+
+
+def test_gluon_is_bitwise_repeatable_and_q_rope_apart_is_the_same(gd):
+    lens = (65, 4097, 65536)
+    q, kv, table, seqlens, _ = build(lens, seed=11)
+    sched = schedule_for(lens)
+    a = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    b = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    c = gd.gluon_mla_decode(q[..., :R], kv, table, seqlens, schedule=sched, softmax_scale=SCALE,
+                            q_rope=q[..., R:].clone())
+    for x, y in ((a, b), (a, c)):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+
+def test_gluon_replays_in_a_cuda_graph(gd):
+    """Captured once (the TMA descriptor is a by-value kernel parameter: it stays valid while the pool does)."""
+    lens = (4097, 700)
+    q, kv, table, seqlens, _ = build(lens, seed=5)
+    sched = schedule_for(lens)
+    eager = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1])
+
+
+def test_gluon_refuses_other_shapes_before_any_launch(gd):
+    q, kv, table, seqlens, _ = build((65,))
+    sched = schedule_for((65,))
+    with pytest.raises(ValueError, match="^q must have 16 heads"):
+        gd.gluon_mla_decode(q[:, :, :8].contiguous(), kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+    with pytest.raises(ValueError, match="^q must be bfloat16"):
+        gd.gluon_mla_decode(q.half(), kv.half(), table, seqlens, schedule=sched, softmax_scale=SCALE)
