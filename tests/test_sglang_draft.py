@@ -28,6 +28,7 @@ if kit is not None:
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
     from mla_fa3.integrations.sglang import draft, plugin
+    from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
     from mla_fa3.integrations.sglang.convert import UnsupportedStepError
 
 PREFIXES = (14, 5, 30)
@@ -166,7 +167,7 @@ def test_page_size_above_one_with_topk_is_refused_by_name():
 def test_draft_extend_batch_is_refused_by_name():
     fx, backend, fb, _ = _draft_world(2, 3)
     fb.forward_mode = SGLangMode.DRAFT_EXTEND_V2  # SGLang 0.5.17: the only draft-extend mode
-    with pytest.raises(UnsupportedStepError, match="DRAFT_EXTEND runs on SGLang's 'fa3'"):
+    with pytest.raises(UnsupportedStepError, match="DRAFT_EXTEND runs on the draft-extend backend"):
         backend.init_forward_metadata(fb)
 
 
@@ -205,9 +206,11 @@ def test_hook_routes_mla_fa3_to_ours_and_leaves_fa3_alone():
     # --speculative-draft-attention-backend names the draft's backend: SGLang's table
     assert decode_hook(original, _factory("mla_fa3", draft_name="triton")) == "sglang's"
     assert decode_hook(original, _factory("mla_fa3", steps=1)) is None  # as SGLang: no multi-step
-    # DRAFT_EXTEND of an mla_fa3 draft: SGLang's own fa3 entry; the factory itself is left as it was
-    f = _factory("mla_fa3")
-    assert extend_hook(original, f) == "sglang's" and calls[-1] == "fa3" and f.draft_attn_backend is None
+    # DRAFT_EXTEND of an mla_fa3 draft: our adapter over the draft's pools, SGLang's table not asked
+    n_calls = len(calls)
+    made = extend_hook(original, _factory("mla_fa3", runner=runner))
+    assert isinstance(made, SGLangMLABackend) and len(calls) == n_calls
+    assert made.token_to_kv_pool is runner.token_to_kv_pool
     extend_hook(original, _factory("triton"))
     assert calls[-1] == "triton"
 

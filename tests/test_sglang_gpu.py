@@ -63,6 +63,32 @@ def test_kit_eagle_draft_gpu(backend, topk, page_size):
                                                   dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kit_draft_extend_v2_cuda_graph_gpu(backend):
+    """The kit's DRAFT_EXTEND_V2 (a fixed window of 3 tokens per request) eager and captured / replayed with padding
+    rows, on the backend itself (for mla_fa3: the chain verify's shape)."""
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_extend_runner as de
+
+    c = case("DRAFT_EXTEND_V2", prefix_lens=(14, 5, 30), extend_lens=(3, 3, 3), backend=backend,
+             name=f"draft_extend_{backend}")
+    de.run_mla_draft_extend_v2_cuda_graph_case(TESTCASE, c, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda",
+                                               dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topk,page_size", [(1, 16), (2, 1)])
+def test_kit_eagle_draft_extend_runner_gpu(backend, topk, page_size):
+    """SGLang's production draft-extend CUDA-graph runner (EAGLEDraftExtendV2CudaGraphRunner) over the backend
+    DraftBackendFactory builds for the draft's extend (for mla_fa3: ours, through the plugin's route)."""
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_extend_runner as de
+
+    c = case("DRAFT_EXTEND_V2", prefix_lens=(14, 5, 30), extend_lens=(4, 4, 4), page_size=page_size, backend=backend,
+             name=f"draft_extend_runner_{backend}_{topk}_{page_size}")
+    de.run_mla_eagle_draft_extend_v2_cuda_graph_runner_case(TESTCASE, c, topk=topk, kv_lora_rank=R,
+                                                            qk_rope_head_dim=D_ROPE, device="cuda",
+                                                            dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("kernel", ["auto", "splitkv", "flashmla"])
 def test_fp8_decode_gpu(page_size, kernel, monkeypatch):

@@ -269,9 +269,6 @@ def test_refusals_at_construction():
         SGLangMLABackend(runner_like(fx, page_size=3))
     with pytest.raises(ValueError, match="dcp-size 2"):
         SGLangMLABackend(runner_like(fx, server_args=dict(dcp_size=2)))
-    fp8 = kit_fixture(case("DECODE", prefix_lens=(3,), page_size=64, name="refuse_fp8"), fp8=True)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        SGLangMLABackend(runner_like(fp8, server_args=dict(speculative_algorithm="EAGLE")))
 
 
 def test_refusals_per_step_name_what_was_sent():

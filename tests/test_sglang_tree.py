@@ -53,12 +53,12 @@ def _qlen_only(trees) -> torch.Tensor:
 
 
 def _tree_fixture(k: int, topk: int, custom_mask, *, dtype=torch.bfloat16, page_size=16, prefixes=PREFIXES,
-                  live=None, device="cpu", num_heads=4, max_context_len=128):
+                  live=None, device="cpu", num_heads=4, max_context_len=128, fp8=False):
     """The kit's TARGET_VERIFY batch (SGLang's seq_lens exclude the k draft tokens) and an adapter built for EAGLE with
     ``topk`` over the kit's pools; ``live``: the requests ``spec_info.positions`` counts (default all)."""
     c = case("TARGET_VERIFY", prefix_lens=prefixes, extend_lens=(k,) * len(prefixes), page_size=page_size,
              num_heads=num_heads, name=f"tree_k{k}_p{page_size}_{len(prefixes)}")
-    fx = kit_fixture(c, dtype=dtype, device=device, max_context_len=max_context_len)
+    fx = kit_fixture(c, dtype=dtype, device=device, max_context_len=max_context_len, fp8=fp8)
     if custom_mask is not None:
         custom_mask = custom_mask.to(device)
     fb = fx.forward_batch
@@ -87,6 +87,20 @@ def test_tree_verify_matches_the_full_mask_oracle(layout, k):
     fx, backend = _tree_fixture(k, 2, mask)
     check_close(*run_split_form(fx, backend=backend, masks=_oracle_masks(trees)))
     assert backend.explain().tree == (k, k)
+
+
+def test_tree_verify_over_the_fp8_pool():
+    """EAGLE topk 2 with --kv-cache-dtype fp8_e4m3: the prefix and the tree keys read as e4m3 in place; the oracle
+    over the e4m3-rounded keys (FlashMLA FP8 rounds q too: the wider bound of the FP8 decode test)."""
+    k = 4
+    trees = _trees(k, seed=3)
+    fx, backend = _tree_fixture(k, 2, _qlen_only(trees), page_size=64, fp8=True)
+    out, oracle, tol = run_split_form(fx, backend=backend, masks=_oracle_masks(trees))
+    assert backend.explain().tree == (k, k) and backend.explain().kv_dtype != "bfloat16"
+    if backend.explain().kernel == "flashmla":
+        torch.testing.assert_close(out, oracle, atol=max(tol, 0.08 * oracle.abs().max().item()), rtol=0)
+    else:
+        check_close(out, oracle, tol)
 
 
 def test_tree_verify_is_not_the_chain():

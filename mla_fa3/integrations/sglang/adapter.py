@@ -38,7 +38,7 @@ from sglang.srt.speculative.eagle_utils import TreeMaskMode
 
 from mla_fa3 import absorb, absorb_tree, ops
 from mla_fa3.backend import MLABackend
-from mla_fa3.batch import ForwardBatch
+from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.integrations.sglang.convert import UnsupportedStepError, to_mla_batch
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
@@ -98,6 +98,10 @@ class SGLangMLABackend(AttentionBackend):
         """Plan an eager step: our batch, metadata, path, kernel and schedule (host work; no sync)."""
         self._step = None
         batch = self._convert(forward_batch)
+        if self.kv_fp8 and batch.forward_mode is ForwardMode.DRAFT_EXTEND:
+            raise UnsupportedStepError("a DRAFT_EXTEND_V2 batch of unequal windows over the FP8 latent cache: no "
+                                       "absorbed kernel of mla_fa3 reads e4m3 with unequal query lengths (SGLang's "
+                                       "fixed window, one width per batch, is served)")
         if self.kv_fp8 and batch.forward_mode.is_extend_like():
             # an FP8 prefill runs the MHA path (plugin.handle_attention): its varlen calls need the metadata only
             self.backend.step_plan = None
@@ -134,8 +138,9 @@ class SGLangMLABackend(AttentionBackend):
             self._step = (batch, None)
             return
         if not mode.is_graph_capturable():
-            raise UnsupportedStepError(f"CUDA graphs of {mode.name} steps are not served by mla_fa3 (DECODE and "
-                                       "TARGET_VERIFY are); disable prefill CUDA graphs")
+            raise UnsupportedStepError(f"CUDA graphs of {mode.name} steps are not served by mla_fa3 (DECODE, "
+                                       "TARGET_VERIFY and DRAFT_EXTEND_V2's fixed window are); disable prefill CUDA "
+                                       "graphs")
         if in_capture:
             md = self.backend.init_forward_metadata_capture_cuda_graph(
                 batch.batch_size, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
@@ -332,9 +337,6 @@ def _refuse_unsupported(model_runner) -> None:
         raise ValueError("DeepSeek sparse attention (DSA/NSA) pools are not served by mla_fa3 (use --attention-backend dsa)")
     if pool.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
         raise ValueError(f"--kv-cache-dtype: mla_fa3 reads bf16/fp16 or fp8_e4m3 latent caches, got {pool.dtype}")
-    if pool.dtype == FP8_DTYPE and getattr(sa, "speculative_algorithm", None):
-        raise ValueError("FP8 KV cache with speculative decoding: a draft-extend step has unequal query lengths, "
-                         "which no FP8 absorbed kernel of mla_fa3 reads yet (use a bf16 KV cache)")
     page = int(model_runner.page_size)
     if page < 1 or page & (page - 1):
         raise ValueError(f"--page-size must be a power of two for mla_fa3, got {page}")

@@ -12,6 +12,11 @@ Modes (SGLang 0.5.17 ``model_executor/forward_batch_info.py:ForwardMode``):
     DECODE          -> DECODE          (a target-model decode; a draft step carries ``spec_info``: refused)
     TARGET_VERIFY   -> TARGET_VERIFY   (k draft tokens per request: a chain with topk = 1, else a draft tree read
                                         from ``spec_info.custom_mask``, see :func:`verify_tree`)
+    DRAFT_EXTEND_V2 -> TARGET_VERIFY   (the EAGLE draft model's extend over a fixed window of n tokens per request,
+                                        causal over its prefix: a chain verify's shape, so it runs on the same
+                                        kernels, CUDA graphs and FP8 reads; here ``seq_lens`` already include the
+                                        window, and graph padding rows are raised to n) — or, windows of unequal
+                                        widths, DRAFT_EXTEND (extend-like; eager, bf16 cache); see :func:`_draft_extend`
     IDLE            -> IDLE            (a data-parallel rank with no request this step)
     others          -> UnsupportedStepError, naming the mode, before anything runs
 
@@ -26,7 +31,8 @@ import torch
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.tree import MAX_TREE_TOKENS, DraftTree
 
-__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of", "verify_tree", "host_int32"]
+__all__ = ["UnsupportedStepError", "to_mla_batch", "num_draft_tokens_of", "verify_tree", "host_int32",
+           "draft_extend_widths"]
 
 
 class UnsupportedStepError(ValueError):
@@ -67,9 +73,11 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
     ``verify_mask``: the QLEN_ONLY buffer the adapter gave SGLang's EAGLE to write draft trees into."""
     name = getattr(fb.forward_mode, "name", str(fb.forward_mode))
     mode = _MODES.get(name)
+    if name == "DRAFT_EXTEND_V2":
+        return _draft_extend(fb, num_draft_tokens) if fb.batch_size else ForwardBatch.idle(device)
     if mode is None:
         raise UnsupportedStepError(f"forward_mode {name} is not served by mla_fa3 (it serves EXTEND, MIXED, DECODE, "
-                                   "TARGET_VERIFY and IDLE)")
+                                   "TARGET_VERIFY, DRAFT_EXTEND_V2 and IDLE)")
     if mode is ForwardMode.IDLE or fb.batch_size == 0:
         return ForwardBatch.idle(device)
     if mode is ForwardMode.DECODE and getattr(fb, "spec_info", None) is not None:
@@ -97,6 +105,48 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
     pre = fb.extend_prefix_lens[:bs].to(torch.int32) if fb.extend_prefix_lens is not None else seq - ext
     return ForwardBatch(seq_lens=seq, seq_lens_cpu=seq_cpu, extend_prefix_lens=pre, extend_prefix_lens_cpu=pre_cpu,
                         extend_seq_lens=ext, extend_seq_lens_cpu=ext_cpu, **common)
+
+
+def draft_extend_widths(fb, bs: int, configured: int) -> torch.Tensor:
+    """The host widths [bs] int32 of a DRAFT_EXTEND_V2 batch's windows: ``extend_seq_lens_cpu`` (the batch's, or the
+    copy SGLang's draft-extend graph runner puts on ``spec_info`` at replay), else the fixed width
+    ``spec_info.num_tokens_per_req``, else the server's ``speculative_num_draft_tokens``."""
+    spec = getattr(fb, "spec_info", None)
+    for owner in (fb, spec):
+        values = getattr(owner, "extend_seq_lens_cpu", None) if owner is not None else None
+        if values is not None:
+            return host_int32(values, "extend_seq_lens_cpu", bs)
+    width = getattr(spec, "num_tokens_per_req", None) if spec is not None else None
+    width = int(width) if width is not None and int(width) > 0 else int(configured)
+    if width < 1:
+        raise UnsupportedStepError("a DRAFT_EXTEND_V2 batch without extend_seq_lens_cpu, spec_info.num_tokens_per_req "
+                                   "or --speculative-num-draft-tokens: the window width is unknown")
+    return torch.full((bs,), width, dtype=torch.int32)
+
+
+def _draft_extend(fb, configured: int) -> ForwardBatch:
+    """DRAFT_EXTEND_V2: n tokens per request at the end of each row (``seq_lens`` include them), causal over the
+    prefix. Equal widths (SGLang's fixed window, always under CUDA graphs): a chain verify of k = n, the padding rows
+    of a replay (seq_lens = the fill value, below n) raised to n. Unequal widths: an extend-like DRAFT_EXTEND step."""
+    bs = int(fb.batch_size)
+    widths = draft_extend_widths(fb, bs, configured)
+    rows = fb.req_pool_indices[:bs].to(torch.int64)
+    loc = fb.out_cache_loc.to(torch.int64)
+    seq_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
+    seq = fb.seq_lens[:bs].to(torch.int32)
+    common = dict(batch_size=bs, req_pool_indices=rows, out_cache_loc=loc, positions=None)
+    n = int(widths[0])
+    if bool((widths == n).all()):
+        return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=seq.clamp(min=n),
+                            seq_lens_cpu=seq_cpu.clamp(min=n), num_draft_tokens=n, **common)
+    if bool((seq_cpu < widths).any()):
+        raise UnsupportedStepError(f"DRAFT_EXTEND_V2: a window wider than its sequence (seq_lens_cpu "
+                                   f"{seq_cpu.tolist()}, widths {widths.tolist()})")
+    ext = getattr(fb, "extend_seq_lens", None)
+    ext = widths.to(seq.device) if ext is None else ext[:bs].to(torch.int32)
+    return ForwardBatch(forward_mode=ForwardMode.DRAFT_EXTEND, seq_lens=seq, seq_lens_cpu=seq_cpu,
+                        extend_prefix_lens=seq - ext, extend_prefix_lens_cpu=seq_cpu - widths, extend_seq_lens=ext,
+                        extend_seq_lens_cpu=widths, **common)
 
 
 def verify_tree(fb, bs: int, k: int, prefix_cpu: torch.Tensor, device: torch.device,

@@ -3,9 +3,11 @@
 
 SGLang builds the draft model's backends from its own table (``srt/speculative/draft_utils.py``,
 ``DraftBackendFactory``); ``plugin.register`` hooks ``create_decode_backend`` so that a draft whose resolved backend
-is ``mla_fa3`` gets :class:`SGLangMLAMultiStepDraftBackend` (:func:`route_draft_decode`). DRAFT_EXTEND (the draft
-model's extend over the accepted tokens) stays on SGLang's table: ``create_draft_extend_backend`` of an ``mla_fa3``
-draft builds SGLang's ``fa3`` entry (:func:`route_draft_extend`), and a DRAFT_EXTEND batch handed to ours raises
+is ``mla_fa3`` gets :class:`SGLangMLAMultiStepDraftBackend` (:func:`route_draft_decode`), and
+``create_draft_extend_backend`` of one gets the target's adapter, :class:`SGLangMLABackend`, over the draft's pools
+(:func:`route_draft_extend`): DRAFT_EXTEND_V2 (the draft model's extend over a fixed window of tokens per request)
+converts to a chain verify's shape there (``convert.py``), eager and under SGLang's draft-extend CUDA graphs. A
+DRAFT_EXTEND batch handed to the multi-step decode backend raises
 :class:`~mla_fa3.integrations.sglang.convert.UnsupportedStepError`.
 
 The draft step, as SGLang's EAGLE runs it (``speculative/eagle_worker_v2.py:draft_forward``,
@@ -34,8 +36,6 @@ are gathered on the device from ``req_to_token`` (no sync) for the plan; the lay
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangMode
 from sglang.srt.model_executor.forward_batch_info import build_inner_fb_view
@@ -46,9 +46,8 @@ from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32
 from mla_fa3.tree import DraftTree, sglang_draft_mask
 
 __all__ = ["SGLangDraftStepBackend", "SGLangMLAMultiStepDraftBackend", "create_draft_decode_backend",
-           "route_draft_decode", "route_draft_extend", "DRAFT_EXTEND_BACKEND"]
+           "route_draft_decode", "route_draft_extend"]
 
-DRAFT_EXTEND_BACKEND = "fa3"  # the entry of SGLang's own table that serves an mla_fa3 draft's DRAFT_EXTEND
 
 
 class SGLangDraftStepBackend(SGLangMLABackend):
@@ -76,8 +75,8 @@ class SGLangDraftStepBackend(SGLangMLABackend):
             return ForwardBatch.idle(self.device)
         if name not in ("DECODE", "DRAFT_DECODE"):  # SGLang's draft decode steps run as DECODE with spec_info
             raise UnsupportedStepError(f"forward_mode {name} reached mla_fa3's multi-step draft decode backend, which "
-                                       "serves the draft's DECODE steps only (DRAFT_EXTEND runs on SGLang's "
-                                       f"{DRAFT_EXTEND_BACKEND!r} backend)")
+                                       "serves the draft's DECODE steps only (DRAFT_EXTEND runs on the draft-extend "
+                                       "backend, SGLangMLABackend)")
         bs, topk, S, i = int(fb.batch_size), self.topk, self.num_steps, self.step
         rows = fb.req_pool_indices[:bs].to(torch.int64)
         prefix_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
@@ -149,9 +148,9 @@ class SGLangMLAMultiStepDraftBackend:
 def _refuse_draft_extend(fb) -> None:
     mode = getattr(fb, "forward_mode", None)
     if mode is not None and getattr(mode, "name", "").startswith("DRAFT_EXTEND"):
-        raise UnsupportedStepError(f"forward_mode {mode.name}: mla_fa3's draft backend serves the multi-step draft "
-                                   f"decode only; DRAFT_EXTEND runs on SGLang's {DRAFT_EXTEND_BACKEND!r} backend "
-                                   "(DraftBackendFactory.create_draft_extend_backend)")
+        raise UnsupportedStepError(f"forward_mode {mode.name}: mla_fa3's multi-step draft backend serves the draft "
+                                   "decode steps only; DRAFT_EXTEND runs on the draft-extend backend "
+                                   "(DraftBackendFactory.create_draft_extend_backend: SGLangMLABackend)")
 
 
 def create_draft_decode_backend(model_runner, topk: int, speculative_num_steps: int):
@@ -176,12 +175,11 @@ def route_draft_decode(original, factory, *args, backend_name: str, **kwargs):
 
 
 def route_draft_extend(original, factory, *args, backend_name: str, **kwargs):
-    """AROUND hook on ``DraftBackendFactory.create_draft_extend_backend``: an ``mla_fa3`` draft's DRAFT_EXTEND is
-    built from SGLang's own ``fa3`` entry (what ``--speculative-draft-attention-backend fa3`` gives today)."""
+    """AROUND hook on ``DraftBackendFactory.create_draft_extend_backend``: an ``mla_fa3`` draft's DRAFT_EXTEND runs on
+    :class:`SGLangMLABackend` over the draft model's pools (as SGLang builds its own entry for the draft there);
+    other names: SGLang's ``original``."""
     field = "decode_attention_backend" if getattr(factory.server_args, "speculative_attention_mode", None) == "decode" \
         else "prefill_attention_backend"
     if _resolved_name(factory, field) != backend_name:
         return original(factory, *args, **kwargs)
-    shadow = copy.copy(factory)
-    shadow.draft_attn_backend = DRAFT_EXTEND_BACKEND
-    return original(shadow, *args, **kwargs)
+    return SGLangMLABackend(factory.draft_model_runner)

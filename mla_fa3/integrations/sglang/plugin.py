@@ -37,7 +37,7 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
     srt/speculative/draft_utils.py               DraftBackendFactory, through srt/plugins/hook_registry.py (AROUND
                                                  hooks, applied by load_plugins): create_decode_backend of a draft
                                                  resolving to mla_fa3 -> draft.SGLangMLAMultiStepDraftBackend;
-                                                 create_draft_extend_backend of one -> SGLang's own fa3 entry
+                                                 create_draft_extend_backend of one -> SGLangMLABackend
                                                  (draft.route_draft_decode / route_draft_extend; other names: the
                                                  original). --speculative-draft-attention-backend overrides both
     srt/model_executor/forward_batch_info.py     build_inner_fb_view: the DECODE view each draft step plans on
