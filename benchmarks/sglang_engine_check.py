@@ -4,7 +4,8 @@ d_rope 64, d_v 128; ``mla_fa3.models.tiny``'s ``v3_mla_dims``).
 
     python benchmarks/sglang_engine_check.py --out out/engine_check.json [--quick]
 
-Per configuration (backend x page size x KV dtype; CUDA graphs on): the greedy continuation of a prompt long
+Per configuration (backend x page size x KV dtype, optionally speculative decoding over DeepSeek's MTP layer with
+EAGLE topk K — ``:eagleK``, whose greedy output must equal the target's; CUDA graphs on): the greedy continuation of a prompt long
 enough that its later prefill chunks run SGLang's chunked-prefix MHA path (``--chunked-prefill-size`` 256,
 ``SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD`` 64), compared token by token with transformers' greedy continuation; and
 teacher-forced top-1 agreement over the prompt and that continuation (SGLang's top-1 at every input position
@@ -34,6 +35,38 @@ def _checkpoint(path: str, seed: int) -> str:
     return save_hf_checkpoint(model, path), model
 
 
+def _with_nextn(ckpt: str, path: str, seed: int) -> str:
+    """A copy of ``ckpt`` with DeepSeek's multi-token-prediction layer (``num_nextn_predict_layers`` 1), which
+    SGLang's NEXTN / EAGLE speculative decoding drafts with: ``model.layers.{N}`` (N = num_hidden_layers) holds the
+    last decoder layer's weights again plus random ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``. A
+    draft of no skill: greedy output must still equal the target's (verification accepts only its own argmax)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, path, dirs_exist_ok=True)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    last = f"model.layers.{n - 1}."
+    for name, w in list(weights.items()):
+        if name.startswith(last):
+            weights[f"model.layers.{n}." + name[len(last):]] = w.clone()
+    g = torch.Generator().manual_seed(seed)
+    dtype = weights["model.embed_tokens.weight"].dtype
+    weights[f"model.layers.{n}.enorm.weight"] = torch.ones(h, dtype=dtype)
+    weights[f"model.layers.{n}.hnorm.weight"] = torch.ones(h, dtype=dtype)
+    weights[f"model.layers.{n}.shared_head.norm.weight"] = torch.ones(h, dtype=dtype)
+    weights[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(dtype)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def _hf_reference(model, prompt: list[int], new: int) -> tuple[list[int], list[int]]:
     """transformers fp32: greedy continuation, then the argmax at every position of prompt + continuation."""
     model = model.to("cuda")
@@ -45,13 +78,17 @@ def _hf_reference(model, prompt: list[int], new: int) -> tuple[list[int], list[i
     return cont, logits.argmax(-1).tolist()  # argmax[i]: the token after position i
 
 
-def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], teacher: list[int], new: int):
+def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], teacher: list[int], new: int,
+                topk: int = 0):
     import sglang as sgl
 
     kw = dict(model_path=ckpt, attention_backend=backend, page_size=page, kv_cache_dtype=kv,
               sampling_backend="pytorch", grammar_backend="none", chunked_prefill_size=256,
               mem_fraction_static=0.5, cuda_graph_max_bs_decode=8, disable_prefill_cuda_graph=True,
               skip_tokenizer_init=True, log_level="error", context_length=4096, dtype="bfloat16")
+    if topk:  # NEXTN (EAGLE over DeepSeek's MTP layer): 3 draft steps, topk branches, 4 draft tokens verified
+        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=topk,
+                  speculative_num_draft_tokens=4)
     engine = sgl.Engine(**kw)
     try:
         sp = dict(temperature=0.0, max_new_tokens=new, ignore_eos=True)
@@ -73,7 +110,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="page 64 only")
-    p.add_argument("--configs", default="", help="backend:page:kv,... (e.g. mla_fa3:64:auto,fa3:64:auto); "
+    p.add_argument("--configs", default="", help="backend:page:kv[:eagleK],... (e.g. mla_fa3:64:auto,fa3:64:auto,"
+                   "mla_fa3:1:auto:eagle2 — speculative decoding over the MTP layer with topk K); "
                    "default: mla_fa3 and fa3 x pages x (auto, fp8_e4m3)")
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--new", type=int, default=32)
@@ -91,12 +129,15 @@ def main(argv=None) -> int:
     teacher = prompt + hf_cont
     results = []
     pages = [64] if args.quick else [1, 64]
-    configs = [(b, int(p), kv) for b, p, kv in (c.split(":") for c in args.configs.split(",") if c)] or \
-        [(b, p, kv) for b in ("mla_fa3", "fa3") for p in pages for kv in ("auto", "fp8_e4m3")]
-    for backend, page, kv in configs:
-        row = dict(backend=backend, page=page, kv=kv)
+    configs = [(f[0], int(f[1]), f[2], int(f[3][len("eagle"):]) if len(f) > 3 else 0)
+               for f in (c.split(":") for c in args.configs.split(",") if c)] or \
+        [(b, p, kv, 0) for b in ("mla_fa3", "fa3") for p in pages for kv in ("auto", "fp8_e4m3")]
+    nextn = _with_nextn(ckpt, tmp + "_nextn", seed=2) if any(t for *_, t in configs) else None
+    for backend, page, kv, topk in configs:
+        row = dict(backend=backend, page=page, kv=kv, eagle_topk=topk)
         try:
-            tokens, top, wall = _run_engine(ckpt, backend, page, kv, prompt, teacher, args.new)
+            tokens, top, wall = _run_engine(nextn if topk else ckpt, backend, page, kv, prompt, teacher, args.new,
+                                            topk=topk)
             agree = sum(a == b for a, b in zip(tokens, hf_cont))
             first_diff = next((i for i, (a, b) in enumerate(zip(tokens, hf_cont)) if a != b), None)
             pairs = [(t, h) for t, h in zip(top[1:], hf_argmax[: len(teacher) - 1]) if t is not None]
