@@ -93,3 +93,30 @@ def test_other_shapes_raise_a_named_value_error_before_any_launch():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             gd.gluon_mla_decode(args["q"], args["kv"], table, seqlens, schedule=sched, softmax_scale=0.1)
+
+
+def test_split_kv_launch_switch_refuses_what_the_kernel_does_not_run():
+    """``KernelConfig.warp_specialized`` routes split-KV's phase 1 to this kernel: the config refuses settings the
+    kernel ignores, and the launch refuses a shape outside the kernel's one (here: 128 heads) or a fused projection,
+    by name, before anything runs."""
+    from mla_fa3.ops import splitkv_triton
+    from mla_fa3.ops.splitkv_config import KernelConfig
+    from mla_fa3.ops.validate import check_splitkv
+
+    ws = KernelConfig(block_n=64, waves=1.0, warp_specialized=True)
+    assert ws.label().endswith("-ws")
+    for bad in (dict(block_n=32), dict(waves=2.0), dict(fused_projection=True)):
+        with pytest.raises(ValueError, match="warp_specialized needs block_n 64"):
+            KernelConfig(**{**dict(block_n=64, waves=1.0, warp_specialized=True), **bad})
+    lens = [65, 130]
+    kv = torch.randn(8, 64, 1, 576).bfloat16()
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    for heads, w_uv, message in ((128, None, "q must have 16 heads"), (16, torch.zeros(16, 512, 128).bfloat16(),
+                                                                        "output projection is not fused")):
+        sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=64, config=ws)
+        call = check_splitkv(torch.randn(2, 1, heads, 576).bfloat16(), kv, table, seqlens, head_dim_v=512,
+                             schedule=sched, softmax_scale=0.1, causal=True, descale_q=None, descale_k=None,
+                             impl=ops.Impl.TRITON, q_rope=None)
+        with pytest.raises(ValueError, match=message):
+            splitkv_triton.splitkv_mla_with_kvcache(call, sched, w_uv=w_uv)

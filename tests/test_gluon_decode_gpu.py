@@ -160,3 +160,24 @@ def test_gluon_refuses_other_shapes_before_any_launch(gd):
         gd.gluon_mla_decode(q[:, :, :8].contiguous(), kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
     with pytest.raises(ValueError, match="^q must be bfloat16"):
         gd.gluon_mla_decode(q.half(), kv.half(), table, seqlens, schedule=sched, softmax_scale=SCALE)
+
+
+def test_split_kv_with_the_warp_specialized_switch_runs_this_kernel(gd):
+    """``ops.splitkv_mla_with_kvcache`` with a schedule planned under ``KernelConfig(warp_specialized=True)``: phase 1
+    is this kernel (the same bits as ``gluon_mla_decode``), the answer the oracle's, in a CUDA graph too."""
+    from mla_fa3.ops.splitkv_config import KernelConfig
+
+    lens = CASES["bs8_mixed"]
+    q, kv, table, seqlens, dense = build(lens, seed=3)
+    ws = schedule_for(lens, config=KernelConfig(block_n=64, waves=1.0, warp_specialized=True))
+    out, lse = run_triton(q, kv, table, seqlens, ws)
+    direct, _ = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=ws, softmax_scale=SCALE)
+    assert torch.equal(out, direct)
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    check(out, lse, ref_out, ref_lse, lowp, run_triton(q, kv, table, seqlens, schedule_for(lens))[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, _ = run_triton(q, kv, table, seqlens, ws)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out)

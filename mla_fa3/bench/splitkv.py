@@ -325,8 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)
-    checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv] + [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] \
-        if a.sweep else []
+    checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv or c.warp_specialized] + \
+        [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] if a.sweep else []
     if a.sweep and a.fp8:
         checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2]
     if ab:  # every side of the switch checked before any is timed, at the head counts timed

@@ -32,6 +32,9 @@ SWEEP_NARROW = (
     _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
     _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=128),
     _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
+    # phase 1 warp-specialized (the Gluon kernel, ``ops/gluon_decode.py``): a TMA producer warp streaming 64-key tiles
+    # into a two-tile ring while one wgmma warpgroup computes, one program per SM; its one shape is 16 heads, bf16
+    _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, warp_specialized=True),
 )
 # <= 32 heads over an e4m3 cache (its tile converted in registers, per dot: more instructions per key than bf16 for
 # half the bytes, so latency rather than bandwidth bounds it): the same axes, and 8 warps (fewer registers per thread,

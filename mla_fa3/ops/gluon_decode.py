@@ -261,40 +261,48 @@ def compile_for_hopper(capability: int = 90):
 def check_supported(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
                     schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
                     head_dim_v: int = LATENT):
-    """The split-KV op's boundary checks (``validate.check_splitkv``), then this spike's one shape; a ValueError
-    naming the argument otherwise, before any launch. Reads shapes, dtypes, strides and devices only (no sync).
-    Returns the validated ``FlashMLACall``."""
+    """The split-KV op's boundary checks (``validate.check_splitkv``), then this kernel's one shape
+    (:func:`unsupported`); a ValueError naming the argument otherwise, before any launch. Reads shapes, dtypes,
+    strides and devices only (no sync). Returns the validated ``FlashMLACall``."""
     call = validate.check_splitkv(q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
                                   softmax_scale=softmax_scale, causal=True, descale_q=None, descale_k=None,
                                   impl=Impl.TRITON, q_rope=q_rope)
-    bs, sq, H = q.shape[:3]
+    why = unsupported(call, schedule)
+    if why is not None:
+        raise ValueError(why)
+    return call
+
+
+def unsupported(call, schedule: SplitKVSchedule) -> Optional[str]:
+    """Why this kernel cannot run a validated split-KV ``call`` with ``schedule`` (its one shape), or None."""
+    q, q_rope, kv_cache = call.q, call.q_rope, call.kv_cache
+    sq, H = q.shape[1:3]
     for x, name in ((q, "q"), (q_rope, "q_rope"), (kv_cache, "kv_cache")):
         if x is not None and x.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 for the Gluon decode kernel (its one shape), got {x.dtype}")
-    if head_dim_v != LATENT:
-        raise ValueError(f"head_dim_v must be {LATENT} for the Gluon decode kernel, got {head_dim_v}")
+            return f"{name} must be bfloat16 for the Gluon decode kernel (its one shape), got {x.dtype}"
+    if call.head_dim_v != LATENT:
+        return f"head_dim_v must be {LATENT} for the Gluon decode kernel, got {call.head_dim_v}"
     if sq != 1:
-        raise ValueError(f"q must hold one query token per request (q.shape[1] == 1) for the Gluon decode kernel, "
-                         f"got {sq}")
+        return f"q must hold one query token per request (q.shape[1] == 1) for the Gluon decode kernel, got {sq}"
     if H != HEADS:
-        raise ValueError(f"q must have {HEADS} heads for the Gluon decode kernel (wgmma N = heads), got {H}")
-    if kv_cache.shape[1:] != (PAGE, 1, LATENT + ROPE):
-        raise ValueError(f"kv_cache must be [num_pages, {PAGE}, 1, {LATENT + ROPE}] for the Gluon decode kernel, got "
-                         f"{tuple(kv_cache.shape)}")
+        return f"q must have {HEADS} heads for the Gluon decode kernel (wgmma N = heads), got {H}"
+    if tuple(kv_cache.shape[1:]) != (PAGE, 1, LATENT + ROPE):
+        return (f"kv_cache must be [num_pages, {PAGE}, 1, {LATENT + ROPE}] for the Gluon decode kernel, got "
+                f"{tuple(kv_cache.shape)}")
     D = LATENT + ROPE
     if kv_cache.stride() != (PAGE * D, D, D, 1):
-        raise ValueError(f"kv_cache must be contiguous (the TMA descriptor views it as [num_pages·{PAGE}, {D}]), got "
-                         f"strides {kv_cache.stride()}")
+        return (f"kv_cache must be contiguous (the TMA descriptor views it as [num_pages·{PAGE}, {D}]), got strides "
+                f"{kv_cache.stride()}")
     if kv_cache.data_ptr() % 16:
-        raise ValueError("kv_cache must start on a 16-byte boundary (TMA)")
+        return "kv_cache must start on a 16-byte boundary (TMA)"
     if kv_cache.shape[0] * PAGE >= MAX_ROWS:
-        raise ValueError(f"kv_cache has {kv_cache.shape[0]} pages; the Gluon decode kernel addresses rows with int32 "
-                         f"TMA coordinates (at most {MAX_ROWS // PAGE - 1} pages)")
+        return (f"kv_cache has {kv_cache.shape[0]} pages; the Gluon decode kernel addresses rows with int32 TMA "
+                f"coordinates (at most {MAX_ROWS // PAGE - 1} pages)")
     if schedule.granule % PAGE:
-        raise ValueError(f"schedule must start splits on whole {PAGE}-key tiles, got granule {schedule.granule}")
+        return f"schedule must start splits on whole {PAGE}-key tiles, got granule {schedule.granule}"
     if q.device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device (sm_90) for the Gluon decode kernel, got {q.device}")
-    return call
+        return f"q must be on a CUDA device (sm_90) for the Gluon decode kernel, got {q.device}"
+    return None
 
 
 def gluon_partials(call, schedule: SplitKVSchedule) -> Tuple[Tensor, Tensor]:

@@ -64,6 +64,11 @@ class KernelConfig:
                   ``FUSED_PROJECTION_MAX_COLUMNS`` output columns; else (False, the default, or more) a per-head
                   matmul after the combine (``ops.head_matmul``). Off: measured 0.4-5 µs
                   slower per step on the H200 (docs/PERFORMANCE_HISTORY.md, 2026-12-06)
+    warp_specialized phase 1 as the warp-specialized Gluon kernel (``gluon_decode.py``: a TMA producer warp, a
+                  wgmma consumer warpgroup, one program per SM) instead of the Triton one; the same schedule,
+                  workspace and combine. Its one shape so far: bf16, 16 heads, one query token, page 64, DeepSeek's
+                  512 + 64 columns, no fused projection; a launch outside it raises ValueError. Needs block_n 64 and
+                  waves 1.0 (its tile and its occupancy)
     """
 
     block_n: int = 32
@@ -78,6 +83,7 @@ class KernelConfig:
     latent_chunks: int = 1
     prefetch_pages: Optional[bool] = None
     fused_projection: bool = False
+    warp_specialized: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -91,13 +97,17 @@ class KernelConfig:
             raise ValueError(f"latent_chunks must be 1, 2 or 4, got {self.latent_chunks}")
         if self.num_warps not in (None, 2, 4, 8, 16) or self.num_stages < 1 or not self.waves > 0:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
+        if self.warp_specialized and (self.block_n != 64 or self.waves != 1.0 or self.fused_projection):
+            raise ValueError("warp_specialized needs block_n 64 (its tile), waves 1.0 (one program per SM) and no "
+                             f"fused_projection, got block_n {self.block_n}, waves {self.waves}, fused_projection "
+                             f"{self.fused_projection}")
 
     def label(self) -> str:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")
                  + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
                  + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "")
                  + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
-                 + ("-fp" if self.fused_projection else ""))
+                 + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

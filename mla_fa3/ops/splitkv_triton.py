@@ -95,6 +95,7 @@ from .pdl import launch_options, pdl_capable
 from .splitkv_combine_triton import combine_splits
 from .splitkv_config import NARROW_ROWS, KernelConfig, latent_chunks
 from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
+from .types import KernelUnavailableError
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -333,11 +334,30 @@ def splitkv_mla_with_kvcache(
     if bs == 0 or sq == 0 or H == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     counters = None if w_uv is None else torch.empty(bs * sq * H, dtype=torch.int32, device=q.device)
-    part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
+    if config.warp_specialized:
+        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv)
+    else:
+        part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
                    pdl=config.pdl and pdl_capable(q.device), w=w_uv, counters=counters)
     return out, lse
+
+
+def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor]):
+    """Phase 1 of a schedule planned with ``KernelConfig.warp_specialized``: the Gluon kernel (imported here, on
+    first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch."""
+    if w_uv is not None:
+        raise ValueError("KernelConfig.warp_specialized: the output projection is not fused into its combine")
+    try:
+        from . import gluon_decode
+    except Exception as exc:  # ImportError (a triton without Gluon) or a broken install
+        raise KernelUnavailableError(f"the warp-specialized decode kernel needs triton >= 3.6 with Gluon: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+    why = gluon_decode.unsupported(call, schedule)
+    if why is not None:
+        raise ValueError(f"KernelConfig.warp_specialized: {why}")
+    return gluon_decode.gluon_partials(call, schedule)
 
 
 def splitkv_partials(
