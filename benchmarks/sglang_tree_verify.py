@@ -24,29 +24,14 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the tests' tree cases
 
 import torch  # noqa: E402
 
 from benchmarks.sglang_backends import replay_us, sglang_ready  # noqa: E402
+from tree_cases import ancestors_mask, random_tree  # noqa: E402
 
 R, D_ROPE = 512, 64
-
-
-def random_tree(k: int, rng: random.Random) -> list:
-    """Parents of a random tree of k draft tokens (token 0 the root; each later token hangs under an earlier one)."""
-    return [-1] + [rng.randrange(i) for i in range(1, k)]
-
-
-def ancestors_mask(parents: list) -> torch.Tensor:
-    """[k, k] bool: token i sees j iff j is i or an ancestor of i (SGLang's tree mask of the draft tokens)."""
-    k = len(parents)
-    mask = torch.zeros(k, k, dtype=torch.bool)
-    for i in range(k):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
 
 
 def _fixture(kit, heads, bs, ctx, k, seed, dev="cuda"):
