@@ -130,6 +130,8 @@ class ForwardBatch:
     req_pool_indices_cpu: Tensor | None = None  # [bs] int64, cpu — copy of req_pool_indices (None: given
     #   on the device only; the builder then checks row ownership on the host only for CPU / debug_checks)
     tree: DraftTree | None = None  # TARGET_VERIFY / DRAFT_DECODE with topk > 1: mask [bs, m, n] (mla_fa3.tree)
+    tree_key_columns: Tensor | None = None  # [bs, n] int64, device — a tree step's req_to_token columns of its n
+    #   tree keys (None: the last n columns of each row); SGLang's page-aligned draft branches (page > 1, topk > 1)
 
     def __post_init__(self) -> None:
         self.check()
@@ -190,6 +192,8 @@ class ForwardBatch:
                                  f"got {num_tokens}")
         if self.tree is not None:
             self._check_tree(bs)
+        elif self.tree_key_columns is not None:
+            raise DraftTreeError("tree_key_columns without a tree: they place a tree step's keys")
         elif mode is ForwardMode.DRAFT_DECODE and self.num_draft_tokens > 1:
             raise DraftTreeError(f"num_draft_tokens = {self.num_draft_tokens} queries per request in DRAFT_DECODE "
                                  "needs a tree (the branches' masks)")
@@ -217,6 +221,14 @@ class ForwardBatch:
         check_tree_fits(self.tree, verify=mode is ForwardMode.TARGET_VERIFY, batch_size=bs,
                         queries=queries_per_request(mode, self.num_draft_tokens), seq_lens=self.seq_lens,
                         seq_lens_cpu=self.seq_lens_cpu)
+        cols = self.tree_key_columns
+        if cols is not None:
+            if not isinstance(cols, Tensor) or cols.dtype != torch.int64 or tuple(cols.shape) != (bs, self.tree.num_keys):
+                got = f"{cols.dtype} {tuple(cols.shape)}" if isinstance(cols, Tensor) else type(cols).__name__
+                raise ValueError(f"tree_key_columns must be a [batch_size, n] = [{bs}, {self.tree.num_keys}] int64 "
+                                 f"tensor, got {got}")
+            if cols.device != self.seq_lens.device:
+                raise ValueError(f"tree_key_columns must be on {self.seq_lens.device}, got {cols.device}")
 
     # ------------------------------------------------------------------ derived host values
     @property

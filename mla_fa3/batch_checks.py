@@ -90,7 +90,7 @@ class BatchChecks:
         if batch.tree is not None:
             check_tree_step(batch.tree, self.req_to_token, rows, batch.seq_lens_cpu, batch.out_cache_loc,
                             has_encoder=batch.encoder_lens is not None, check_values=check_values,
-                            reread=self.debug_checks)
+                            reread=self.debug_checks, key_columns=batch.tree_key_columns)
         if check_values and (batch.tree is None or batch.tree.verify):
             self.check_out_cache_loc(batch, rows)
         if self.debug_checks:

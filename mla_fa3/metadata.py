@@ -189,7 +189,7 @@ class MetadataBuilder:
         if tree is not None:
             md.tree = TreeMetadata(num_queries=tree.num_queries, num_keys=tree.num_keys, mask=tree.mask,
                                    key_slots=tree_key_slots(self.req_to_token, batch.req_pool_indices, seq_lens,
-                                                            tree.num_keys))
+                                                            tree.num_keys, columns=batch.tree_key_columns))
         elif self.attention_chunk_size is not None:
             md.local = self._build_local(batch, first_col)
         return md

@@ -308,13 +308,19 @@ class TreeMetadata:
     num_keys: int  # n, host
     mask: Tensor  # [bs, m, n] bool, device
     key_slots: Tensor  # [bs, n] int64, device — pool slot of tree key j: req_to_token[row_b, prefix_b + j]
+    #   (or req_to_token[row_b, tree_key_columns[b, j]] where the batch places its keys)
 
 
 def tree_key_slots(req_to_token: Tensor, rows: Tensor, prefix_lens: Tensor, num_keys: int, *,
-                   out: Tensor | None = None) -> Tensor:
-    """[bs, n] int64 slots of each request's tree keys, ``req_to_token[rows[b], prefix_lens[b] + j]`` (device
-    index ops, no host read; columns clamped into the table — the batch checks lengths on the host)."""
-    cols = prefix_lens.to(torch.int64).unsqueeze(1) + torch.arange(num_keys, device=prefix_lens.device)
+                   out: Tensor | None = None, columns: Tensor | None = None) -> Tensor:
+    """[bs, n] int64 slots of each request's tree keys, ``req_to_token[rows[b], prefix_lens[b] + j]``, or
+    ``req_to_token[rows[b], columns[b, j]]`` (``ForwardBatch.tree_key_columns``) — device index ops, no host read;
+    columns clamped into the table (the batch checks lengths on the host; a CUDA-graph padding row reads in
+    bounds)."""
+    if columns is None:
+        cols = prefix_lens.to(torch.int64).unsqueeze(1) + torch.arange(num_keys, device=prefix_lens.device)
+    else:
+        cols = columns.to(device=req_to_token.device, dtype=torch.int64, copy=True).clamp_(min=0)
     cols = cols.clamp_(max=req_to_token.shape[1] - 1)
     slots = req_to_token[rows.to(torch.int64).unsqueeze(1), cols].to(torch.int64)
     if out is None:
@@ -323,7 +329,8 @@ def tree_key_slots(req_to_token: Tensor, rows: Tensor, prefix_lens: Tensor, num_
 
 
 def check_tree_step(tree: DraftTree, req_to_token: Tensor, rows: Tensor | None, seq_lens_cpu: Tensor,
-                    out_cache_loc: Tensor, *, has_encoder: bool, check_values: bool, reread: bool) -> None:
+                    out_cache_loc: Tensor, *, has_encoder: bool, check_values: bool, reread: bool,
+                    key_columns: Tensor | None = None) -> None:
     """The metadata builder's checks of a tree step (DraftTreeError): no encoder; where host values may be read
     (``check_values``: CPU tensors or debug_checks; ``reread``: compare the device mask, not its CPU copy) the
     mask's values, and for a draft step every new token among its request's tree keys, seen by its own query."""
@@ -337,7 +344,7 @@ def check_tree_step(tree: DraftTree, req_to_token: Tensor, rows: Tensor | None, 
         return
     bs, m, n = mask_cpu.shape
     prefix = (seq_lens_cpu.to(torch.int64) - n).to(req_to_token.device)
-    keys = tree_key_slots(req_to_token, rows.to(req_to_token.device), prefix, n).cpu()  # [bs, n]
+    keys = tree_key_slots(req_to_token, rows.to(req_to_token.device), prefix, n, columns=key_columns).cpu()
     loc = out_cache_loc.cpu().view(bs, m)
     for b in range(bs):
         if int(seq_lens_cpu[b]) == n + 1 and not bool(loc[b].any()):
@@ -346,7 +353,8 @@ def check_tree_step(tree: DraftTree, req_to_token: Tensor, rows: Tensor | None, 
             hit = (keys[b] == loc[b, i]).nonzero()
             if hit.numel() == 0:
                 raise DraftTreeError(f"out_cache_loc[{b * m + i}] = {int(loc[b, i])} is not one of request {b}'s tree "
-                                     f"keys (the last {n} slots of its row): a draft token's slot must be a tree key")
+                                     f"keys (the last {n} slots of its row, or its tree_key_columns): a draft "
+                                     "token's slot must be a tree key")
             if not bool(mask_cpu[b, i, int(hit[0])]):
                 raise DraftTreeError(f"tree.mask[{b}, {i}, {int(hit[0])}] is False: draft query {i} of request {b} "
                                      "must see its own token")

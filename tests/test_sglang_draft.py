@@ -35,24 +35,44 @@ PREFIXES = (14, 5, 30)
 FILL = 1
 
 
+def _sglang_draft_columns(prefixes, topk: int, steps: int, page_size: int) -> torch.Tensor:
+    """[bs, topk, steps] columns of SGLang's draft layout (``speculative/eagle_worker_common.py``,
+    ``prepare_for_draft``), written out here: page 1 (or topk 1) contiguous, ``P + j·S + s``; page > 1 with topk > 1
+    page-aligned per branch, ``prefix_base + j·num_new_pages·page + last_page + s``."""
+    cols = torch.zeros(len(prefixes), topk, steps, dtype=torch.int64)
+    for b, P in enumerate(prefixes):
+        for j in range(topk):
+            for s in range(steps):
+                if page_size == 1 or topk == 1:
+                    cols[b, j, s] = P + j * steps + s
+                else:
+                    last_page = P % page_size
+                    num_new_pages = (last_page + steps + page_size - 1) // page_size
+                    cols[b, j, s] = (P - last_page) + j * num_new_pages * page_size + last_page + s
+    return cols
+
+
 def _draft_world(topk: int, steps: int, *, page_size=1, prefixes=PREFIXES, num_heads=4):
-    """The kit's pools with each request's prefix and its ``topk · steps`` draft columns, the draft backend over
-    them, and SGLang's draft batch (DECODE with spec_info, seq_lens = the prefixes)."""
-    n = topk * steps
-    c = case("EXTEND", prefix_lens=prefixes, extend_lens=(n,) * len(prefixes), page_size=page_size,
-             num_heads=num_heads, name=f"draft_t{topk}_s{steps}_p{page_size}")
-    fx = kit_fixture(c)
+    """The kit's pools with each request's prefix and its draft columns (SGLang's layout for the page size), the
+    draft backend over them, and SGLang's draft batch (DECODE with spec_info, seq_lens = the prefixes). Every
+    column past a prefix starts as NaN: draft slots before their step writes them, and at page > 1 the holes SGLang
+    fills with copies of the prefix tail (which the prefix part reads where they are, in the prefix)."""
+    cols = _sglang_draft_columns(prefixes, topk, steps, page_size)
+    ends = [int(cols[b].max()) + 1 for b in range(len(prefixes))]
+    c = case("EXTEND", prefix_lens=prefixes, extend_lens=tuple(e - P for e, P in zip(ends, prefixes)),
+             page_size=page_size, num_heads=num_heads, name=f"draft_t{topk}_s{steps}_p{page_size}")
+    fx = kit_fixture(c, max_context_len=256)
     runner = runner_like(fx, server_args=dict(speculative_eagle_topk=topk, speculative_num_steps=steps,
-                                              speculative_num_draft_tokens=n + 1, speculative_algorithm="EAGLE"))
+                                              speculative_num_draft_tokens=topk * steps + 1,
+                                              speculative_algorithm="EAGLE"))
     backend = draft.SGLangMLAMultiStepDraftBackend(runner, topk, steps)
     bs = len(prefixes)
     table = fx.runner.req_to_token_pool.req_to_token
     rows = fx.forward_batch.req_pool_indices[:bs].long()
-    # draft_loc[b, j, s]: SGLang's contiguous draft layout, req_to_token[b, P_b + j·S + s]
-    cols = torch.tensor(prefixes)[:, None, None] + torch.arange(topk)[None, :, None] * steps + torch.arange(steps)
-    draft_loc = table[rows[:, None, None], cols].long()
-    for buf in fx.runner.token_to_kv_pool.kv_buffer:  # unwritten draft slots: NaN, never read
-        buf[draft_loc.reshape(-1)] = float("nan")
+    draft_loc = table[rows[:, None, None], cols].long()  # draft_loc[b, j, s]
+    for b, (P, e) in enumerate(zip(prefixes, ends)):
+        for buf in fx.runner.token_to_kv_pool.kv_buffer:
+            buf[table[rows[b], P:e].long()] = float("nan")
     fb = copy.copy(fx.forward_batch)
     fb.forward_mode = SGLangMode.DECODE
     fb.batch_size = bs
@@ -107,10 +127,12 @@ def _run_draft(fx, backend, fb, draft_loc, *, seed=0, replay=False):
     return results
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("topk,steps", [(2, 3), (4, 4)])
-def test_draft_tree_steps_match_the_branch_oracle(topk, steps):
-    """topk branches per request at page 1: each step's branch query sees the prefix and its own draft keys."""
-    fx, backend, fb, draft_loc = _draft_world(topk, steps)
+def test_draft_tree_steps_match_the_branch_oracle(topk, steps, page_size):
+    """topk branches per request: each step's branch query sees the prefix and its own draft keys — at page 1
+    (draft tokens after the prefix) and at page 16 (each branch on its own pages)."""
+    fx, backend, fb, draft_loc = _draft_world(topk, steps, page_size=page_size)
     assert len(backend.attn_backends) == steps - 1 and backend.needs_cpu_seq_lens
     for i, result in enumerate(_run_draft(fx, backend, fb, draft_loc)):
         check_close(*result)
@@ -136,12 +158,13 @@ def test_draft_tree_is_not_the_whole_draft():
     assert (other - oracle).abs().max().item() > 10 * tol
 
 
-def test_cuda_graph_capture_then_replay_of_the_draft():
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_capture_then_replay_of_the_draft(page_size):
     """SGLang's protocol on the CPU stand-in: state for 4 requests, capture every step on fill-value rows, then a
     replay of 3 live requests padded to 4: the live branches match the oracle."""
     topk, steps, bs = 2, 3, 4
     prefixes = PREFIXES + (FILL,)
-    fx, backend, fb, draft_loc = _draft_world(topk, steps, prefixes=prefixes)
+    fx, backend, fb, draft_loc = _draft_world(topk, steps, prefixes=prefixes, page_size=page_size)
     with torch.no_grad():
         backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs * topk)
         cap = copy.copy(fb)
@@ -154,14 +177,6 @@ def test_cuda_graph_capture_then_replay_of_the_draft():
         check_close(out[: 3 * topk], oracle[: 3 * topk], tol)
     assert all(b.explain().graph for b in backend.attn_backends)
 
-
-def test_page_size_above_one_with_topk_is_refused_by_name():
-    c = case("DECODE", prefix_lens=(5,), page_size=16, name="draft_refuse")
-    fx = kit_fixture(c)
-    runner = runner_like(fx, server_args=dict(speculative_eagle_topk=2, speculative_num_steps=3,
-                                              speculative_num_draft_tokens=4, speculative_algorithm="EAGLE"))
-    with pytest.raises(ValueError, match="--page-size 16 with --speculative-eagle-topk 2"):
-        draft.SGLangMLAMultiStepDraftBackend(runner, 2, 3)
 
 
 def test_draft_extend_batch_is_refused_by_name():

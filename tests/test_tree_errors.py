@@ -77,6 +77,33 @@ def test_shapes_are_checked_against_the_batch():
                      seq_lens=b.seq_lens, seq_lens_cpu=b.seq_lens_cpu, out_cache_loc=loc[:6], num_draft_tokens=3)
 
 
+def test_tree_key_columns_are_checked_with_the_batch():
+    """A tree step's explicit key columns (SGLang's page-aligned draft branches): [bs, n] int64 on the batch's device,
+    only with a tree; and with them, a draft token must sit at one of its request's listed columns."""
+    case = make_draft_case([5, 9], 2, 3, 1)
+    b = case.batch
+    loc = b.out_cache_loc
+    n = b.tree.num_keys
+    last = b.seq_lens_cpu.long()[:, None] - n + torch.arange(n)  # the default: the last n columns of each row
+    for bad, match in ((last[:1], r"\[batch_size, n\] = \[2, 6\] int64"), (last.int(), "int64"),
+                       ([[0] * n] * 2, "tensor, got list")):
+        with pytest.raises(ValueError, match=match):
+            ForwardBatch(**{**_fields(b), "tree_key_columns": bad})
+    with pytest.raises(DraftTreeError, match="tree_key_columns without a tree"):
+        ForwardBatch(**{**_fields(b), "tree": None, "num_draft_tokens": 0, "out_cache_loc": loc[::2].clone(),
+                        "tree_key_columns": last})
+    same = ForwardBatch(**{**_fields(b), "tree_key_columns": last})  # the default columns, given: the same step
+    backend_for(case).init_forward_metadata(same)
+    shifted = ForwardBatch(**{**_fields(b), "tree_key_columns": last - n})  # n columns early: the prefix's tail,
+    with pytest.raises(DraftTreeError, match="is not one of request 0's tree keys"):  # the new tokens not listed
+        backend_for(case).init_forward_metadata(shifted)
+
+
+def _fields(batch: ForwardBatch) -> dict:
+    import dataclasses
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+
+
 def test_sglang_custom_mask_that_hides_prefix_or_is_short_is_refused():
     k, pre = 3, [2, 4]
     blocks = [torch.cat([torch.ones(k, p, dtype=torch.bool), _mask([star(k)])[0]], 1) for p in pre]

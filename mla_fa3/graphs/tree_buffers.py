@@ -81,7 +81,7 @@ class TreeBuffers:
         if live:
             self.mask[:live].copy_(tree.mask)
             tree_key_slots(req_to_token, batch.req_pool_indices, prefix_lens, self.num_keys,
-                           out=self.key_slots[:live])
+                           out=self.key_slots[:live], columns=batch.tree_key_columns)
         if bs > live:
             self.mask[live:bs].copy_(self.pad_mask[live:bs])
             self.key_slots[live:bs].zero_()

@@ -15,7 +15,7 @@ The draft step, as SGLang's EAGLE runs it (``speculative/eagle_worker_v2.py:draf
 draft batch's ``seq_lens``), ``topk`` branches and ``S`` = ``speculative_num_steps``::
 
     prepare_for_draft   req_to_token[b, P_b + j·S + s] = draft slot of branch j, step s   (branch-major; page 1 or
-                        topk 1 — page > 1 with topk > 1 has a page-aligned layout, refused here by name)
+                        topk 1 — page > 1 with topk > 1: each branch on its own pages, see :func:`draft_columns`)
     init_forward_metadata(fb)              every step's plan at once (attn_backends[i], i < S - 1)
     for i in 0 .. S - 2:                   (the last step's token needs no forward)
         fb.out_cache_loc = slots of step i   [bs·topk]: the model stores each branch's latent row there
@@ -23,10 +23,12 @@ draft batch's ``seq_lens``), ``topk`` branches and ``S`` = ``speculative_num_ste
                                              the prefix req_to_token[b, :P_b]  and  its own keys of steps 0 .. i
 
 Worked example, topk = 2, S = 3, P = [5]: the row's draft columns 5..10 are [j0s0 j0s1 j0s2 j1s0 j1s1 j1s2]; at
-step 1 branch 0 sees columns 0..4 and 5, 6; branch 1 sees 0..4 and 8, 9.
+step 1 branch 0 sees columns 0..4 and 5, 6; branch 1 sees 0..4 and 8, 9. The same at page 4: the prefix's tail
+page holds column 4, each branch gets ceil((1 + 3) / 4) = 1 page: branch 0 at columns 5..7, branch 1 at 9..11.
 
 Step i's batch (ours, :meth:`SGLangDraftStepBackend._convert`): topk > 1, a DRAFT_DECODE tree step —
-``seq_lens = P + topk·S`` (the tree keys are the row's last topk·S columns), ``tree =
+``seq_lens = P + topk·S`` (the tree keys: the row's last topk·S columns at page 1, the batch's
+``tree_key_columns`` = :func:`draft_columns` at page > 1), ``tree =
 DraftTree.draft(sglang_draft_mask(bs, topk, S, i))`` (the same layout as :func:`mla_fa3.draft_backend.sglang_tree_steps`),
 run by the core as the prefix part on the plan's kernel plus the tree part, merged by LSE; topk = 1, a chain —
 ``seq_lens = P + i + 1``, one query per request over its first P + i + 1 columns. Either way the slots step i writes
@@ -46,8 +48,23 @@ from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32
 from mla_fa3.tree import DraftTree, sglang_draft_mask
 
 __all__ = ["SGLangDraftStepBackend", "SGLangMLAMultiStepDraftBackend", "create_draft_decode_backend",
-           "route_draft_decode", "route_draft_extend"]
+           "route_draft_decode", "route_draft_extend", "draft_columns"]
 
+
+def draft_columns(prefix: torch.Tensor, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
+    """[bs, topk·S] int64 ``req_to_token`` columns of each request's draft tokens, branch-major (key j·S + s: branch
+    j, step s), as SGLang's ``prepare_for_draft`` lays them out (``speculative/eagle_worker_common.py``), from the
+    committed prefixes ``prefix`` [bs] (device; no host read). Page 1: contiguous after the prefix, ``P + j·S + s``.
+    Page > 1 with topk > 1: each branch on its own pages, ``B + j·N·page + t + s`` with the prefix's last partial page
+    at ``B = P - t``, ``t = P % page``, ``N = ceil((t + S) / page)`` pages per branch (SGLang copies the prefix tail
+    into each branch's first page; the prefix part reads it at columns [B, P) of the prefix)."""
+    P = prefix.to(torch.int64)
+    tail = P % page_size
+    per_branch = (tail + num_steps + page_size - 1) // page_size * page_size  # N·page columns per branch
+    branch = torch.arange(topk, dtype=torch.int64, device=P.device)
+    starts = (P - tail)[:, None] + branch[None, :] * per_branch[:, None] + tail[:, None]  # [bs, topk]
+    steps = torch.arange(num_steps, dtype=torch.int64, device=P.device)
+    return (starts[:, :, None] + steps[None, None, :]).reshape(P.shape[0], topk * num_steps)
 
 
 class SGLangDraftStepBackend(SGLangMLABackend):
@@ -89,14 +106,14 @@ class SGLangDraftStepBackend(SGLangMLABackend):
             return ForwardBatch(forward_mode=ForwardMode.DRAFT_DECODE, batch_size=bs, req_pool_indices=rows,
                                 seq_lens=prefix + (i + 1), seq_lens_cpu=prefix_cpu + (i + 1), out_cache_loc=loc,
                                 draft_step=i)
-        # step i's slots, branch-major: req_to_token[b, P_b + j·S + i]   [bs, topk] -> [bs·topk]
-        branch = torch.arange(topk, dtype=torch.int64, device=rows.device) * S + i
-        col = (prefix.to(torch.int64)[:, None] + branch[None, :]).clamp(max=last)
-        loc = table[rows[:, None], col].reshape(-1).to(torch.int64)
+        # the draft tokens' columns [bs, topk·S], branch-major; step i's slots: key j·S + i of each branch
+        cols = draft_columns(prefix, topk, S, self.page_size).clamp_(max=last)
+        loc = table[rows[:, None], cols[:, i::S]].reshape(-1).to(torch.int64)
         n = topk * S
         return ForwardBatch(forward_mode=ForwardMode.DRAFT_DECODE, batch_size=bs, req_pool_indices=rows,
                             seq_lens=prefix + n, seq_lens_cpu=prefix_cpu + n, out_cache_loc=loc,
-                            num_draft_tokens=topk, draft_step=i, tree=self._tree(bs))
+                            num_draft_tokens=topk, draft_step=i, tree=self._tree(bs),
+                            tree_key_columns=cols if self.page_size > 1 else None)
 
 
 class SGLangMLAMultiStepDraftBackend:
@@ -110,12 +127,6 @@ class SGLangMLAMultiStepDraftBackend:
         if topk < 1 or steps < 2:
             raise ValueError(f"a multi-step draft needs topk >= 1 and speculative_num_steps >= 2, got topk {topk}, "
                              f"speculative_num_steps {steps}")
-        page = int(model_runner.page_size)
-        if page > 1 and topk > 1:
-            raise ValueError(f"--page-size {page} with --speculative-eagle-topk {topk}: SGLang lays the draft "
-                             "branches out page-aligned (duplicate_prefix_tail_to_draft_branches), which mla_fa3's "
-                             "draft decode does not read; use --page-size 1, topk 1, or "
-                             "--speculative-draft-attention-backend fa3")
         self.model_runner, self.topk, self.speculative_num_steps = model_runner, topk, steps
         self.attn_backends = [SGLangDraftStepBackend(model_runner, topk, steps, i) for i in range(steps - 1)]
 
