@@ -49,10 +49,11 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("topk,page_size", [(1, 16), (2, 1)])
+@pytest.mark.parametrize("topk,page_size", [(1, 16), (2, 1), (2, 16)])
 def test_kit_eagle_draft_gpu(backend, topk, page_size):
     """The kit's EAGLE multi-step draft under its CUDA-graph runner: the draft backend SGLang's DraftBackendFactory
-    builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches, page 1)."""
+    builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches; at page
+    16 each branch on its own pages)."""
     from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
 
     c = case("DECODE", prefix_lens=(14, 5, 30), page_size=page_size, backend=backend,
