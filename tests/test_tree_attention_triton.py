@@ -4,7 +4,7 @@ Oracle: an fp64 loop over requests, query rows and heads that softmaxes each row
 shows (nothing of the code under test). On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 this file as a script in a subprocess) in fp32 and fp16 — not bf16, whose ``tl.dot`` the interpreter gets wrong
 (triton-lang/triton#11584); the GPU case below covers bf16 against the same oracle with the project's precision rule.
-Cases: ancestor masks of chains, stars and random trees, random masks with rows that see nothing, m != n, 1 to 128
+The torch form (the reference) runs the same cases in-process. Cases: ancestor masks of chains, stars and random trees, random masks with rows that see nothing, m != n, 1 to 128
 heads (both tile heights), DeepSeek's 512 + 64 latent row, strided q, softcap, an e4m3 cache with its scale, and NaN
 in every slot no query sees (poisoned rows, a future draft step's slots).
 """
@@ -85,7 +85,7 @@ def oracle(q_lat, q_rope, kv, key_slots, mask, scale, softcap=0.0, kv_scale=None
     return out, lse
 
 
-def check_against_oracle(bs, m_kind, n, H, r, dr, dtype, *, kv_dtype=None, softcap=0.0, seed=0):
+def check_against_oracle(bs, m_kind, n, H, r, dr, dtype, *, kv_dtype=None, softcap=0.0, seed=0, impl="triton"):
     mask = tree_masks(m_kind, bs, n, seed)
     m = mask.shape[1]
     q_lat, q_rope, kv, key_slots, kv_scale = inputs(bs, m, n, H, r, dr, dtype, kv_dtype=kv_dtype, seed=seed)
@@ -96,7 +96,7 @@ def check_against_oracle(bs, m_kind, n, H, r, dr, dtype, *, kv_dtype=None, softc
         kv[unseen] = NAN
     scale = (r + dr) ** -0.5
     out, lse = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=scale, softcap=softcap,
-                                  kv_scale=kv_scale, impl="triton")
+                                  kv_scale=kv_scale, impl=impl)
     ref_out, ref_lse = oracle(q_lat, q_rope, kv, key_slots, mask, scale, softcap, kv_scale)
     assert out.dtype == dtype and out.shape == ref_out.shape and lse.dtype == torch.float32
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows that see no key: lse -inf exactly there"
@@ -138,6 +138,13 @@ def _interpreter_run() -> dict:
 def test_tree_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     assert run_under_interpreter(__file__, timeout=400) == {}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_form_matches_the_oracle(name):
+    """The torch form (impl='reference', every device's fallback) on the same cases, in-process."""
+    bs, kind, n, H, r, dr, kw = CASES[name]
+    check_against_oracle(bs, kind, n, H, r, dr, torch.float32, impl="reference", **kw)
 
 
 def test_triton_asked_for_on_the_cpu_is_a_named_error():

@@ -58,7 +58,8 @@ PACKAGES: dict[str, dict] = {
         "modules": ["mla_fa3/ops/*.py"],
         "tests": ["test_ops.py", "test_ops_validation.py", "test_ops_fallback.py", "test_store_rows.py",
                   "test_head_matmul.py", "test_fp8_quant.py", "test_splitkv.py", "test_splitkv_projection.py",
-                  "test_layout.py", "test_mutants_ops.py"],
+                  "test_tree_attention_triton.py", "test_gluon_decode_compile.py", "test_layout.py",
+                  "test_mutants_ops.py"],
     },
     "kv": {
         "modules": ["mla_fa3/kv/*.py"],
@@ -97,8 +98,8 @@ PACKAGES: dict[str, dict] = {
     },
     "integrations": {
         "modules": ["mla_fa3/integrations/*.py", "mla_fa3/integrations/sglang/*.py"],
-        "tests": ["test_sglang_plugin.py", "test_sglang_tree.py", "test_sglang_draft.py", "test_layout.py",
-                  "test_mutants_integrations.py"],
+        "tests": ["test_sglang_plugin.py", "test_sglang_tree.py", "test_sglang_draft.py", "test_sglang_draft_extend.py",
+                  "test_layout.py", "test_mutants_integrations.py"],
     },
 }
 SKIPPED = "mla_fa3/bench/ and mla_fa3/cli/"
