@@ -90,3 +90,48 @@ def test_fp8_prefill_takes_one_shot_mha_when_the_step_fits_the_chunk_capacity():
     assert plugin.handle_attention(Attn(), fb).name == "MHA_ONE_SHOT"
     fb.get_max_chunk_capacity = lambda: 4
     assert plugin.handle_attention(Attn(), fb).name == "MHA_CHUNKED_KV"
+
+
+def test_host_lengths_pad_a_replay_and_device_lengths_are_cut_to_the_batch():
+    """``host_int32``: a replay's host copy of the live rows only is padded to bs with the fill value 1; a device
+    tensor longer than the batch (a padded buffer) is read for its first bs rows only."""
+    from mla_fa3.integrations.sglang.convert import host_int32, to_mla_batch
+
+    assert host_int32([5, 6], "seq_lens_cpu", 4).tolist() == [5, 6, 1, 1]
+    assert host_int32(torch.tensor([7, 8, 9]), "seq_lens_cpu", 2).tolist() == [7, 8]
+    fx = kit_fixture(case("EXTEND", prefix_lens=(3, 4), extend_lens=(2, 5), name="cut_to_bs"))
+    fb = fx.forward_batch
+    fb.extend_prefix_lens = torch.cat([fb.extend_prefix_lens, torch.tensor([99], dtype=fb.extend_prefix_lens.dtype)])
+    ours = to_mla_batch(fb, device=torch.device("cpu"), num_draft_tokens=0)
+    assert ours.extend_prefix_lens.tolist() == [3, 4]
+
+
+def test_a_tree_verify_replay_with_no_live_request_reads_chains():
+    """A captured tree verify replayed with every row padding (spec_info.positions empty): each row a chain."""
+    from types import SimpleNamespace
+
+    from mla_fa3.integrations.sglang.convert import verify_tree
+
+    k, bs = 3, 2
+    fb = SimpleNamespace(spec_info=SimpleNamespace(custom_mask=torch.ones(bs * k * k, dtype=torch.bool),
+                                                   positions=torch.zeros(0, dtype=torch.int64)))
+    tree = verify_tree(fb, bs, k, torch.ones(bs, dtype=torch.int32), torch.device("cpu"))
+    assert torch.equal(tree.mask, torch.ones(k, k, dtype=torch.bool).tril().expand(bs, k, k))
+
+
+def test_a_draft_of_one_request_is_not_idle_and_two_steps_build_one_step_backend():
+    """The multi-step draft: a batch of one request runs (its branch outputs are not the empty IDLE answer); the
+    hook builds ours for 2 steps (one step backend: the last step's token needs no forward), None for 1."""
+    from tests.test_sglang_draft import _draft_world, _factory, _run_draft
+
+    from mla_fa3.integrations.sglang import plugin
+
+    fx, backend, fb, draft_loc = _draft_world(2, 3, prefixes=(14,))
+    for out, oracle, tol in _run_draft(fx, backend, fb, draft_loc):
+        assert out.shape[0] == 2
+        assert (out - oracle).abs().max().item() <= tol
+    decode_hook, _ = plugin.DRAFT_HOOKS.values()
+    runner = backend.model_runner
+    two = decode_hook(lambda *a, **k: "sglang's", _factory("mla_fa3", runner=runner, steps=2))
+    assert len(two.attn_backends) == 1
+    assert decode_hook(lambda *a, **k: "sglang's", _factory("mla_fa3", runner=runner, steps=1)) is None

@@ -256,3 +256,19 @@ def test_batch_rows_from_zero_to_the_last_are_in_range_without_a_pool():
     for bad in ([-1, 2], [1, 4]):
         with pytest.raises(ValueError, match=r"req_pool_indices must be in \[0, 4\)"):
             checks.check_rows(None, torch.tensor(bad))
+
+
+def test_draft_mask_needs_a_branch_and_tree_positions_need_a_fitting_host_mask():
+    """``sglang_draft_mask`` refuses topk 0 (a draft step has at least one branch); ``tree_positions`` gives no
+    positions (None: the batch check names the misfit) for a device-only mask or one of another batch size, and
+    prefix + depth otherwise (written out here: tree [-1, 0, 0, 1] over a prefix of 5 -> depths 0, 1, 1, 2)."""
+    from mla_fa3.tree import DraftTree, DraftTreeError, sglang_draft_mask, tree_positions
+
+    with pytest.raises(DraftTreeError, match="topk must be an int >= 1"):
+        sglang_draft_mask(1, 0, 3, 0)
+    host = DraftTree.from_parents([[-1, 0, 0, 1]], "cpu")
+    seq = torch.tensor([5 + 4], dtype=torch.int32)
+    assert tree_positions(seq, host).tolist() == [5, 6, 6, 7]
+    device_only = DraftTree(mask=host.mask, mask_cpu=None)
+    assert tree_positions(seq, device_only) is None
+    assert tree_positions(torch.tensor([9, 9], dtype=torch.int32), host) is None

@@ -178,6 +178,17 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
     "mla_fa3/prefill_graph.py:161:11:compare:0": ("entry is None", "(entry is not None)", "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
     "mla_fa3/prefill_graph.py:190:11:compare:0": ("self._pool is None", "(self._pool is not None)", "CUDA only: after PrefillGraphs._shape_key, which returns None off CUDA / FA3 (prefill graphs are captured on the GPU only)"),
+    "mla_fa3/ops/splitkv_config.py:29:14:const:1": (
+        "64", "(63)", "NARROW_ROWS compares rows = heads x query tokens per program, a power of two (16, 32, 64, "
+        "128): < 63 and < 64 agree on all of them"),
+    "mla_fa3/ops/splitkv_config.py:93:91:const:1": (
+        "64", "(63)", "max_registers' lower bound; the same check requires a multiple of 8, so 63 is refused either way"),
+    "mla_fa3/tree.py:156:103:const:1": (
+        "1", "(0)", "num_steps' lower bound; num_steps 0 is refused by the next check (step must lie in [0, num_steps))"),
+    "mla_fa3/integrations/sglang/draft.py:161:7:guard:0": (
+        'mode is not None and getattr(mode, "name", "").startswith("DRAFT_EXTEND")', "False",
+        "the multi-step draft backend's early refusal of a DRAFT_EXTEND batch; each step's conversion refuses it too, "
+        "with the same words"),
 }
 
 
