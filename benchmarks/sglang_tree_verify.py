@@ -40,7 +40,8 @@ def _fixture(kit, heads, bs, ctx, k, seed, dev="cuda"):
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-    c = kit.MLAAttentionCase(name=f"tree_{heads}_{bs}_{ctx}_{k}", backend="mla_fa3", forward_mode=ForwardMode.TARGET_VERIFY,
+    c = kit.MLAAttentionCase(name=f"tree_{heads}_{bs}_{ctx}_{k}", backend="mla_fa3",
+                             forward_mode=ForwardMode.TARGET_VERIFY,
                              num_heads=heads, page_size=1, prefix_lens=(ctx,) * bs, extend_lens=(k,) * bs)
     cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, hidden_size=64,
                                  context_len=ctx + k)
@@ -83,7 +84,8 @@ class _With:
 
 
 def _time(name, topk, fx, registry, iters):
-    """(µs per replay, out [bs·k, H·r], kernel) of backend ``name`` with EAGLE topk ``topk`` on the fixture's step."""
+    """(µs per replay, out [bs·k, H·r], kernel) of backend ``name`` with EAGLE topk ``topk`` on the fixture's
+    step."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     runner = _With(fx.runner, server_args=_With(fx.runner.server_args, speculative_eagle_topk=topk,

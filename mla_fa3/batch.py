@@ -223,9 +223,10 @@ class ForwardBatch:
                         seq_lens_cpu=self.seq_lens_cpu)
         cols = self.tree_key_columns
         if cols is not None:
-            if not isinstance(cols, Tensor) or cols.dtype != torch.int64 or tuple(cols.shape) != (bs, self.tree.num_keys):
+            n = self.tree.num_keys
+            if not isinstance(cols, Tensor) or cols.dtype != torch.int64 or tuple(cols.shape) != (bs, n):
                 got = f"{cols.dtype} {tuple(cols.shape)}" if isinstance(cols, Tensor) else type(cols).__name__
-                raise ValueError(f"tree_key_columns must be a [batch_size, n] = [{bs}, {self.tree.num_keys}] int64 "
+                raise ValueError(f"tree_key_columns must be a [batch_size, n] = [{bs}, {n}] int64 "
                                  f"tensor, got {got}")
             if cols.device != self.seq_lens.device:
                 raise ValueError(f"tree_key_columns must be on {self.seq_lens.device}, got {cols.device}")
