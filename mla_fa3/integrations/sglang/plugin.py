@@ -41,6 +41,11 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
                                                  (draft.route_draft_decode / route_draft_extend; other names: the
                                                  original). --speculative-draft-attention-backend overrides both
     srt/model_executor/forward_batch_info.py     build_inner_fb_view: the DECODE view each draft step plans on
+    srt/speculative/eagle_worker_common.py       prepare_for_draft's draft layout (draft.draft_columns: contiguous
+                                                 at page 1, page-aligned per branch at page > 1 with topk > 1)
+    srt/speculative/eagle_draft_extend_cuda_     DRAFT_EXTEND_V2's replay view (convert.draft_extend_widths: no
+      graph_runner.py                            extend_seq_lens_cpu on the batch; spec_info.extend_seq_lens_cpu,
+                                                 spec_info.num_tokens_per_req)
 """
 
 from __future__ import annotations
