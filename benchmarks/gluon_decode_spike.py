@@ -2,6 +2,7 @@
 
     python benchmarks/gluon_decode_spike.py --out out/gluon_spike.csv      (about 2 minutes on an H100 / H200)
     python benchmarks/gluon_decode_spike.py --check                         (the correctness check alone)
+    python benchmarks/gluon_decode_spike.py --fp8 --out out/gluon_fp8.csv   (the e4m3 cache, bf16 q; --check too)
 
 Kernels alone (each op's whole step: phase 1 + combine for the split-KV kernels), CUDA-graph replays over R
 disjoint cache copies (R·bytes > 3x the 50 MiB L2; ``bench.splitkv.Shape``), at least 16 calls per replay, median
@@ -17,6 +18,12 @@ per call. Shapes: 16 heads, bf16, page 64, one query token, equal lengths, bs 1/
 First, always, ``--check``: the Gluon kernel against the Triton split-KV and the torch reference on one cache
 (lengths 65536, 4097, 65, 1; several splits per request; NaN in the tail of each last page): max |Δout|,
 max |Δlse|, cosine. A failed check prints CHECK FAILED, the timings still run (marked), the exit status is 1.
+
+``--fp8``: the e4m3 cache (``float8_e4m3fn`` pools with a per-tensor ``descale_k``, ``bench.splitkv.Shape(fp8=True)``)
+read with the bf16 q, by the Gluon kernel's e4m3 variant and by our Triton split-KV (its e4m3 table config,
+``descale_k=``); bytes = Σ L_b · 576 · 1 (half of bf16's), roofline at the same measured copy bandwidth; FA3 /
+FlashMLA columns stay empty (FlashMLA reads an e4m3 cache only with an e4m3 q: another contract). The check then
+runs on the e4m3 cache as well as on the bf16 one.
 """
 
 from __future__ import annotations
@@ -50,8 +57,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def check(gd) -> bool:
-    """Gluon vs Triton split-KV vs the torch reference on one adversarial cache; prints the errors."""
+def check(gd, fp8: bool = False) -> bool:
+    """Gluon vs Triton split-KV vs the torch reference on one adversarial cache (``fp8``: rounded to e4m3 with
+    descale_k, read with the bf16 q); prints the errors."""
     lens = [65536, 4097, 65, 1]
     g = torch.Generator(device="cuda").manual_seed(0)
     need = [-(-L // PAGE) for L in lens]
@@ -68,13 +76,18 @@ def check(gd) -> bool:
     q = torch.randn(len(lens), 1, H, D, device="cuda", generator=g).to(torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     kw = dict(head_dim_v=R, softmax_scale=SCALE, causal=True)
+    gkw = {}
+    if fp8:  # NaN stays NaN in e4m3fn; a scale that is not a power of two, so a missed / doubled one shows
+        descale = torch.tensor([0.4375], dtype=torch.float32, device="cuda")
+        kv = (kv.float() / descale).to(torch.float8_e4m3fn)
+        kw["descale_k"] = gkw["descale_k"] = descale
     ok = True
     for waves in (1.0, 8.0):
         sched = ops.get_splitkv_schedule(lens, num_heads=H, page_size=PAGE, device="cuda", waves=waves,
                                          min_split_tokens=64)
-        out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE)
+        out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, **gkw)
         tri, tri_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=ops.get_splitkv_schedule(
-            lens, num_heads=H, page_size=PAGE, device="cuda"), impl="triton", **kw)
+            lens, num_heads=H, page_size=PAGE, device="cuda", kv_fp8=fp8), impl="triton", **kw)
         ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=sched, impl="reference", **kw)
         a, t, r = out.double(), tri.double(), ref.double()
         cos = float((a.flatten() @ r.flatten()) / (a.norm() * r.norm()).clamp_min(1e-30))
@@ -83,7 +96,8 @@ def check(gd) -> bool:
         base = (t - r).abs().max().item()  # the Triton kernel's own error against the reference: the scale
         good = bool(torch.isfinite(out).all()) and cos >= 0.9999 and d_ref <= 2 * base + 1e-3 and dl_ref <= 2e-3
         ok &= good
-        print(f"check waves {waves} ({sched.planned_work} splits): max |gluon - triton| {d_tri:.3g}, "
+        print(f"check {'e4m3' if fp8 else 'bf16'} cache, waves {waves} ({sched.planned_work} splits): "
+              f"max |gluon - triton| {d_tri:.3g}, "
               f"|gluon - reference| {d_ref:.3g} (triton vs reference {base:.3g}), max |Δlse| vs triton {dl_tri:.3g}, "
               f"vs reference {dl_ref:.3g}, cosine vs reference {cos:.6f}: {'ok' if good else 'CHECK FAILED'}",
               file=sys.stderr, flush=True)
@@ -98,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batch", default=",".join(map(str, BATCH)))
     ap.add_argument("--context", default=",".join(map(str, CONTEXT)))
+    ap.add_argument("--fp8", action="store_true", help="the e4m3 cache (descale_k) read with the bf16 q")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -106,22 +121,26 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     ok = check(gd)
+    if args.fp8:
+        ok &= check(gd, fp8=True)
     if args.check:
         return 0 if ok else 1
     dev = torch.device("cuda")
     card = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"{card}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)", file=sys.stderr, flush=True)
-    peers = fa3_kernels.why_unavailable(dev) is None  # sgl_kernel imports, sm90
+    peers = not args.fp8 and fa3_kernels.why_unavailable(dev) is None  # sgl_kernel imports, sm90
     waves = [float(w) for w in args.waves.split(",")]
     rows = []
     for bs in map(int, args.batch.split(",")):
         for ctx in map(int, args.context.split(",")):
-            shape = Shape(bs, ctx, dev)
+            shape = Shape(bs, ctx, dev, fp8=args.fp8)
             q = shape.queries(H)
             n = len(shape.copies)
-            nbytes = roofline.decode_bytes(bs * ctx)
-            row = dict(card=card, heads=H, batch=bs, context=ctx, copies=n, bytes=nbytes,
+            nbytes = roofline.decode_bytes(bs * ctx) // (2 if args.fp8 else 1)  # e4m3: 1 byte a value
+            gkw = dict(descale_k=shape.descale_k) if args.fp8 else {}
+            row = dict(card=card, heads=H, kv="e4m3" if args.fp8 else "bf16", batch=bs, context=ctx, copies=n,
+                       bytes=nbytes,
                        copy_tb_s=round(bw / 1e12, 3), roofline_us=1e6 * nbytes / bw, check="ok" if ok else "FAILED")
 
             def us(fn):
@@ -131,12 +150,12 @@ def main(argv=None) -> int:
                 sched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, waves=w)
                 row[f"gluon_w{w:g}_splits"] = sched.planned_work
                 row[f"gluon_w{w:g}_us"] = us(lambda s=sched: [gd.gluon_mla_decode(
-                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE) for kv, table in shape.copies])
-            tsched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev)
+                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE, **gkw) for kv, table in shape.copies])
+            tsched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, kv_fp8=args.fp8)
             row["triton_splits"] = tsched.planned_work
             row["triton_us"] = us(lambda: [ops.splitkv_mla_with_kvcache(
                 q, kv, table, shape.seqlens, head_dim_v=R, schedule=tsched, softmax_scale=SCALE, causal=True,
-                impl="triton") for kv, table in shape.copies])
+                impl="triton", **gkw) for kv, table in shape.copies])
             for name, make in (("fa3", fa3_fn), ("flashmla", flashmla_fn)):
                 row[f"{name}_us"] = us(make(shape, q)) if peers else None
             best = min(row[f"gluon_w{w:g}_us"] for w in waves)
@@ -151,8 +170,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     cols = list(rows[0])
     fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
-    shown = [c for c in cols if c not in ("card", "heads", "copy_tb_s", "check")]
-    print(f"\n{card}, 16 heads, bf16, page 64; copy {bw / 1e12:.2f} TB/s; check {'ok' if ok else 'FAILED'}")
+    shown = [c for c in cols if c not in ("card", "heads", "kv", "copy_tb_s", "check")]
+    print(f"\n{card}, 16 heads, {'e4m3 cache (bf16 q)' if args.fp8 else 'bf16'}, page 64; copy {bw / 1e12:.2f} TB/s; "
+          f"check {'ok' if ok else 'FAILED'}")
     print("| " + " | ".join(shown) + " |\n|" + "---|" * len(shown))
     for r in rows:
         print("| " + " | ".join(fmt(r[c]) for c in shown) + " |")

@@ -6,6 +6,9 @@ What the design relies on, read off the PTX and the cubin of ``compile_for_hoppe
     mbarrier                expect_tx on the ready barrier (9 x 8 KB), try_wait in both partitions, arrive (empty)
     setmaxnreg              the producer warp gives registers back, the consumer warpgroup takes them
     spills                  none (cuobjdump: LOCAL 0, STACK 0; no LDL / STL in the SASS)
+The e4m3-cache variant (``compile_for_hopper(kv8=True)``): the same 9 TMA boxes (4 KB each: 36,864 B a tile), 144
+``cvt.rn.f16x2.e4m3x2`` (the 64 x 576 tile / 128 threads / 2 per cvt; SASS ``F2FP.F16.E4M3.UNPACK_B``, no F2F), 68
+wgmma ``m64n16k16.f32.f16.f16`` reading the converted fp16 tile, no spills; shared memory 205,884 B.
 Skipped where triton or its Gluon (Hopper) API is missing, or triton < 3.6 (this kernel's API); checked with
 triton 3.6 (the GPU machine's) and 3.9 (this venv's): the TMA load is ``async_copy_global_to_shared`` in 3.6 and
 ``async_load`` in 3.9, the module picks whichever exists; the TMA's PTX destination is ``shared::cluster`` in 3.6 and
@@ -30,11 +33,36 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="
 
 from mla_fa3 import ops  # noqa: E402
 from mla_fa3.ops import gluon_decode as gd  # noqa: E402
+from mla_fa3.ops.validate_gluon import unsupported  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def compiled():
     return gd.compile_for_hopper()
+
+
+@pytest.fixture(scope="module")
+def compiled_fp8():
+    return gd.compile_for_hopper(kv8=True)
+
+
+def _cubin_tools():
+    nvidia = os.path.dirname(triton.backends.nvidia.__file__)
+    cuobjdump = os.path.join(nvidia, "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip(f"no cuobjdump in {nvidia}/bin")
+    return cuobjdump
+
+
+def _usage_and_sass(kernel):
+    cuobjdump = _cubin_tools()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return usage, sass
 
 
 def _count(text: str, what: str) -> int:
@@ -58,16 +86,7 @@ def test_ptx_has_the_warp_specialized_structure(compiled):
 
 
 def test_cubin_has_no_spills(compiled):
-    nvidia = os.path.dirname(triton.backends.nvidia.__file__)
-    cuobjdump = os.path.join(nvidia, "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip(f"no cuobjdump in {nvidia}/bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    usage, sass = _usage_and_sass(compiled)
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
     assert not re.search(r"\b(LDL|STL)\b", sass)
     assert _count(sass, "HGMMA.64x16x16.F32.BF16") == 68 and _count(sass, "UTMALDG.2D") == 9
@@ -120,3 +139,51 @@ def test_split_kv_launch_switch_refuses_what_the_kernel_does_not_run():
                              impl=ops.Impl.TRITON, q_rope=None)
         with pytest.raises(ValueError, match=message):
             splitkv_triton.splitkv_mla_with_kvcache(call, sched, w_uv=w_uv)
+
+
+def test_fp8_variant_converts_the_tile_and_runs_fp16_wgmma(compiled_fp8):
+    ptx = compiled_fp8.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16") == 9 * 4 + 8 * 4
+    assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == 0
+    tma = r"cp\.async\.bulk\.tensor\.2d\.shared::(cta|cluster)\.global\.mbarrier::complete_tx::bytes"
+    assert len(re.findall(tma, ptx)) == 9
+    assert _count(ptx, "mbarrier.arrive.expect_tx") == 1 and "36864" in ptx  # 9 boxes x 64 x 64 x 1 byte
+    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 64 * 576 // 128 // 2  # the tile, once: 144 per thread
+    assert _count(ptx, "cvt.bf16.f16") == 0
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert _count(ptx, "fence.proxy.async") >= 3  # q, the converted tile, P
+    assert compiled_fp8.metadata.shared <= 227 * 1024
+
+
+def test_fp8_cubin_has_no_spills(compiled_fp8):
+    usage, sass = _usage_and_sass(compiled_fp8)
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert _count(sass, "HGMMA.64x16x16.F32 ") == 68 and _count(sass, "UTMALDG.2D") == 9
+    assert _count(sass, "F2FP.F16.E4M3.UNPACK_B") == 144 and not re.search(r"\bF2F\.", sass)
+
+
+def test_unsupported_takes_an_e4m3_cache_with_a_bf16_q_and_refuses_an_e4m3_q():
+    from mla_fa3.ops.validate import check_splitkv
+
+    lens = [65, 130]
+    kv = torch.randn(8, 64, 1, 576).to(torch.float8_e4m3fn)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    one = torch.ones(1)
+    sched = ops.get_splitkv_schedule(lens, num_heads=16, page_size=64)
+    call = check_splitkv(torch.randn(2, 1, 16, 576).bfloat16(), kv, table, seqlens, head_dim_v=512, schedule=sched,
+                         softmax_scale=0.1, causal=True, descale_q=None, descale_k=one, impl=ops.Impl.TRITON)
+    assert call.kv_fp8 and not call.is_fp8
+    assert unsupported(call, sched).startswith("q must be on a CUDA device")  # everything else fits
+    with pytest.raises(ValueError, match="^q must be on a CUDA device"):
+        gd.gluon_mla_decode(call.q, kv, table, seqlens, schedule=sched, softmax_scale=0.1, descale_k=one)
+    with pytest.raises(ValueError, match="descale_k is required"):
+        gd.gluon_mla_decode(call.q, kv, table, seqlens, schedule=sched, softmax_scale=0.1)
+    sched8 = sched
+    call8 = check_splitkv(torch.randn(2, 1, 16, 576).to(torch.float8_e4m3fn), kv, table, seqlens, head_dim_v=512,
+                          schedule=sched8, softmax_scale=0.1, causal=True, descale_q=one, descale_k=one,
+                          impl=ops.Impl.TRITON)
+    assert unsupported(call8, sched8).startswith("q must be bfloat16")
+    assert "e4m3 q" in unsupported(call8, sched8)

@@ -7,6 +7,11 @@ page reaches shared memory and must be masked out of Sᵀ and zeroed before P·V
 Tolerances from precision (``ops_cases.check``): err(kernel vs fp64 oracle) <= 2 · err(torch bf16 vs oracle) + 1e-4,
 cosine >= 0.9999 against our Triton split-KV on the same cache, LSE (natural log) within 2e-3.
 
+The e4m3 cache (``kv float8_e4m3fn`` + ``descale_k``, q bf16): the same cases with the pool rounded to e4m3 (NaN
+past every end: e4m3fn has NaN), the oracle computed in fp64 over the e4m3 keys times descale_k with q as given
+(bf16, never rounded to e4m3), the low-precision baseline in bf16 over the same dequantized keys, and our Triton
+split-KV reading the same e4m3 cache with the bf16 q (``descale_k=``).
+
 Skips: no CUDA sm90 (and, via ``conftest``, no sgl_kernel), a triton without Gluon, or a triton older than 3.6
 (the Gluon API this kernel is written for). With triton >= 3.6 on the GPU, an import or build error FAILS.
 """
@@ -181,3 +186,76 @@ def test_split_kv_with_the_warp_specialized_switch_runs_this_kernel(gd):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, out)
+
+
+# ---- the e4m3 cache, read with the bf16 q ----------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+DESCALE = 0.4375  # the cache's per-tensor scale: not a power of two, so a missed or doubled descale shows
+
+
+def build_fp8(lens, *, seed=0):
+    """``build``'s cache rounded to e4m3 (NaN stays NaN) + descale_k [1]; dense rows = e4m3 keys · descale_k."""
+    q, kv, table, seqlens, dense = build(lens, seed=seed)
+    kv8 = (kv.float() / DESCALE).to(E4M3)
+    descale = torch.tensor([DESCALE], dtype=torch.float32, device=DEV)
+    rows8 = []
+    for (q_b, kv_b), L, b in zip(dense, lens, range(len(lens))):
+        pages = table[b, : math.ceil(L / PAGE)].long()
+        k8 = kv8[pages].reshape(-1, 1, D)[:L]
+        rows8.append((q_b, (k8.double() * DESCALE).cpu()))
+    return q, kv8, table, seqlens, descale, rows8
+
+
+def oracle_and_lowp_fp8(dense):
+    oracle = [_attend(q_b, k_b, torch.float64) for q_b, k_b in dense]
+    lowp = [_attend(q_b, k_b, BF16)[0] for q_b, k_b in dense]  # bf16 over the dequantized keys
+    return torch.stack([o for o, _ in oracle]), torch.stack([l for _, l in oracle]), torch.stack(lowp)
+
+
+def run_triton_fp8(q, kv, table, seqlens, descale, lens):
+    sched = schedule_for(lens, kv_fp8=True)
+    return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                        causal=True, impl="triton", descale_k=descale)
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_gluon_fp8_cache_matches_oracle_and_triton_splitkv(gd, name, plan):
+    lens = CASES[name]
+    q, kv, table, seqlens, descale, dense = build_fp8(lens, seed=len(lens) + 100)
+    sched = schedule_for(lens, **PLANS[plan])
+    out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale)
+    torch.cuda.synchronize()
+    assert out.dtype == BF16 and out.shape == (len(lens), 1, H, R) and lse.shape == (len(lens), 1, H)
+    tri, tri_lse = run_triton_fp8(q, kv, table, seqlens, descale, lens)
+    ref_out, ref_lse, lowp = oracle_and_lowp_fp8(dense)
+    check(out, lse, ref_out, ref_lse, lowp, tri)
+    assert cosine(out, tri) >= 0.9999
+    assert (lse - tri_lse).abs().max().item() <= 2e-3
+
+
+def test_gluon_fp8_is_bitwise_repeatable_and_goes_through_split_kv_the_same(gd):
+    """Repeatable to the bit; split-KV's ``warp_specialized`` switch on the e4m3 cache gives the same bits as
+    ``gluon_mla_decode`` (descale_k applied once, by the combine, on both paths)."""
+    from mla_fa3.ops.splitkv_config import KernelConfig
+
+    lens = (1, 63, 64, 65, 4097, 65536)
+    q, kv, table, seqlens, descale, dense = build_fp8(lens, seed=17)
+    sched = schedule_for(lens)
+    a = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale)
+    b = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    ws = schedule_for(lens, config=KernelConfig(block_n=64, waves=1.0, warp_specialized=True), kv_fp8=True)
+    via = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, head_dim_v=R, schedule=ws, softmax_scale=SCALE,
+                                       causal=True, impl="triton", descale_k=descale)
+    direct = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=ws, softmax_scale=SCALE, descale_k=descale)
+    assert torch.equal(via[0], direct[0]) and torch.equal(via[1], direct[1])
+    ref_out, ref_lse, lowp = oracle_and_lowp_fp8(dense)
+    check(a[0], a[1], ref_out, ref_lse, lowp, run_triton_fp8(q, kv, table, seqlens, descale, lens)[0])
+
+
+def test_gluon_refuses_an_e4m3_q(gd):
+    q, kv, table, seqlens, descale, _ = build_fp8((65,))
+    sched = schedule_for((65,))
+    with pytest.raises(ValueError, match="^q must be bfloat16"):
+        gd.gluon_mla_decode(q.to(E4M3), kv, table, seqlens, schedule=sched, softmax_scale=SCALE)

@@ -2,6 +2,7 @@
 # On the GPU machine, from the checkout root, with nothing carried (no sgl-kernel, no SGLang): our own Triton and
 # Gluon kernels, which need only the image's torch and triton. Results under $OUT.
 #   the Gluon decode kernel: its --check, its GPU tests (split-KV's warp-specialized switch included), its benchmark
+#   over a bf16 and over an e4m3 cache
 #   the tree part's Triton kernel: its GPU test and benchmarks/tree_attention.py (whole tree steps need the kit: the
 #   backend resolves FA3 for every step)
 # conftest skips every gpu test without sgl_kernel, so pytest runs with --noconftest here (the tests named need none).
@@ -9,7 +10,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/card.txt
-timeout 120 python3 benchmarks/gluon_decode_spike.py --check > $OUT/gluon_check.txt 2>&1
+timeout 150 python3 benchmarks/gluon_decode_spike.py --fp8 --check > $OUT/gluon_check.txt 2>&1  # bf16 and e4m3
 echo "gluon --check rc=$?"; tail -12 $OUT/gluon_check.txt | cut -c1-300
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --noconftest -m gpu -p no:cacheprovider \
   tests/test_gluon_decode_gpu.py tests/test_tree_attention_triton.py > $OUT/gpu_tests.txt 2>&1
@@ -18,4 +19,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --out $OUT/gluon_spike.csv > $OUT/gluon_bench.txt 2>&1
   tail -30 $OUT/gluon_bench.txt | cut -c1-300
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --fp8 --batch 1,4,16,64 --context 16384,65536 \
+    --out $OUT/gluon_spike_fp8.csv > $OUT/gluon_bench_fp8.txt 2>&1
+  tail -14 $OUT/gluon_bench_fp8.txt | cut -c1-300
 fi

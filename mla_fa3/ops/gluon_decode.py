@@ -45,12 +45,22 @@ with ``PRODUCER_REGS`` (setmaxnreg). ``compile_for_hopper`` compiles for sm_90a 
 (``tests/test_gluon_decode_compile.py`` reads wgmma, TMA and mbarrier instructions off the PTX and the spill
 count off the cubin); docs/DECODE_KERNEL.md has the numbers and the design discussion.
 
+The e4m3 cache (``KV8``; kv ``float8_e4m3fn`` + ``descale_k [1]``, q bf16 and never rounded to e4m3): the same
+kernel with the ring holding e4m3 boxes [64, 64] (64 bytes a row, 64-byte swizzle; 9 x 4 KB = 36 KB a tile) and
+STAGES_FP8 = 3 tiles (108 KB). wgmma takes no e4m3 x 16-bit product, so after ``wait ready[s]`` the consumer
+converts the tile in shared memory, e4m3 ring[s] -> fp16 stg [9][64, 64] (72 KB; one ``cvt.rn.f16x2.e4m3x2`` per
+2 values — e4m3 -> bf16 would add two F2F per 2 values; on the last tile the value rows past the end are zeroed in
+the ring first), fences, and runs both dots on stg exactly as above, in fp16: q rescaled by an exact power of two
+2^k (largest |q| in [2^13, 2^15), as ``splitkv_triton.py`` does), P stored fp16. ring[s] is released right after
+the Sᵀ wgmma are issued (stg holds the tile). Scores: s · scale · 2^k · descale_k · log2 e; the output's descale_k
+is applied by the combine (``combine_splits(..., descale_k)``), not here. Shared memory 205,884 B.
+
 Written against the Gluon API of triton 3.6 (the GPU machine's); see docs/DECODE_KERNEL.md for what differs in
 3.9. Imported lazily by its users: a CPU install without triton never imports it.
 
-Measured
---------
-Not yet run on a GPU (benchmarks/gluon_decode_spike.py is the command; results go to docs/DECODE_KERNEL.md).
+Measured (docs/DECODE_KERNEL.md has the table): the bf16 kernel on an H100, 2026-12-07 — correct, 1.03-1.09x the
+roofline and 1.20x our Triton split-KV at bs 64, latency-bound at bs 1-4 (1.14-2.75x the roofline). The e4m3
+variant has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -65,23 +75,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import validate
 from .splitkv_combine_triton import combine_splits
 from .splitkv_plan import SplitKVSchedule
-from .types import Impl
+from .validate_gluon import HEADS, LATENT, PAGE, ROPE, check_supported
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
-HEADS = 16  # wgmma N: one program holds every head of a request
-LATENT = 512  # r
-ROPE = 64  # d_rope
-PAGE = 64  # keys per page = keys per tile (BLOCK_N)
 CW = 64  # columns per chunk: 64 bf16 = 128 bytes, the widest 128B-swizzled TMA box
-STAGES = 2  # key tiles in the shared-memory ring
+STAGES = 2  # key tiles in the shared-memory ring (bf16 cache)
+STAGES_FP8 = 3  # key tiles in the ring of an e4m3 cache (36 KB each; plus the 72 KB bf16 staging tile)
 NUM_WARPS = 4  # the consumer warpgroup (the default partition)
 PRODUCER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; 24 is the floor)
-MAX_ROWS = 2**31  # TMA coordinates are int32: page_id · 64 must fit
 
 # the TMA load's name: ``async_copy_global_to_shared`` in triton 3.6, ``async_load`` in later releases (3.9 raises
 # on the old name)
@@ -118,23 +123,52 @@ def _zero_tail(ring, base, valid, LAT_CHUNKS: gl.constexpr, BN: gl.constexpr, BW
 
 
 @gluon.jit
-def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready, empty, o_row, stride_oh, lse_row,
-              start, end, n_tiles, live, scale_log2,
+def _convert_tile(ring, base, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
+    """e4m3 ring[base .. base + CHUNKS) -> fp16 stg[0 .. CHUNKS) (exact: e4m3 fits fp16; one cvt per 2 values)."""
+    for c in gl.static_range(CHUNKS):
+        stg.index(c).store(ring.index(base + c).load(layout).to(gl.float16))
+
+
+@gluon.jit
+def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row, stride_oh,
+              lse_row, start, end, n_tiles, live, scale_log2, DescaleK,
               H: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr, BN: gl.constexpr,
-              BW: gl.constexpr):
+              BW: gl.constexpr, KV8: gl.constexpr):
     """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials."""
     LAT: gl.constexpr = R // BW
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
     head_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # [H]
     key_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # [BN] (and [BW]: the rows of accᵀ are latent columns)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, 64] per pass, rows x 16 B
+    cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # e4m3 [32, 64] per pass, rows x 16 B
 
     # q: 8 latent chunks and the rope chunk, [H, 64] each (wgmma's B, K-major after the permute below)
     hh = gl.arange(0, H, layout=gl.SliceLayout(1, tile_l))
     cc = gl.arange(0, BW, layout=gl.SliceLayout(0, tile_l))
-    for c in gl.static_range(LAT):
-        q_smem.index(c).store(gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]))
-    q_smem.index(LAT).store(gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]))
+    if KV8:
+        # e4m3 cache: the dots run in fp16 (e4m3 -> fp16 is one native cvt per 2 values on sm90; -> bf16 would add
+        # two more, F2F, per 2 values). q (bf16, never rounded to e4m3) is first rescaled by a power of two 2^k
+        # (exact) so that its largest |q| lies in [2^13, 2^15): no fp16 overflow, and bf16 -> fp16 exact for every
+        # component within 2^27 of the largest (splitkv_triton.py does the same); 2^k and the cache's per-tensor
+        # scale fold into the score scale (the scale also into the output: in the combine).
+        qs = ()
+        for c in gl.static_range(LAT):
+            qs = qs + (gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]).to(gl.float32),)
+        qs = qs + (gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]).to(gl.float32),)
+        amax = gl.max(gl.max(gl.abs(qs[0]), axis=1), axis=0)
+        for c in gl.static_range(1, CHUNKS):
+            amax = gl.maximum(amax, gl.max(gl.max(gl.abs(qs[c]), axis=1), axis=0))
+        big = amax > 0.0
+        shift = gl.where(big, gl.floor(gl.log2(gl.where(big, amax, 1.0))) - 13.0, 0.0)
+        pow2 = gl.exp2(shift)
+        q_inv = gl.exp2(-shift)  # a power of two: q · q_inv is exact, no division
+        for c in gl.static_range(CHUNKS):
+            q_smem.index(c).store((qs[c] * q_inv).to(gl.float16))
+        scale_log2 = scale_log2 * pow2 * gl.load(DescaleK)
+    else:
+        for c in gl.static_range(LAT):
+            q_smem.index(c).store(gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]))
+        q_smem.index(LAT).store(gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]))
     fence_async_shared()
 
     m = gl.full([H], float("-inf"), gl.float32, head_l)
@@ -144,14 +178,28 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready,
         acc = acc + (gl.zeros([BW, H], gl.float32, acc_l),)
     for i in range(n_tiles):
         s = i % NSTAGES
-        base = s * CHUNKS
+        n0 = start + i * BN
         mbarrier.wait(ready.index(s), (i // NSTAGES) & 1)
+        if KV8:  # e4m3 ring[s] -> fp16 stg; the dots read stg
+            if end - n0 < BN:  # the last tile: the value rows past the end <- 0 in the ring first (may hold NaN)
+                _zero_tail(ring, s * CHUNKS, end - n0, LAT, BN, BW, cvt_l)
+            _convert_tile(ring, s * CHUNKS, stg, CHUNKS, cvt_l)
+            fence_async_shared()  # the generic-proxy writes (stg; the zeroed ring rows) before wgmma / the next TMA
+            kb = stg
+            # 0, but opaque and loop-variant: else the 17 wgmma smem descriptors of stg (64-bit each) are hoisted
+            # out of the loop and held across it (triton 3.6 then spills them)
+            base = gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [i], dtype=gl.int32, is_pure=True,
+                                             pack=1)
+        else:
+            kb = ring
+            base = s * CHUNKS
         st = gl.zeros([BN, H], gl.float32, acc_l)
         for c in gl.static_range(CHUNKS):
-            st = warpgroup_mma(ring.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
+            st = warpgroup_mma(kb.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
+        if KV8:  # ring[s] was read into stg before the barrier that precedes these wgmma: release it now
+            mbarrier.arrive(empty.index(s), count=1)
         st = warpgroup_mma_wait(0, deps=[st])
 
-        n0 = start + i * BN
         keys = n0 + gl.arange(0, BN, layout=key_l)
         s2 = gl.where((keys < end)[:, None], st * scale_log2, float("-inf"))
         m_new = gl.maximum(m, gl.max(s2, axis=0))
@@ -160,16 +208,18 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready,
         p = gl.exp2(s2 - m_safe[None, :])
         l_part = l_part * alpha[None, :] + p
         m = m_new
-        if end - n0 < BN:  # the request's last tile: the page's rows past its end are not keys (may hold NaN)
-            _zero_tail(ring, base, end - n0, LAT, BN, BW, tile_l)
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        if not KV8:
+            if end - n0 < BN:  # the request's last tile: the page's rows past its end are not keys (may hold NaN)
+                _zero_tail(ring, base, end - n0, LAT, BN, BW, tile_l)
+        p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
         fence_async_shared()
         new_acc = ()
         for c in gl.static_range(LAT):
-            new_acc = new_acc + (warpgroup_mma(ring.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
+            new_acc = new_acc + (warpgroup_mma(kb.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
                                                acc[c] * alpha[None, :], is_async=True),)
         acc = warpgroup_mma_wait(0, deps=new_acc)
-        mbarrier.arrive(empty.index(s), count=1)
+        if not KV8:
+            mbarrier.arrive(empty.index(s), count=1)
 
     if live:
         l = gl.sum(l_part, axis=0)
@@ -188,10 +238,11 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready,
 
 @gluon.jit
 def _gluon_mla_decode_kernel(
-    kv_desc, Q, QR, PageTable, SeqLens, Work, NumWork, PartO, PartLse2,
+    kv_desc, Q, QR, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleK,
     stride_qb, stride_qh, stride_qrb, stride_qrh, stride_ptb, max_pages, stride_ow, stride_oh, stride_lw,
     scale_log2,
     H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr, PRODUCER_NREG: gl.constexpr,
+    KV8: gl.constexpr,
 ):
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
@@ -210,9 +261,14 @@ def _gluon_mla_decode_kernel(
     n_tiles = gl.where(live & (end > start), (end - start + BN - 1) // BN, 0)
 
     ring = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES * CHUNKS, BN, BW], kv_desc.layout)
-    qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BW], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, H, BW], qp_l)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BN], qp_l)
+    DT: gl.constexpr = gl.float16 if KV8 else gl.bfloat16  # the dots' operand type
+    qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BW], DT)
+    if KV8:  # the fp16 copy of one e4m3 tile, the dots' A operand (wgmma takes no e4m3 x 16-bit product)
+        stg = gl.allocate_shared_memory(DT, [CHUNKS, BN, BW], gl.NVMMASharedLayout.get_default_for([BN, BW], DT))
+    else:
+        stg = ring
+    q_smem = gl.allocate_shared_memory(DT, [CHUNKS, H, BW], qp_l)
+    p_smem = gl.allocate_shared_memory(DT, [H, BN], qp_l)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NSTAGES):
@@ -224,111 +280,73 @@ def _gluon_mla_decode_kernel(
     o_row = PartO + slot.to(gl.int64) * stride_ow
     lse_row = PartLse2 + slot.to(gl.int64) * stride_lw
     gl.warp_specialize([
-        (_consumer, (q_row, qr_row, stride_qh, stride_qrh, ring, q_smem, p_smem, ready, empty, o_row, stride_oh,
-                     lse_row, start, end, n_tiles, live, scale_log2, H, R, CHUNKS, NSTAGES, BN, BW)),
+        (_consumer, (q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row,
+                     stride_oh, lse_row, start, end, n_tiles, live, scale_log2, DescaleK, H, R, CHUNKS, NSTAGES, BN,
+                     BW, KV8)),
         (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
     ], [1], [PRODUCER_NREG])
 
 
-def _kv_layout():
-    """The ring's shared layout: one [64 keys, 64 columns] bf16 box, 128-byte swizzle (TMA writes, wgmma reads)."""
-    return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.bfloat16)
+def _kv_layout(kv8: bool = False):
+    """The ring's shared layout: one [64 keys, 64 columns] box (TMA writes it). bf16: 128 bytes a row, 128-byte
+    swizzle (wgmma reads it); e4m3: 64 bytes a row, 64-byte swizzle (the consumer converts it to bf16)."""
+    return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.float8e4nv if kv8 else gl.bfloat16)
 
 
-def _constexprs(num_heads: int = HEADS) -> dict:
-    return dict(H=num_heads, R=LATENT, DR=ROPE, NSTAGES=STAGES, PRODUCER_NREG=PRODUCER_REGS)
+def _constexprs(num_heads: int = HEADS, kv8: bool = False) -> dict:
+    return dict(H=num_heads, R=LATENT, DR=ROPE, NSTAGES=STAGES_FP8 if kv8 else STAGES, PRODUCER_NREG=PRODUCER_REGS,
+                KV8=kv8)
 
 
-def compile_for_hopper(capability: int = 90):
-    """Compile the kernel for ``GPUTarget("cuda", capability, 32)`` without a GPU -> triton's CompiledKernel
-    (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this triton fills them in)."""
+def compile_for_hopper(capability: int = 90, kv8: bool = False):
+    """Compile the kernel (``kv8``: the e4m3-cache variant) for ``GPUTarget("cuda", capability, 32)`` without a
+    GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
+    triton fills them in)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    desc = f"tensordesc<bf16[{PAGE}, {CW}],{_kv_layout()!r}>"
+    desc = f"tensordesc<{'fp8e4nv' if kv8 else 'bf16'}[{PAGE}, {CW}],{_kv_layout(kv8)!r}>"
     sig = dict(kv_desc=desc, Q="*bf16", QR="*bf16", PageTable="*i32", SeqLens="*i32", Work="*i32", NumWork="*i32",
-               PartO="*fp32", PartLse2="*fp32")
+               PartO="*fp32", PartLse2="*fp32", DescaleK="*fp32")
     for name in ("stride_qb", "stride_qh", "stride_qrb", "stride_qrh", "stride_ptb", "max_pages", "stride_ow",
                  "stride_oh", "stride_lw"):
         sig[name] = "i32"
     sig["scale_log2"] = "fp32"
-    consts = _constexprs()
+    consts = _constexprs(kv8=kv8)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fn=_gluon_mla_decode_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def check_supported(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
-                    schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
-                    head_dim_v: int = LATENT):
-    """The split-KV op's boundary checks (``validate.check_splitkv``), then this kernel's one shape
-    (:func:`unsupported`); a ValueError naming the argument otherwise, before any launch. Reads shapes, dtypes,
-    strides and devices only (no sync). Returns the validated ``FlashMLACall``."""
-    call = validate.check_splitkv(q, kv_cache, page_table, cache_seqlens, head_dim_v=head_dim_v, schedule=schedule,
-                                  softmax_scale=softmax_scale, causal=True, descale_q=None, descale_k=None,
-                                  impl=Impl.TRITON, q_rope=q_rope)
-    why = unsupported(call, schedule)
-    if why is not None:
-        raise ValueError(why)
-    return call
-
-
-def unsupported(call, schedule: SplitKVSchedule) -> Optional[str]:
-    """Why this kernel cannot run a validated split-KV ``call`` with ``schedule`` (its one shape), or None."""
-    q, q_rope, kv_cache = call.q, call.q_rope, call.kv_cache
-    sq, H = q.shape[1:3]
-    for x, name in ((q, "q"), (q_rope, "q_rope"), (kv_cache, "kv_cache")):
-        if x is not None and x.dtype != torch.bfloat16:
-            return f"{name} must be bfloat16 for the Gluon decode kernel (its one shape), got {x.dtype}"
-    if call.head_dim_v != LATENT:
-        return f"head_dim_v must be {LATENT} for the Gluon decode kernel, got {call.head_dim_v}"
-    if sq != 1:
-        return f"q must hold one query token per request (q.shape[1] == 1) for the Gluon decode kernel, got {sq}"
-    if H != HEADS:
-        return f"q must have {HEADS} heads for the Gluon decode kernel (wgmma N = heads), got {H}"
-    if tuple(kv_cache.shape[1:]) != (PAGE, 1, LATENT + ROPE):
-        return (f"kv_cache must be [num_pages, {PAGE}, 1, {LATENT + ROPE}] for the Gluon decode kernel, got "
-                f"{tuple(kv_cache.shape)}")
-    D = LATENT + ROPE
-    if kv_cache.stride() != (PAGE * D, D, D, 1):
-        return (f"kv_cache must be contiguous (the TMA descriptor views it as [num_pages·{PAGE}, {D}]), got strides "
-                f"{kv_cache.stride()}")
-    if kv_cache.data_ptr() % 16:
-        return "kv_cache must start on a 16-byte boundary (TMA)"
-    if kv_cache.shape[0] * PAGE >= MAX_ROWS:
-        return (f"kv_cache has {kv_cache.shape[0]} pages; the Gluon decode kernel addresses rows with int32 TMA "
-                f"coordinates (at most {MAX_ROWS // PAGE - 1} pages)")
-    if schedule.granule % PAGE:
-        return f"schedule must start splits on whole {PAGE}-key tiles, got granule {schedule.granule}"
-    if q.device.type != "cuda":
-        return f"q must be on a CUDA device (sm_90) for the Gluon decode kernel, got {q.device}"
-    return None
-
-
 def gluon_partials(call, schedule: SplitKVSchedule) -> Tuple[Tensor, Tensor]:
     """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32, part_lse2 [capacity, 1,
-    H] float32, base 2): the workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE)."""
+    H] float32, base 2): the workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
+
+    An e4m3 cache (``call.kv_fp8``): ``call.descale_k`` is folded into the scores here; the partial outputs are NOT
+    scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does)."""
     q, kv = call.q, call.kv_cache
+    kv8 = bool(call.kv_fp8)
     q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
     H, cap = q.shape[2], schedule.capacity
     part_o = torch.empty(cap, 1, H, LATENT, dtype=torch.float32, device=q.device)
     part_lse2 = torch.empty(cap, 1, H, dtype=torch.float32, device=q.device)
     rows = kv.view(kv.shape[0] * PAGE, LATENT + ROPE)
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [PAGE, CW], _kv_layout())
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [PAGE, CW], _kv_layout(kv8))
     with torch.cuda.device(q.device):  # triton launches on the current device
         _gluon_mla_decode_kernel[(cap,)](
             desc, q, q_rope, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
+            call.descale_k if kv8 else part_lse2,  # any float32 pointer: read only with an e4m3 cache
             q.stride(0), q.stride(2), q_rope.stride(0), q_rope.stride(2), call.page_table.stride(0),
             call.page_table.shape[1],
             part_o.stride(0), part_o.stride(2), part_lse2.stride(0),
-            call.softmax_scale * LOG2E, **_constexprs(H), num_warps=NUM_WARPS,
+            call.softmax_scale * LOG2E, **_constexprs(H, kv8), num_warps=NUM_WARPS,
         )
     return part_o, part_lse2
 
 
 def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
                      schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
-                     head_dim_v: int = LATENT) -> Tuple[Tensor, Tensor]:
+                     head_dim_v: int = LATENT, descale_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's one shape -> (out [bs, 1, 16, 512]
     bf16, lse [bs, 1, 16] float32, natural log; a request without keys: 0, -inf).
 
@@ -336,9 +354,13 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     (any strides, contiguous last dims); kv_cache ``[num_pages, 64, 1, 576]`` bf16 contiguous, read in place;
     page_table ``[bs, max_pages] int32``; cache_seqlens ``[bs] int32``; ``schedule`` from
     ``ops.get_splitkv_schedule`` (page_size 64) planned from the same lengths. Phase 1 here, then our combine (two
-    launches, no sync; the tensor descriptor is built on the host per call). Anything else: a ValueError first."""
+    launches, no sync; the tensor descriptor is built on the host per call). Anything else: a ValueError first.
+
+    kv_cache may be ``torch.float8_e4m3fn`` with ``descale_k [1] float32`` (its per-tensor scale; required then),
+    read with the bf16 q (q never rounded to e4m3): phase 1 folds descale_k into the scores, the combine into the
+    output — once each, as ``ops.splitkv_mla_with_kvcache`` does."""
     call = check_supported(q, kv_cache, page_table, cache_seqlens, schedule=schedule, softmax_scale=softmax_scale,
-                           q_rope=q_rope, head_dim_v=head_dim_v)
+                           q_rope=q_rope, head_dim_v=head_dim_v, descale_k=descale_k)
     bs, sq, H = q.shape[:3]
     out = torch.empty(bs, sq, H, LATENT, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
@@ -346,5 +368,6 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
         return out, lse
     part_o, part_lse2 = gluon_partials(call, schedule)
     with torch.cuda.device(q.device):
-        combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse)
+        combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
+                       call.descale_k if call.kv_fp8 else None)  # the e4m3 cache's scale on the output, once
     return out, lse

@@ -96,6 +96,7 @@ from .splitkv_combine_triton import combine_splits
 from .splitkv_config import NARROW_ROWS, KernelConfig, latent_chunks
 from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
 from .types import KernelUnavailableError
+from .validate_gluon import unsupported
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -349,14 +350,14 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
     first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch."""
     if w_uv is not None:
         raise ValueError("KernelConfig.warp_specialized: the output projection is not fused into its combine")
+    why = unsupported(call, schedule)
+    if why is not None:
+        raise ValueError(f"KernelConfig.warp_specialized: {why}")
     try:
         from . import gluon_decode
     except Exception as exc:  # ImportError (a triton without Gluon) or a broken install
         raise KernelUnavailableError(f"the warp-specialized decode kernel needs triton >= 3.6 with Gluon: "
                                      f"{type(exc).__name__}: {exc}") from exc
-    why = gluon_decode.unsupported(call, schedule)
-    if why is not None:
-        raise ValueError(f"KernelConfig.warp_specialized: {why}")
     return gluon_decode.gluon_partials(call, schedule)
 
 
