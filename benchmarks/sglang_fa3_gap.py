@@ -22,16 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from mla_fa3.bench.timing import time_graph  # noqa: E402
 
-def _graph_time(fn, iters: int) -> float:
-    from benchmarks.sglang_backends import replay_us
 
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return replay_us(g, iters)
+def _us(fn, iters: int) -> float:
+    return 1e3 * time_graph(fn, warmup=3, iters=iters)
 
 
 def main(argv=None) -> int:
@@ -66,7 +61,7 @@ def main(argv=None) -> int:
                 backend.init_forward_metadata_in_graph(fb)
                 layer(q_lat.view(bs, -1), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
 
-            res[f"{'fa3' if name == 'fa3' else 'ours'}_layer"] = _graph_time(layer_step, args.iters)
+            res[f"{'fa3' if name == 'fa3' else 'ours'}_layer"] = _us(layer_step, args.iters)
             md = backend.forward_metadata
             if name == "fa3":
                 tabs = (md.page_table, md.cache_seqlens_int32, md.cu_seqlens_q, md.max_seq_len_q)
@@ -75,12 +70,12 @@ def main(argv=None) -> int:
                 tabs = (md.page_table, md.cache_seqlens, md.cu_seqlens_q, md.max_seqlen_q)
                 key = "fa3_kernel_us"
                 pool = backend.mla_pool
-                res["ours_store"] = _graph_time(lambda: pool.set_kv(0, fb.out_cache_loc, c_kv.view(bs, 512),
+                res["ours_store"] = _us(lambda: pool.set_kv(0, fb.out_cache_loc, c_kv.view(bs, 512),
                                                                     k_rope.view(bs, 64)), args.iters)
                 print("our page table", tuple(md.page_table.shape), md.page_table.stride(), "plan:",
                       backend.explain().summary())
             print(name, "page table", tuple(tabs[0].shape), "max_seqlen_q", tabs[3])
-            res[key] = _graph_time(lambda: flash_attn_with_kvcache(
+            res[key] = _us(lambda: flash_attn_with_kvcache(
                 q=q_rope.view(bs, H, 64), k_cache=kv[..., 512:], v_cache=kv[..., :512], qv=q_lat.view(bs, H, 512),
                 page_table=tabs[0], cache_seqlens=tabs[1], cu_seqlens_q=tabs[2], max_seqlen_q=tabs[3],
                 softmax_scale=layer.scaling, causal=True), args.iters)

@@ -3,8 +3,8 @@
 One DeepSeek attention layer's verify step as SGLang runs it: ``bs`` requests with a cached prefix of ``ctx`` tokens
 and ``k`` draft tokens each, arranged as a random tree and sent as SGLang's FULL_MASK ``spec_info.custom_mask``. Each
 backend builds its metadata from the batch (outside the timing), then the layer's attention forward (q_lat and q_rope
-apart, as SGLang's DeepSeek calls both) is captured in a CUDA graph and its replays timed by CUDA events (median of
-``--iters``). The chain rows are the same step with topk 1 (a causal verify). Page size 1: SGLang's fa3 reads a tree's
+apart, as SGLang's DeepSeek calls both) is captured in a CUDA graph and its replays timed by CUDA events
+(``bench.timing.time_graph``: median of ``--iters``). The chain rows are the same step with topk 1 (a causal verify). Page size 1: SGLang's fa3 reads a tree's
 keys through a per-token page table (its topk > 1 verify expands the pool's token slots as page ids).
 
     python benchmarks/sglang_tree_verify.py --out out/tree_verify.csv [--heads 16 128] [--bs 1 8 32] [--k 8 16 32 64]
@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.sglang_backends import replay_us, sglang_ready  # noqa: E402
+from benchmarks.sglang_backends import sglang_ready  # noqa: E402
+from mla_fa3.bench.timing import time_graph  # noqa: E402
 from tree_cases import ancestors_mask, random_tree  # noqa: E402
 
 R, D_ROPE = 512, 64
@@ -109,13 +110,7 @@ def _time(name, topk, fx, registry, iters):
         out = step().clone()
         if fx.dev == "cpu":  # --smoke: the script's plumbing on the CPU (our reference kernels), one eager step
             return float("nan"), out, backend.explain().kernel if name == "mla_fa3" else ""
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        us = replay_us(graph, iters)
+        us = 1e3 * time_graph(step, warmup=3, iters=iters)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
     return us, out, kernel
 

@@ -2,8 +2,8 @@
 
     python benchmarks/tree_attention.py [--out FILE.txt]
 
-Each call is captured in a CUDA graph and its replays timed by CUDA events (the mean of 20): device time, not the
-launch overhead of eager calls. Shapes: 16 and 128 heads, bs x k draft tokens per request (a chain mask), bf16,
+Each call is captured in a CUDA graph and its replays timed by CUDA events (``bench.timing.time_graph``: the median
+of 20): device time, not the launch overhead of eager calls. Shapes: 16 and 128 heads, bs x k draft tokens per request (a chain mask), bf16,
 DeepSeek's 512 + 64 latent row. GPU only (no sgl-kernel needed).
 """
 
@@ -18,25 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from mla_fa3 import ops  # noqa: E402
+from mla_fa3.bench.timing import time_graph  # noqa: E402
 
 SHAPES = ((1, 8), (8, 16), (32, 16), (32, 64))  # (bs, k)
-
-
-def replay_us(fn, n: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n * 1e3
 
 
 def main(argv=None) -> int:
@@ -55,8 +39,9 @@ def main(argv=None) -> int:
             kv = torch.randn(bs * k * 4, 576, device=dev, dtype=bf16)
             slots = torch.randperm(bs * k * 4, device=dev)[: bs * k].view(bs, k)
             mask = torch.tril(torch.ones(k, k, dtype=torch.bool, device=dev)).expand(bs, k, k).contiguous()
-            us = {impl: replay_us(lambda impl=impl: ops.tree_attention(q_lat, q_rope, kv, slots, mask,
-                                                                       softmax_scale=0.07, impl=impl))
+            us = {impl: 1e3 * time_graph(lambda impl=impl: ops.tree_attention(q_lat, q_rope, kv, slots, mask,
+                                                                               softmax_scale=0.07, impl=impl),
+                                         warmup=3, iters=20)
                   for impl in ("triton", "reference")}
             q_mb = T * H * 576 * 2 / 1e6
             lines.append(f"H {H} bs {bs} k {k} (q {q_mb:.1f} MB): triton {us['triton']:.1f} us, torch "
