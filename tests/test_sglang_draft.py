@@ -180,10 +180,16 @@ def test_cuda_graph_capture_then_replay_of_the_draft(page_size):
 
 
 def test_draft_extend_batch_is_refused_by_name():
+    """Eagerly and on the CUDA-graph path, where each step plans on SGLang's inner DECODE view of the batch (the
+    view keeps the batch's mode as actual_forward_mode): refused before any step is planned."""
     fx, backend, fb, _ = _draft_world(2, 3)
     fb.forward_mode = SGLangMode.DRAFT_EXTEND_V2  # SGLang 0.5.17: the only draft-extend mode
     with pytest.raises(UnsupportedStepError, match="DRAFT_EXTEND runs on the draft-extend backend"):
         backend.init_forward_metadata(fb)
+    with torch.no_grad():
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=8)
+        with pytest.raises(UnsupportedStepError, match="DRAFT_EXTEND runs on the draft-extend backend"):
+            backend.init_forward_metadata_out_graph(fb, in_capture=True)
 
 
 def _factory(name, *, draft_name=None, steps=3, topk=2, runner=None, mode="prefill"):

@@ -185,10 +185,6 @@ EQUIVALENT: dict[str, tuple[str, str, str]] = {
         "64", "(63)", "max_registers' lower bound; the same check requires a multiple of 8, so 63 is refused either way"),
     "mla_fa3/tree.py:156:103:const:1": (
         "1", "(0)", "num_steps' lower bound; num_steps 0 is refused by the next check (step must lie in [0, num_steps))"),
-    "mla_fa3/integrations/sglang/draft.py:161:7:guard:0": (
-        'mode is not None and getattr(mode, "name", "").startswith("DRAFT_EXTEND")', "False",
-        "the multi-step draft backend's early refusal of a DRAFT_EXTEND batch; each step's conversion refuses it too, "
-        "with the same words"),
 }
 
 

@@ -132,7 +132,6 @@ class SGLangMLAMultiStepDraftBackend:
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Plan every step (eager): step i's metadata lives in ``attn_backends[i]``."""
-        _refuse_draft_extend(forward_batch)
         for backend in self.attn_backends:
             backend.init_forward_metadata(forward_batch)
 
@@ -141,8 +140,8 @@ class SGLangMLAMultiStepDraftBackend:
             backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Capture, or a replay's host update, of every step: each on SGLang's inner DECODE view of the batch."""
-        _refuse_draft_extend(forward_batch)
+        """Capture, or a replay's host update, of every step: each on SGLang's inner DECODE view of the batch (which
+        keeps the batch's own mode as ``actual_forward_mode``: each step refuses a DRAFT_EXTEND by name)."""
         inner = build_inner_fb_view(forward_batch, bs=forward_batch.batch_size, forward_mode=SGLangMode.DECODE,
                                     encoder_lens=getattr(forward_batch, "encoder_lens", None))
         for backend in self.attn_backends:
@@ -154,14 +153,6 @@ class SGLangMLAMultiStepDraftBackend:
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.attn_backends[0].get_cuda_graph_seq_len_fill_value()
-
-
-def _refuse_draft_extend(fb) -> None:
-    mode = getattr(fb, "forward_mode", None)
-    if mode is not None and getattr(mode, "name", "").startswith("DRAFT_EXTEND"):
-        raise UnsupportedStepError(f"forward_mode {mode.name}: mla_fa3's multi-step draft backend serves the draft "
-                                   "decode steps only; DRAFT_EXTEND runs on the draft-extend backend "
-                                   "(DraftBackendFactory.create_draft_extend_backend: SGLangMLABackend)")
 
 
 def create_draft_decode_backend(model_runner, topk: int, speculative_num_steps: int):
