@@ -320,7 +320,7 @@ def tree_key_slots(req_to_token: Tensor, rows: Tensor, prefix_lens: Tensor, num_
     if columns is None:
         cols = prefix_lens.to(torch.int64).unsqueeze(1) + torch.arange(num_keys, device=prefix_lens.device)
     else:
-        cols = columns.to(device=req_to_token.device, dtype=torch.int64, copy=True).clamp_(min=0)
+        cols = columns.to(device=req_to_token.device, dtype=torch.int64).clamp(min=0)  # a new tensor: clamped below
     cols = cols.clamp_(max=req_to_token.shape[1] - 1)
     slots = req_to_token[rows.to(torch.int64).unsqueeze(1), cols].to(torch.int64)
     if out is None:
