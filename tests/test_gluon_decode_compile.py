@@ -100,6 +100,23 @@ def test_cubin_has_no_spills(variant, request):
         assert _count(sass, "F2FP.F16.E4M3.UNPACK_B") == 144 and not re.search(r"\bF2F\.", sass)
 
 
+@pytest.mark.parametrize("kv8", [False, True])
+def test_pdl_variant_signals_its_dependents_once_after_the_key_loop(kv8, compiled, compiled_fp8):
+    """``pdl=True``: one ``griddepcontrol.launch_dependents`` after the key loop (the combine, launched next as a
+    programmatic dependent, starts early and waits for the whole grid); without it none. Same wgmma / TMA
+    structure, still no spills."""
+    plain = (compiled_fp8 if kv8 else compiled).asm["ptx"]
+    kernel = gd.compile_for_hopper(kv8=kv8, pdl=True)
+    ptx = kernel.asm["ptx"]
+    assert _count(plain, "griddepcontrol") == 0
+    assert _count(ptx, "griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx
+    # after the loop: the launch_dependents comes after the last wgmma of the kernel
+    assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("wgmma.mma_async")
+    assert _count(ptx, "wgmma.mma_async") == _count(plain, "wgmma.mma_async") == 68
+    usage, sass = _usage_and_sass(kernel)
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+
+
 def test_other_shapes_raise_a_named_value_error_before_any_launch():
     lens = [65, 130]
     q = torch.randn(2, 1, 16, 576).bfloat16()

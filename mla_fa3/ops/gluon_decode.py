@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .pdl import pdl_capable
 from .splitkv_combine_triton import combine_splits
 from .splitkv_plan import SplitKVSchedule
 from .validate_gluon import HEADS, LATENT, PAGE, ROPE, check_supported
@@ -133,7 +134,7 @@ def _convert_tile(ring, base, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
 def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row, stride_oh,
               lse_row, start, end, n_tiles, live, scale_log2, DescaleK,
               H: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr, BN: gl.constexpr,
-              BW: gl.constexpr, KV8: gl.constexpr):
+              BW: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr):
     """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials."""
     LAT: gl.constexpr = R // BW
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -221,6 +222,9 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         if not KV8:
             mbarrier.arrive(empty.index(s), count=1)
 
+    if PDL:  # the key loop is done: the combine (a programmatic dependent) may launch; it waits for the whole grid
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     if live:
         l = gl.sum(l_part, axis=0)
         seen = l > 0.0
@@ -242,7 +246,7 @@ def _gluon_mla_decode_kernel(
     stride_qb, stride_qh, stride_qrb, stride_qrh, stride_ptb, max_pages, stride_ow, stride_oh, stride_lw,
     scale_log2,
     H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr, PRODUCER_NREG: gl.constexpr,
-    KV8: gl.constexpr,
+    KV8: gl.constexpr, PDL: gl.constexpr,
 ):
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
@@ -282,7 +286,7 @@ def _gluon_mla_decode_kernel(
     gl.warp_specialize([
         (_consumer, (q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row,
                      stride_oh, lse_row, start, end, n_tiles, live, scale_log2, DescaleK, H, R, CHUNKS, NSTAGES, BN,
-                     BW, KV8)),
+                     BW, KV8, PDL)),
         (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
     ], [1], [PRODUCER_NREG])
 
@@ -293,13 +297,13 @@ def _kv_layout(kv8: bool = False):
     return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.float8e4nv if kv8 else gl.bfloat16)
 
 
-def _constexprs(num_heads: int = HEADS, kv8: bool = False) -> dict:
+def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False) -> dict:
     return dict(H=num_heads, R=LATENT, DR=ROPE, NSTAGES=STAGES_FP8 if kv8 else STAGES, PRODUCER_NREG=PRODUCER_REGS,
-                KV8=kv8)
+                KV8=kv8, PDL=pdl)
 
 
-def compile_for_hopper(capability: int = 90, kv8: bool = False):
-    """Compile the kernel (``kv8``: the e4m3-cache variant) for ``GPUTarget("cuda", capability, 32)`` without a
+def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False):
+    """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch) for ``GPUTarget("cuda", capability, 32)`` without a
     GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
     triton fills them in)."""
     from triton.backends.compiler import GPUTarget
@@ -312,15 +316,17 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False):
                  "stride_oh", "stride_lw"):
         sig[name] = "i32"
     sig["scale_log2"] = "fp32"
-    consts = _constexprs(kv8=kv8)
+    consts = _constexprs(kv8=kv8, pdl=pdl)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fn=_gluon_mla_decode_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def gluon_partials(call, schedule: SplitKVSchedule) -> Tuple[Tensor, Tensor]:
+def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False) -> Tuple[Tensor, Tensor]:
     """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32, part_lse2 [capacity, 1,
     H] float32, base 2): the workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
+    ``pdl``: each program signals ``griddepcontrol.launch_dependents`` once its key loop is done, so that a combine
+    launched next with ``pdl=True`` starts early (it waits for this whole grid before reading the partials).
 
     An e4m3 cache (``call.kv_fp8``): ``call.descale_k`` is folded into the scores here; the partial outputs are NOT
     scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does)."""
@@ -339,7 +345,7 @@ def gluon_partials(call, schedule: SplitKVSchedule) -> Tuple[Tensor, Tensor]:
             q.stride(0), q.stride(2), q_rope.stride(0), q_rope.stride(2), call.page_table.stride(0),
             call.page_table.shape[1],
             part_o.stride(0), part_o.stride(2), part_lse2.stride(0),
-            call.softmax_scale * LOG2E, **_constexprs(H, kv8), num_warps=NUM_WARPS,
+            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl), num_warps=NUM_WARPS,
         )
     return part_o, part_lse2
 
@@ -366,8 +372,9 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     lse = torch.empty(bs, sq, H, dtype=torch.float32, device=q.device)
     if bs == 0:
         return out, lse
-    part_o, part_lse2 = gluon_partials(call, schedule)
+    pdl = pdl_capable(q.device)
+    part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl)
     with torch.cuda.device(q.device):
         combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
-                       call.descale_k if call.kv_fp8 else None)  # the e4m3 cache's scale on the output, once
+                       call.descale_k if call.kv_fp8 else None, pdl=pdl)  # the e4m3 scale on the output, once
     return out, lse

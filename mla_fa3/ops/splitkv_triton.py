@@ -335,19 +335,21 @@ def splitkv_mla_with_kvcache(
     if bs == 0 or sq == 0 or H == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     counters = None if w_uv is None else torch.empty(bs * sq * H, dtype=torch.int32, device=q.device)
+    pdl = config.pdl and pdl_capable(q.device)
     if config.warp_specialized:
-        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv)
+        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl)
     else:
         part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
-                   pdl=config.pdl and pdl_capable(q.device), w=w_uv, counters=counters)
+                   pdl=pdl, w=w_uv, counters=counters)
     return out, lse
 
 
-def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor]):
+def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor], pdl: bool):
     """Phase 1 of a schedule planned with ``KernelConfig.warp_specialized``: the Gluon kernel (imported here, on
-    first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch."""
+    first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch
+    (``pdl``: it lets the combine launch once its key loops are done)."""
     if w_uv is not None:
         raise ValueError("KernelConfig.warp_specialized: the output projection is not fused into its combine")
     why = unsupported(call, schedule)
@@ -358,7 +360,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
     except Exception as exc:  # ImportError (a triton without Gluon) or a broken install
         raise KernelUnavailableError(f"the warp-specialized decode kernel needs triton >= 3.6 with Gluon: "
                                      f"{type(exc).__name__}: {exc}") from exc
-    return gluon_decode.gluon_partials(call, schedule)
+    return gluon_decode.gluon_partials(call, schedule, pdl=pdl)
 
 
 def splitkv_partials(
