@@ -9,7 +9,8 @@ disjoint cache copies (R·bytes > 3x the 50 MiB L2; ``bench.splitkv.Shape``), at
 per call. Shapes: 16 heads, bf16, page 64, one query token, equal lengths, bs 1/4/16/64 x ctx 16k/32k/64k.
 
     gluon     ops/gluon_decode.gluon_mla_decode; schedule planned once with ``waves`` (default 1.0: one CTA per SM
-              — the kernel takes 164 KB of shared memory), ``--waves 1,2`` times each
+              — the kernel takes 164 KB of shared memory), ``--waves 1,2`` times each; ``--half`` adds each with
+              bf16 partial outputs (``half_partials``); the combine launched as a programmatic dependent (sm90+)
     triton    ops.splitkv_mla_with_kvcache(impl='triton'), its table's config and schedule
     fa3       FA3 (qv form) and flashmla (FlashMLA), when sgl_kernel imports (else their columns stay empty)
     bytes     Σ L_b · 576 · 2 (the latent rows streamed once);  roofline µs = bytes / the card's bandwidth,
@@ -113,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default=",".join(map(str, BATCH)))
     ap.add_argument("--context", default=",".join(map(str, CONTEXT)))
     ap.add_argument("--fp8", action="store_true", help="the e4m3 cache (descale_k) read with the bf16 q")
+    ap.add_argument("--half", action="store_true",
+                    help="also time each waves with bf16 partial outputs (columns gluon_w<waves>h_*)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -146,11 +149,14 @@ def main(argv=None) -> int:
             def us(fn):
                 return 1e3 * time_per_call(fn, n, warmup=3, iters=args.iters)
 
-            for w in waves:
+            variants = [(w, h) for w in waves for h in ((False, True) if args.half else (False,))]
+            for w, h in variants:
                 sched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, waves=w)
-                row[f"gluon_w{w:g}_splits"] = sched.planned_work
-                row[f"gluon_w{w:g}_us"] = us(lambda s=sched: [gd.gluon_mla_decode(
-                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE, **gkw) for kv, table in shape.copies])
+                tag = f"gluon_w{w:g}{'h' if h else ''}"
+                row[f"{tag}_splits"] = sched.planned_work
+                row[f"{tag}_us"] = us(lambda s=sched, h=h: [gd.gluon_mla_decode(
+                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE, half_partials=h, **gkw)
+                    for kv, table in shape.copies])
             tsched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, kv_fp8=args.fp8)
             row["triton_splits"] = tsched.planned_work
             row["triton_us"] = us(lambda: [ops.splitkv_mla_with_kvcache(
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
                 impl="triton", **gkw) for kv, table in shape.copies])
             for name, make in (("fa3", fa3_fn), ("flashmla", flashmla_fn)):
                 row[f"{name}_us"] = us(make(shape, q)) if peers else None
-            best = min(row[f"gluon_w{w:g}_us"] for w in waves)
+            best = min(row[f"gluon_w{w:g}{'h' if h else ''}_us"] for w, h in variants)
             row["gluon_over_roofline"] = best / row["roofline_us"]
             row["triton_over_gluon"] = row["triton_us"] / best
             for name in ("fa3", "flashmla"):

@@ -101,6 +101,20 @@ def test_cubin_has_no_spills(variant, request):
 
 
 @pytest.mark.parametrize("kv8", [False, True])
+def test_half_partials_variant_stores_bf16_partial_outputs(kv8, compiled, compiled_fp8):
+    """``half=True`` (``KernelConfig.half_partials``): the partial outputs are rounded to bf16 and stored as 16-bit
+    values (the fp32 variant stores none); the LSE stays fp32; no spills."""
+    plain = (compiled_fp8 if kv8 else compiled).asm["ptx"]
+    kernel = gd.compile_for_hopper(kv8=kv8, half=True)
+    ptx = kernel.asm["ptx"]
+    assert not re.search(r"st\.global(\.\w+)*\.b16", plain)
+    assert re.search(r"st\.global(\.\w+)*\.b16", ptx) and "cvt.rn.bf16" in ptx
+    assert _count(ptx, "wgmma.mma_async") == 68
+    usage, _ = _usage_and_sass(kernel)
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+
+
+@pytest.mark.parametrize("kv8", [False, True])
 def test_pdl_variant_signals_its_dependents_once_after_the_key_loop(kv8, compiled, compiled_fp8):
     """``pdl=True``: one ``griddepcontrol.launch_dependents`` after the key loop (the combine, launched next as a
     programmatic dependent, starts early and waits for the whole grid); without it none. Same wgmma / TMA
@@ -149,7 +163,8 @@ def test_split_kv_launch_switch_refuses_what_the_kernel_does_not_run():
 
     ws = KernelConfig(block_n=64, waves=1.0, warp_specialized=True)
     assert ws.label().endswith("-ws")
-    for bad in (dict(block_n=32), dict(waves=2.0), dict(fused_projection=True)):
+    assert KernelConfig(block_n=64, waves=4.0, half_partials=True, warp_specialized=True).label().endswith("-h-ws")
+    for bad in (dict(block_n=32), dict(fused_projection=True)):
         with pytest.raises(ValueError, match="warp_specialized needs block_n 64"):
             KernelConfig(**{**dict(block_n=64, waves=1.0, warp_specialized=True), **bad})
     lens = [65, 130]

@@ -188,6 +188,25 @@ def test_split_kv_with_the_warp_specialized_switch_runs_this_kernel(gd):
     assert torch.equal(g_out, out)
 
 
+@pytest.mark.parametrize("waves", [0.5, 2.0, 4.0])
+def test_split_kv_switch_with_half_partials_and_other_waves_matches_the_oracle(gd, waves):
+    """``KernelConfig(warp_specialized=True, half_partials=True, waves=...)``: bf16 partial outputs (one more rounding
+    per split) and fewer / more programs than SMs; the answer stays within the precision rule of the fp64 oracle and
+    agrees with the fp32-partials launch of the same schedule (cosine), the LSE to fp32 rounding (it is not halved)."""
+    from mla_fa3.ops.splitkv_config import KernelConfig
+
+    lens = CASES["bs8_mixed"]
+    q, kv, table, seqlens, dense = build(lens, seed=11)
+    half = schedule_for(lens, config=KernelConfig(block_n=64, waves=waves, half_partials=True, warp_specialized=True))
+    full = schedule_for(lens, config=KernelConfig(block_n=64, waves=waves, warp_specialized=True))
+    out, lse = run_triton(q, kv, table, seqlens, half)
+    out32, lse32 = run_triton(q, kv, table, seqlens, full)
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    check(out, lse, ref_out, ref_lse, lowp, out32)
+    assert cosine(out, out32) >= 0.9999
+    assert (lse - lse32).abs().max().item() <= 1e-5
+
+
 # ---- the e4m3 cache, read with the bf16 q ----------------------------------------------------------------------
 E4M3 = torch.float8_e4m3fn
 DESCALE = 0.4375  # the cache's per-tensor scale: not a power of two, so a missed or doubled descale shows

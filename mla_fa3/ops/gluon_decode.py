@@ -302,8 +302,9 @@ def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False) ->
                 KV8=kv8, PDL=pdl)
 
 
-def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False):
-    """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch) for ``GPUTarget("cuda", capability, 32)`` without a
+def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False, half: bool = False):
+    """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch; ``half``: bf16
+    partial outputs) for ``GPUTarget("cuda", capability, 32)`` without a
     GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
     triton fills them in)."""
     from triton.backends.compiler import GPUTarget
@@ -311,7 +312,7 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
 
     desc = f"tensordesc<{'fp8e4nv' if kv8 else 'bf16'}[{PAGE}, {CW}],{_kv_layout(kv8)!r}>"
     sig = dict(kv_desc=desc, Q="*bf16", QR="*bf16", PageTable="*i32", SeqLens="*i32", Work="*i32", NumWork="*i32",
-               PartO="*fp32", PartLse2="*fp32", DescaleK="*fp32")
+               PartO="*bf16" if half else "*fp32", PartLse2="*fp32", DescaleK="*fp32")
     for name in ("stride_qb", "stride_qh", "stride_qrb", "stride_qrh", "stride_ptb", "max_pages", "stride_ow",
                  "stride_oh", "stride_lw"):
         sig[name] = "i32"
@@ -322,9 +323,11 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False) -> Tuple[Tensor, Tensor]:
-    """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32, part_lse2 [capacity, 1,
-    H] float32, base 2): the workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
+def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
+                   half: bool = False) -> Tuple[Tensor, Tensor]:
+    """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32 — bf16 with ``half``:
+    half the workspace traffic, one more rounding per split —, part_lse2 [capacity, 1, H] float32, base 2): the
+    workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
     ``pdl``: each program signals ``griddepcontrol.launch_dependents`` once its key loop is done, so that a combine
     launched next with ``pdl=True`` starts early (it waits for this whole grid before reading the partials).
 
@@ -334,7 +337,7 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False) -> Tup
     kv8 = bool(call.kv_fp8)
     q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
     H, cap = q.shape[2], schedule.capacity
-    part_o = torch.empty(cap, 1, H, LATENT, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(cap, 1, H, LATENT, dtype=torch.bfloat16 if half else torch.float32, device=q.device)
     part_lse2 = torch.empty(cap, 1, H, dtype=torch.float32, device=q.device)
     rows = kv.view(kv.shape[0] * PAGE, LATENT + ROPE)
     desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [PAGE, CW], _kv_layout(kv8))
@@ -352,7 +355,8 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False) -> Tup
 
 def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
                      schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
-                     head_dim_v: int = LATENT, descale_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     head_dim_v: int = LATENT, descale_k: Optional[Tensor] = None,
+                     half_partials: bool = False) -> Tuple[Tensor, Tensor]:
     """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's one shape -> (out [bs, 1, 16, 512]
     bf16, lse [bs, 1, 16] float32, natural log; a request without keys: 0, -inf).
 
@@ -364,7 +368,8 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
 
     kv_cache may be ``torch.float8_e4m3fn`` with ``descale_k [1] float32`` (its per-tensor scale; required then),
     read with the bf16 q (q never rounded to e4m3): phase 1 folds descale_k into the scores, the combine into the
-    output — once each, as ``ops.splitkv_mla_with_kvcache`` does."""
+    output — once each, as ``ops.splitkv_mla_with_kvcache`` does. ``half_partials``: the partial outputs in bf16
+    (``KernelConfig.half_partials``)."""
     call = check_supported(q, kv_cache, page_table, cache_seqlens, schedule=schedule, softmax_scale=softmax_scale,
                            q_rope=q_rope, head_dim_v=head_dim_v, descale_k=descale_k)
     bs, sq, H = q.shape[:3]
@@ -373,7 +378,7 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     if bs == 0:
         return out, lse
     pdl = pdl_capable(q.device)
-    part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl)
+    part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl, half=half_partials)
     with torch.cuda.device(q.device):
         combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
                        call.descale_k if call.kv_fp8 else None, pdl=pdl)  # the e4m3 scale on the output, once

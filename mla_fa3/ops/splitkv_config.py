@@ -67,8 +67,10 @@ class KernelConfig:
     warp_specialized phase 1 as the warp-specialized Gluon kernel (``gluon_decode.py``: a TMA producer warp, a
                   wgmma consumer warpgroup, one program per SM) instead of the Triton one; the same schedule,
                   workspace and combine. Its one shape so far: bf16, 16 heads, one query token, page 64, DeepSeek's
-                  512 + 64 columns, no fused projection; a launch outside it raises ValueError. Needs block_n 64 and
-                  waves 1.0 (its tile and its occupancy)
+                  512 + 64 columns, no fused projection; a launch outside it raises ValueError. Needs block_n 64
+                  (its tile); one program fits an SM, so ``waves`` is programs per SM in sequence (1.0: one wave);
+                  ``half_partials`` applies, num_warps / num_stages / max_rows / max_registers / latent_chunks /
+                  prefetch_pages / reload_kv do not (its warps, ring and registers are its own)
     """
 
     block_n: int = 32
@@ -97,10 +99,9 @@ class KernelConfig:
             raise ValueError(f"latent_chunks must be 1, 2 or 4, got {self.latent_chunks}")
         if self.num_warps not in (None, 2, 4, 8, 16) or self.num_stages < 1 or not self.waves > 0:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
-        if self.warp_specialized and (self.block_n != 64 or self.waves != 1.0 or self.fused_projection):
-            raise ValueError("warp_specialized needs block_n 64 (its tile), waves 1.0 (one program per SM) and no "
-                             f"fused_projection, got block_n {self.block_n}, waves {self.waves}, fused_projection "
-                             f"{self.fused_projection}")
+        if self.warp_specialized and (self.block_n != 64 or self.fused_projection):
+            raise ValueError("warp_specialized needs block_n 64 (its tile) and no fused_projection, got block_n "
+                             f"{self.block_n}, fused_projection {self.fused_projection}")
 
     def label(self) -> str:
         extra = (("-h" if self.half_partials else "") + ("-r" if self.reload_kv else "")

@@ -337,7 +337,8 @@ def splitkv_mla_with_kvcache(
     counters = None if w_uv is None else torch.empty(bs * sq * H, dtype=torch.int32, device=q.device)
     pdl = config.pdl and pdl_capable(q.device)
     if config.warp_specialized:
-        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl)
+        half = config.half_partials and call.out_dtype == torch.bfloat16
+        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl, half)
     else:
         part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
     kv8 = call.kv_fp8 or call.is_fp8
@@ -346,10 +347,11 @@ def splitkv_mla_with_kvcache(
     return out, lse
 
 
-def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor], pdl: bool):
+def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor], pdl: bool,
+                               half: bool):
     """Phase 1 of a schedule planned with ``KernelConfig.warp_specialized``: the Gluon kernel (imported here, on
     first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch
-    (``pdl``: it lets the combine launch once its key loops are done)."""
+    (``pdl``: it lets the combine launch once its key loops are done; ``half``: bf16 partial outputs)."""
     if w_uv is not None:
         raise ValueError("KernelConfig.warp_specialized: the output projection is not fused into its combine")
     why = unsupported(call, schedule)
@@ -360,7 +362,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
     except Exception as exc:  # ImportError (a triton without Gluon) or a broken install
         raise KernelUnavailableError(f"the warp-specialized decode kernel needs triton >= 3.6 with Gluon: "
                                      f"{type(exc).__name__}: {exc}") from exc
-    return gluon_decode.gluon_partials(call, schedule, pdl=pdl)
+    return gluon_decode.gluon_partials(call, schedule, pdl=pdl, half=half)
 
 
 def splitkv_partials(
