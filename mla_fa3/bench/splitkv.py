@@ -328,7 +328,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checks = [(16, c) for c in SWEEP_NARROW if c.reload_kv or c.warp_specialized] + \
         [(128, c) for c in SWEEP_WIDE if c.reload_kv][:1] if a.sweep else []
     if a.sweep and a.fp8:
-        checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2]
+        checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2] + \
+            [(16, c) for c in SWEEP_NARROW_E4M3 if c.warp_specialized]
     if ab:  # every side of the switch checked before any is timed, at the head counts timed
         checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**{ab[0]: v})) for h in sorted(set(a.heads))
                    for v in ab[1]]

@@ -33,8 +33,13 @@ SWEEP_NARROW = (
     _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=128),
     _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
     # phase 1 warp-specialized (the Gluon kernel, ``ops/gluon_decode.py``): a TMA producer warp streaming 64-key tiles
-    # into a two-tile ring while one wgmma warpgroup computes, one program per SM; its one shape is 16 heads, bf16
+    # into a two-tile ring while one wgmma warpgroup computes, one program per SM; its one shape is 16 heads, bf16.
+    # One wave or several in sequence (measured best at bs 16 x 64k on the H100: waves 4), bf16 partials at few
+    # requests (where the partials are a third of the bytes: bs 1, 16k, one wave)
     _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, warp_specialized=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, half_partials=True, warp_specialized=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=2.0, half_partials=True, warp_specialized=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=4.0, warp_specialized=True),
 )
 # <= 32 heads over an e4m3 cache (its tile converted in registers, per dot: more instructions per key than bf16 for
 # half the bytes, so latency rather than bandwidth bounds it): the same axes, and 8 warps (fewer registers per thread,
@@ -51,6 +56,9 @@ SWEEP_NARROW_E4M3 = (
     _C(block_n=64, num_warps=8, num_stages=2, waves=2.0, half_partials=True),
     _C(block_n=32, num_warps=4, num_stages=2, waves=3.0, half_partials=True, max_registers=168),
     _C(block_n=32, num_warps=4, num_stages=2, waves=4.0, half_partials=True, max_registers=128),
+    # the warp-specialized Gluon kernel's e4m3 variant (TMA of e4m3 tiles, converted to fp16 in shared memory)
+    _C(block_n=64, num_warps=4, num_stages=2, waves=1.0, half_partials=True, warp_specialized=True),
+    _C(block_n=64, num_warps=4, num_stages=2, waves=2.0, half_partials=True, warp_specialized=True),
 )
 # > 32 heads, compute-bound: 64 rows per program (acc 64 x 512 fp32 over 8 or 16 warps); the latent tile
 # loaded once for both dots, or twice (each load then pipelined into shared memory for one dot).
