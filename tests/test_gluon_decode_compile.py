@@ -131,6 +131,21 @@ def test_pdl_variant_signals_its_dependents_once_after_the_key_loop(kv8, compile
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
 
 
+def test_two_query_tokens_widen_wgmma_n_to_32_rows():
+    """``sq=2`` (MTP verify, a one-token draft): the query rows (token, head) are wgmma's N = 32; the same 68 wgmma
+    (m64n32k16) and 9 TMA boxes, the causal limit per row, q and P in 16 KB / 4 KB more shared memory. No spills
+    under triton 3.6 (the GPU machine's; 3.9 spills this variant, 3.6 spills the e4m3 one at 32 rows, which the
+    launch refuses)."""
+    kernel = gd.compile_for_hopper(sq=2)
+    ptx = kernel.asm["ptx"]
+    assert _count(ptx, "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 68
+    assert kernel.metadata.shared <= 227 * 1024
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6):
+        usage, sass = _usage_and_sass(kernel)
+        assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+        assert not re.search(r"\b(LDL|STL)\b", sass)
+
+
 def test_other_shapes_raise_a_named_value_error_before_any_launch():
     lens = [65, 130]
     q = torch.randn(2, 1, 16, 576).bfloat16()
@@ -140,17 +155,23 @@ def test_other_shapes_raise_a_named_value_error_before_any_launch():
     sched = ops.get_splitkv_schedule(lens, num_heads=16, page_size=64)
     cases = {
         "^q must have 16 heads": dict(q=q[:, :, :8]),
-        "^q must hold one query token": dict(q=q.expand(2, 2, 16, 576)),
+        "^q must hold 1 to 2 query tokens": dict(q=q.expand(2, 3, 16, 576),
+                                                 sched=ops.get_splitkv_schedule(lens, num_heads=16, page_size=64,
+                                                                                num_q_tokens=3)),
+        "^q must hold one query token per request over an e4m3 cache": dict(
+            q=q.expand(2, 2, 16, 576), kv=kv.to(torch.float8_e4m3fn), descale_k=torch.ones(1),
+            sched=ops.get_splitkv_schedule(lens, num_heads=16, page_size=64, num_q_tokens=2, kv_fp8=True)),
         r"^kv_cache must be \[num_pages, 64, 1, 576\]": dict(kv=kv.view(16, 32, 1, 576)),
         "^kv_cache must be contiguous": dict(kv=kv.transpose(0, 1).contiguous().transpose(0, 1)),
         "^q must be bfloat16": dict(q=q.half(), kv=kv.half()),
         "^q must be on a CUDA device": dict(),  # everything else fits: the device is the last check
     }
     for message, change in cases.items():
-        args = dict(q=q, kv=kv)
+        args = dict(q=q, kv=kv, sched=sched, descale_k=None)
         args.update(change)
         with pytest.raises(ValueError, match=message):
-            gd.gluon_mla_decode(args["q"], args["kv"], table, seqlens, schedule=sched, softmax_scale=0.1)
+            gd.gluon_mla_decode(args["q"], args["kv"], table, seqlens, schedule=args["sched"], softmax_scale=0.1,
+                                descale_k=args["descale_k"])
 
 
 def test_split_kv_launch_switch_refuses_what_the_kernel_does_not_run():

@@ -1,9 +1,10 @@
 """The Gluon warp-specialized MLA decode (``ops/gluon_decode.py``, issue 40's spike) on a Hopper GPU.
 
-Its one shape: bf16 q and latent cache, 16 heads, one query token, r 512 + d_rope 64, page 64. Caches are
-adversarial: shuffled page ids, ``BAD_PAGE`` in unused page-table entries, NaN in every slot past a request's end
-and in every unused page. NaN matters here: the kernel loads whole pages by TMA, so the tail of a request's last
-page reaches shared memory and must be masked out of Sᵀ and zeroed before P·V (0 · NaN = NaN).
+Its shape: bf16 q and latent cache (or e4m3, below), 16 heads, one query token (two, causal, over a bf16 cache),
+r 512 + d_rope 64, page 64. Caches are adversarial: shuffled page ids, ``BAD_PAGE`` in unused page-table entries,
+NaN in every slot past a request's end and in every unused page. NaN matters here: the kernel loads whole pages by
+TMA, so the tail of a request's last page reaches shared memory and must be masked out of Sᵀ and zeroed before P·V
+(0 · NaN = NaN).
 Tolerances from precision (``ops_cases.check``): err(kernel vs fp64 oracle) <= 2 · err(torch bf16 vs oracle) + 1e-4,
 cosine >= 0.9999 against our Triton split-KV on the same cache, LSE (natural log) within 2e-3.
 
@@ -205,6 +206,40 @@ def test_split_kv_switch_with_half_partials_and_other_waves_matches_the_oracle(g
     check(out, lse, ref_out, ref_lse, lowp, out32)
     assert cosine(out, out32) >= 0.9999
     assert (lse - lse32).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("waves", [1.0, 8.0])
+def test_two_query_tokens_per_request_are_causal_and_match_the_oracle(gd, waves):
+    """sq = 2 (MTP verify, a one-token draft) through split-KV's ``warp_specialized`` switch: the rows (token j,
+    head h) are wgmma's N; token j of a request of L keys sees the first L - 1 + j (causal, bottom-right), so the
+    request of one key gives token 0 no key (0, lse -inf). One wave and many 64-key splits (a split past token 0's
+    limit holds no key for that row), against the fp64 oracle and our Triton split-KV; bitwise repeatable."""
+    from mla_fa3.ops.splitkv_config import KernelConfig
+
+    lens = (1, 2, 63, 64, 65, 4097, 65536)
+    _, kv, table, seqlens, dense = build(lens, seed=23)
+    q = torch.randn(len(lens), 2, H, D, generator=torch.Generator().manual_seed(24)).to(BF16)
+    ref_out, ref_lse, lowp = [], [], []
+    for b, (L, (_, kv_b)) in enumerate(zip(lens, dense)):
+        rows = [(q[b, j:j + 1], kv_b[: L - 1 + j]) for j in range(2)]
+        exact = [_attend(q_j, k_j, torch.float64) for q_j, k_j in rows]
+        ref_out.append(torch.cat([o for o, _ in exact]))
+        ref_lse.append(torch.cat([lse for _, lse in exact]))
+        lowp.append(torch.cat([_attend(q_j, k_j, BF16)[0] for q_j, k_j in rows]))
+    q = q.to(DEV)
+    extra = dict(min_split_tokens=64) if waves > 1 else {}
+    ws = schedule_for(lens, num_q_tokens=2, config=KernelConfig(block_n=64, waves=waves, warp_specialized=True),
+                      **extra)
+    if waves > 1:
+        assert ws.planned_work > len(lens)
+    out, lse = run_triton(q, kv, table, seqlens, ws)
+    again, _ = run_triton(q, kv, table, seqlens, ws)
+    torch.cuda.synchronize()
+    assert out.shape == (len(lens), 2, H, R) and lse.shape == (len(lens), 2, H)
+    assert torch.equal(out, again)
+    tri, _ = run_triton(q, kv, table, seqlens, schedule_for(lens, num_q_tokens=2))
+    check(out, lse, torch.stack(ref_out), torch.stack(ref_lse), torch.stack(lowp), tri)
+    assert torch.isneginf(lse[0, 0]).all() and (out[0, 0] == 0).all()  # L = 1: token 0 sees no key
 
 
 # ---- the e4m3 cache, read with the bf16 q ----------------------------------------------------------------------

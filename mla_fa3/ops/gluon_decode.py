@@ -1,14 +1,16 @@
-"""Warp-specialized absorbed-MLA decode, phase 1 in Triton's Gluon (issue 40, the spike): one shape, bf16.
+"""Warp-specialized absorbed-MLA decode, phase 1 in Triton's Gluon (issue 40): 16 heads, bf16 or e4m3 cache.
 
-Symbols: H = 16 heads (one query token per request), r = 512 latent columns, d_rope = 64, D = r + d_rope = 576,
-page = BLOCK_N = 64 keys (one page is one key tile), CW = 64 columns per chunk (a 128-byte swizzled TMA box),
-CHUNKS = D / CW = 9 chunks per tile, 8 of them the value (c_kv) and the last one k_rope. Same contract as
+Symbols: H = 16 heads, SQ = 1 or 2 query tokens per request (causal, bottom-right), r = 512 latent columns,
+d_rope = 64, D = r + d_rope = 576, page = BLOCK_N = 64 keys (one page is one key tile), CW = 64 columns per chunk
+(a 128-byte swizzled TMA box), CHUNKS = D / CW = 9 chunks per tile, 8 of them the value (c_kv) and the last one
+k_rope. Same contract as
 ``splitkv_triton.splitkv_mla_with_kvcache`` (docstring there; torch oracle ``reference.flash_mla_with_kvcache``):
 the step is this module's phase 1 plus our combine (``splitkv_combine_triton.combine_splits``), which merges the
-base-2 partials into (out [bs, 1, H, r] bf16, lse [bs, 1, H] float32, natural log).
+base-2 partials into (out [bs, SQ, H, r] bf16, lse [bs, SQ, H] float32, natural log).
 
 The kernel computes the TRANSPOSED tiles: keys are wgmma's M dimension and the 16 heads its N dimension
-(wgmma takes N = 16; M is 64 per warpgroup), so no row of the tensor core is padding, S needs 8 registers per
+(wgmma takes N = 16; M is 64 per warpgroup; with two query tokens N = 32 rows n = j · 16 + h, each masked to its
+own causal limit L - 1 + j), so no row of the tensor core is padding, S needs 8 registers per
 thread and the whole [r, H] output accumulator 64 — one consumer warpgroup holds it (the heads-as-M layout
 would pad 16 heads to M = 64 and need a [64, 512] fp32 accumulator: 256 registers per thread, two warpgroups).
 
@@ -131,21 +133,25 @@ def _convert_tile(ring, base, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row, stride_oh,
-              lse_row, start, end, n_tiles, live, scale_log2, DescaleK,
-              H: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr, BN: gl.constexpr,
-              BW: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr):
-    """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials."""
+def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready, empty,
+              o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live, scale_log2, DescaleK,
+              H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr,
+              BN: gl.constexpr, BW: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr):
+    """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials.
+    Its N = H · SQ columns are the query rows n = j · H + h (query token j, head h)."""
     LAT: gl.constexpr = R // BW
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
-    head_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # [H]
+    N: gl.constexpr = H * SQ
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    head_l: gl.constexpr = gl.SliceLayout(0, acc_l)  # [N]
     key_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # [BN] (and [BW]: the rows of accᵀ are latent columns)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, 64] per pass, rows x 16 B
     cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # e4m3 [32, 64] per pass, rows x 16 B
 
     # q: 8 latent chunks and the rope chunk, [H, 64] each (wgmma's B, K-major after the permute below)
-    hh = gl.arange(0, H, layout=gl.SliceLayout(1, tile_l))
+    nn = gl.arange(0, N, layout=gl.SliceLayout(1, tile_l))
     cc = gl.arange(0, BW, layout=gl.SliceLayout(0, tile_l))
+    q_off = (nn // H) * stride_qs + (nn % H) * stride_qh  # row n = j · H + h: q[b, j, h]
+    qr_off = (nn // H) * stride_qrs + (nn % H) * stride_qrh
     if KV8:
         # e4m3 cache: the dots run in fp16 (e4m3 -> fp16 is one native cvt per 2 values on sm90; -> bf16 would add
         # two more, F2F, per 2 values). q (bf16, never rounded to e4m3) is first rescaled by a power of two 2^k
@@ -154,8 +160,8 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         # scale fold into the score scale (the scale also into the output: in the combine).
         qs = ()
         for c in gl.static_range(LAT):
-            qs = qs + (gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]).to(gl.float32),)
-        qs = qs + (gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]).to(gl.float32),)
+            qs = qs + (gl.load(q_row + q_off[:, None] + c * BW + cc[None, :]).to(gl.float32),)
+        qs = qs + (gl.load(qr_row + qr_off[:, None] + cc[None, :]).to(gl.float32),)
         amax = gl.max(gl.max(gl.abs(qs[0]), axis=1), axis=0)
         for c in gl.static_range(1, CHUNKS):
             amax = gl.maximum(amax, gl.max(gl.max(gl.abs(qs[c]), axis=1), axis=0))
@@ -168,15 +174,17 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         scale_log2 = scale_log2 * pow2 * gl.load(DescaleK)
     else:
         for c in gl.static_range(LAT):
-            q_smem.index(c).store(gl.load(q_row + hh[:, None] * stride_qh + c * BW + cc[None, :]))
-        q_smem.index(LAT).store(gl.load(qr_row + hh[:, None] * stride_qrh + cc[None, :]))
+            q_smem.index(c).store(gl.load(q_row + q_off[:, None] + c * BW + cc[None, :]))
+        q_smem.index(LAT).store(gl.load(qr_row + qr_off[:, None] + cc[None, :]))
     fence_async_shared()
 
-    m = gl.full([H], float("-inf"), gl.float32, head_l)
-    l_part = gl.zeros([BN, H], gl.float32, acc_l)  # per-thread partial row sums, reduced once after the loop
+    m = gl.full([N], float("-inf"), gl.float32, head_l)
+    l_part = gl.zeros([BN, N], gl.float32, acc_l)  # per-thread partial row sums, reduced once after the loop
     acc = ()
     for c in gl.static_range(LAT):
-        acc = acc + (gl.zeros([BW, H], gl.float32, acc_l),)
+        acc = acc + (gl.zeros([BW, N], gl.float32, acc_l),)
+    if SQ > 1:  # causal, bottom-right: query token j sees keys < seqlen - (SQ - 1 - j)
+        lim = gl.minimum(end, seqlen - (SQ - 1) + gl.arange(0, N, layout=head_l) // H)
     for i in range(n_tiles):
         s = i % NSTAGES
         n0 = start + i * BN
@@ -194,7 +202,7 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         else:
             kb = ring
             base = s * CHUNKS
-        st = gl.zeros([BN, H], gl.float32, acc_l)
+        st = gl.zeros([BN, N], gl.float32, acc_l)
         for c in gl.static_range(CHUNKS):
             st = warpgroup_mma(kb.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
         if KV8:  # ring[s] was read into stg before the barrier that precedes these wgmma: release it now
@@ -202,7 +210,10 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         st = warpgroup_mma_wait(0, deps=[st])
 
         keys = n0 + gl.arange(0, BN, layout=key_l)
-        s2 = gl.where((keys < end)[:, None], st * scale_log2, float("-inf"))
+        if SQ > 1:
+            s2 = gl.where(keys[:, None] < lim[None, :], st * scale_log2, float("-inf"))
+        else:
+            s2 = gl.where((keys < end)[:, None], st * scale_log2, float("-inf"))
         m_new = gl.maximum(m, gl.max(s2, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m - m_safe)
@@ -229,24 +240,26 @@ def _consumer(q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, r
         l = gl.sum(l_part, axis=0)
         seen = l > 0.0
         l_safe = gl.where(seen, l, 1.0)
-        hv = gl.arange(0, H, layout=head_l)
-        gl.store(lse_row + hv, gl.where(seen, m + gl.log2(l_safe), float("-inf")))
+        hv = gl.arange(0, N, layout=head_l)
+        gl.store(lse_row + (hv // H) * stride_ls + hv % H, gl.where(seen, m + gl.log2(l_safe), float("-inf")))
         out_l: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [0, 1])  # latent column fastest: coalesced
         jj = gl.arange(0, BW, layout=gl.SliceLayout(1, out_l))
-        ho = gl.arange(0, H, layout=gl.SliceLayout(0, out_l))
+        ho = gl.arange(0, N, layout=gl.SliceLayout(0, out_l))
+        o_off = (ho // H) * stride_os + (ho % H) * stride_oh
         inv = 1.0 / l_safe
         for c in gl.static_range(LAT):
             o = gl.convert_layout(acc[c] * inv[None, :], out_l)
-            gl.store(o_row + ho[None, :] * stride_oh + c * BW + jj[:, None], o)
+            gl.store(o_row + o_off[None, :] + c * BW + jj[:, None], o)
 
 
 @gluon.jit
 def _gluon_mla_decode_kernel(
     kv_desc, Q, QR, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleK,
-    stride_qb, stride_qh, stride_qrb, stride_qrh, stride_ptb, max_pages, stride_ow, stride_oh, stride_lw,
+    stride_qb, stride_qs, stride_qh, stride_qrb, stride_qrs, stride_qrh, stride_ptb, max_pages, stride_ow, stride_os,
+    stride_oh, stride_lw, stride_ls,
     scale_log2,
-    H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr, PRODUCER_NREG: gl.constexpr,
-    KV8: gl.constexpr, PDL: gl.constexpr,
+    H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr,
+    PRODUCER_NREG: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr,
 ):
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
@@ -261,18 +274,20 @@ def _gluon_mla_decode_kernel(
     # the first page id is read with the length, not after it (one dependent load less before the first TMA)
     pt = PageTable + b.to(gl.int64) * stride_ptb + start // BN
     first_page = gl.load(pt, mask=live & (start < stop) & (start // BN < max_pages), other=0)
-    end = gl.minimum(stop, gl.load(SeqLens + b))
+    seqlen = gl.load(SeqLens + b)
+    end = gl.minimum(stop, seqlen)
     n_tiles = gl.where(live & (end > start), (end - start + BN - 1) // BN, 0)
 
     ring = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES * CHUNKS, BN, BW], kv_desc.layout)
     DT: gl.constexpr = gl.float16 if KV8 else gl.bfloat16  # the dots' operand type
-    qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BW], DT)
+    N: gl.constexpr = H * SQ  # wgmma's N: the query rows (token, head) of one request
+    qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, BW], DT)
     if KV8:  # the fp16 copy of one e4m3 tile, the dots' A operand (wgmma takes no e4m3 x 16-bit product)
         stg = gl.allocate_shared_memory(DT, [CHUNKS, BN, BW], gl.NVMMASharedLayout.get_default_for([BN, BW], DT))
     else:
         stg = ring
-    q_smem = gl.allocate_shared_memory(DT, [CHUNKS, H, BW], qp_l)
-    p_smem = gl.allocate_shared_memory(DT, [H, BN], qp_l)
+    q_smem = gl.allocate_shared_memory(DT, [CHUNKS, N, BW], qp_l)
+    p_smem = gl.allocate_shared_memory(DT, [N, BN], qp_l)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NSTAGES):
@@ -284,9 +299,9 @@ def _gluon_mla_decode_kernel(
     o_row = PartO + slot.to(gl.int64) * stride_ow
     lse_row = PartLse2 + slot.to(gl.int64) * stride_lw
     gl.warp_specialize([
-        (_consumer, (q_row, qr_row, stride_qh, stride_qrh, ring, stg, q_smem, p_smem, ready, empty, o_row,
-                     stride_oh, lse_row, start, end, n_tiles, live, scale_log2, DescaleK, H, R, CHUNKS, NSTAGES, BN,
-                     BW, KV8, PDL)),
+        (_consumer, (q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready,
+                     empty, o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live,
+                     scale_log2, DescaleK, H, SQ, R, CHUNKS, NSTAGES, BN, BW, KV8, PDL)),
         (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
     ], [1], [PRODUCER_NREG])
 
@@ -297,14 +312,15 @@ def _kv_layout(kv8: bool = False):
     return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.float8e4nv if kv8 else gl.bfloat16)
 
 
-def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False) -> dict:
-    return dict(H=num_heads, R=LATENT, DR=ROPE, NSTAGES=STAGES_FP8 if kv8 else STAGES, PRODUCER_NREG=PRODUCER_REGS,
-                KV8=kv8, PDL=pdl)
+def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False, sq: int = 1) -> dict:
+    return dict(H=num_heads, SQ=sq, R=LATENT, DR=ROPE, NSTAGES=STAGES_FP8 if kv8 else STAGES,
+                PRODUCER_NREG=PRODUCER_REGS, KV8=kv8, PDL=pdl)
 
 
-def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False, half: bool = False):
+def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False, half: bool = False,
+                       sq: int = 1):
     """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch; ``half``: bf16
-    partial outputs) for ``GPUTarget("cuda", capability, 32)`` without a
+    partial outputs; ``sq``: query tokens per request) for ``GPUTarget("cuda", capability, 32)`` without a
     GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
     triton fills them in)."""
     from triton.backends.compiler import GPUTarget
@@ -313,11 +329,11 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
     desc = f"tensordesc<{'fp8e4nv' if kv8 else 'bf16'}[{PAGE}, {CW}],{_kv_layout(kv8)!r}>"
     sig = dict(kv_desc=desc, Q="*bf16", QR="*bf16", PageTable="*i32", SeqLens="*i32", Work="*i32", NumWork="*i32",
                PartO="*bf16" if half else "*fp32", PartLse2="*fp32", DescaleK="*fp32")
-    for name in ("stride_qb", "stride_qh", "stride_qrb", "stride_qrh", "stride_ptb", "max_pages", "stride_ow",
-                 "stride_oh", "stride_lw"):
+    for name in ("stride_qb", "stride_qs", "stride_qh", "stride_qrb", "stride_qrs", "stride_qrh", "stride_ptb",
+                 "max_pages", "stride_ow", "stride_os", "stride_oh", "stride_lw", "stride_ls"):
         sig[name] = "i32"
     sig["scale_log2"] = "fp32"
-    consts = _constexprs(kv8=kv8, pdl=pdl)
+    consts = _constexprs(kv8=kv8, pdl=pdl, sq=sq)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fn=_gluon_mla_decode_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
@@ -325,8 +341,8 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
 
 def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
                    half: bool = False) -> Tuple[Tensor, Tensor]:
-    """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, 1, H, r] float32 — bf16 with ``half``:
-    half the workspace traffic, one more rounding per split —, part_lse2 [capacity, 1, H] float32, base 2): the
+    """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, sq, H, r] float32 — bf16 with ``half``:
+    half the workspace traffic, one more rounding per split —, part_lse2 [capacity, sq, H] float32, base 2): the
     workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
     ``pdl``: each program signals ``griddepcontrol.launch_dependents`` once its key loop is done, so that a combine
     launched next with ``pdl=True`` starts early (it waits for this whole grid before reading the partials).
@@ -336,19 +352,19 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
     q, kv = call.q, call.kv_cache
     kv8 = bool(call.kv_fp8)
     q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
-    H, cap = q.shape[2], schedule.capacity
-    part_o = torch.empty(cap, 1, H, LATENT, dtype=torch.bfloat16 if half else torch.float32, device=q.device)
-    part_lse2 = torch.empty(cap, 1, H, dtype=torch.float32, device=q.device)
+    sq, H, cap = q.shape[1], q.shape[2], schedule.capacity
+    part_o = torch.empty(cap, sq, H, LATENT, dtype=torch.bfloat16 if half else torch.float32, device=q.device)
+    part_lse2 = torch.empty(cap, sq, H, dtype=torch.float32, device=q.device)
     rows = kv.view(kv.shape[0] * PAGE, LATENT + ROPE)
     desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [PAGE, CW], _kv_layout(kv8))
     with torch.cuda.device(q.device):  # triton launches on the current device
         _gluon_mla_decode_kernel[(cap,)](
             desc, q, q_rope, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
             call.descale_k if kv8 else part_lse2,  # any float32 pointer: read only with an e4m3 cache
-            q.stride(0), q.stride(2), q_rope.stride(0), q_rope.stride(2), call.page_table.stride(0),
-            call.page_table.shape[1],
-            part_o.stride(0), part_o.stride(2), part_lse2.stride(0),
-            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl), num_warps=NUM_WARPS,
+            q.stride(0), q.stride(1), q.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+            call.page_table.stride(0), call.page_table.shape[1],
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse2.stride(0), part_lse2.stride(1),
+            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl, sq), num_warps=NUM_WARPS,
         )
     return part_o, part_lse2
 
@@ -357,8 +373,9 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
                      schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
                      head_dim_v: int = LATENT, descale_k: Optional[Tensor] = None,
                      half_partials: bool = False) -> Tuple[Tensor, Tensor]:
-    """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's one shape -> (out [bs, 1, 16, 512]
-    bf16, lse [bs, 1, 16] float32, natural log; a request without keys: 0, -inf).
+    """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's shapes -> (out [bs, sq, 16, 512]
+    bf16, lse [bs, sq, 16] float32, natural log; a row without keys: 0, -inf). sq = 2: causal, bottom-right (token
+    j of a request of L keys sees the first L - 1 + j), bf16 cache only.
 
     q ``[bs, 1, 16, 576]`` bf16 (q_lat | q_rope), or q ``[bs, 1, 16, 512]`` with ``q_rope [bs, 1, 16, 64]`` apart
     (any strides, contiguous last dims); kv_cache ``[num_pages, 64, 1, 576]`` bf16 contiguous, read in place;

@@ -13,11 +13,12 @@ from . import validate
 from .splitkv_plan import SplitKVSchedule
 from .types import Impl
 
-__all__ = ["HEADS", "LATENT", "ROPE", "PAGE", "MAX_ROWS", "check_supported", "unsupported"]
+__all__ = ["HEADS", "MAX_QUERIES", "LATENT", "ROPE", "PAGE", "MAX_ROWS", "check_supported", "unsupported"]
 
 Tensor = torch.Tensor
 
-HEADS = 16  # wgmma N: one program holds every head of a request
+HEADS = 16  # one program holds every head of a request
+MAX_QUERIES = 2  # query tokens per request (causal, bottom-right): wgmma N = HEADS x tokens, accᵀ 4·N registers
 LATENT = 512  # r
 ROPE = 64  # d_rope
 PAGE = 64  # keys per page = keys per tile (BLOCK_N)
@@ -56,8 +57,12 @@ def unsupported(call, schedule: SplitKVSchedule) -> Optional[str]:
         return f"kv_cache must be bfloat16 or float8_e4m3fn for the Gluon decode kernel, got {kv_cache.dtype}"
     if call.head_dim_v != LATENT:
         return f"head_dim_v must be {LATENT} for the Gluon decode kernel, got {call.head_dim_v}"
-    if sq != 1:
-        return f"q must hold one query token per request (q.shape[1] == 1) for the Gluon decode kernel, got {sq}"
+    if not 1 <= sq <= MAX_QUERIES:
+        return (f"q must hold 1 to {MAX_QUERIES} query tokens per request (q.shape[1]) for the Gluon decode kernel "
+                f"(wgmma N = heads x tokens <= {HEADS * MAX_QUERIES}: its output accumulator's registers), got {sq}")
+    if sq > 1 and kv_cache.dtype == torch.float8_e4m3fn:
+        return (f"q must hold one query token per request over an e4m3 cache for the Gluon decode kernel, got {sq} "
+                "(the e4m3 variant at 32 query rows spills registers under triton 3.6)")
     if H != HEADS:
         return f"q must have {HEADS} heads for the Gluon decode kernel (wgmma N = heads), got {H}"
     if tuple(kv_cache.shape[1:]) != (PAGE, 1, LATENT + ROPE):
