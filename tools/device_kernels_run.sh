@@ -3,8 +3,8 @@
 # Gluon kernels, which need only the image's torch and triton. Results under $OUT.
 #   the Gluon decode kernel: its --check, its GPU tests (split-KV's warp-specialized switch included), its benchmark
 #   over a bf16 and over an e4m3 cache
-#   the tree part's Triton kernel: its GPU test and benchmarks/tree_attention.py (whole tree steps need the kit: the
-#   backend resolves FA3 for every step)
+#   the tree part's Triton kernel: its GPU test (TREE_BENCH=1: benchmarks/tree_attention.py too; whole tree steps need
+#   the kit: the backend resolves FA3 for every step)
 # conftest skips every gpu test without sgl_kernel, so pytest runs with --noconftest here (the tests named need none).
 set -uo pipefail
 export PYTHONPATH=$PWD
@@ -16,10 +16,12 @@ timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --noconftest -m gpu -p no:cach
   tests/test_gluon_decode_gpu.py tests/test_tree_attention_triton.py > $OUT/gpu_tests.txt 2>&1
 grep -E "passed|failed|error" $OUT/gpu_tests.txt | tail -6; grep -E "^FAILED|^ERROR" $OUT/gpu_tests.txt | head -20 | cut -c1-300
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9
-  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --out $OUT/gluon_spike.csv > $OUT/gluon_bench.txt 2>&1
-  tail -30 $OUT/gluon_bench.txt | cut -c1-300
-  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --fp8 --batch 1,4,16,64 --context 16384,65536 \
-    --out $OUT/gluon_spike_fp8.csv > $OUT/gluon_bench_fp8.txt 2>&1
-  tail -14 $OUT/gluon_bench_fp8.txt | cut -c1-300
+  [ "${TREE_BENCH:-0}" = 1 ] && timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9
+  # bf16: waves x (fp32 | bf16 partials), the combine a programmatic dependent (SPIKE_ARGS to narrow the shapes)
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --half --waves 0.5,1.0,2.0 ${SPIKE_ARGS:-} \
+    --out $OUT/gluon_spike.csv > $OUT/gluon_bench.txt 2>&1
+  tail -16 $OUT/gluon_bench.txt | cut -c1-400
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --fp8 --half --waves 1.0,2.0 \
+    ${SPIKE_ARGS_FP8:---batch 1,4,16,64 --context 16384,65536} --out $OUT/gluon_spike_fp8.csv > $OUT/gluon_bench_fp8.txt 2>&1
+  tail -14 $OUT/gluon_bench_fp8.txt | cut -c1-400
 fi
