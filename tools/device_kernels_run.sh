@@ -6,14 +6,24 @@
 #   the tree part's Triton kernel: its GPU test (TREE_BENCH=1: benchmarks/tree_attention.py too; whole tree steps need
 #   the kit: the backend resolves FA3 for every step)
 # conftest skips every gpu test without sgl_kernel, so pytest runs with --noconftest here (the tests named need none).
+# KIT=1: sgl-kernel is set up in /tmp/site (.kit1 .kit2 uploaded, then `bash .kit3/setup.sh` in the same call as this):
+# conftest on, the whole tree steps and the tree graph runner too (they resolve FA3), FA3 / FlashMLA in the benchmark.
 set -uo pipefail
-export PYTHONPATH=$PWD
+if [ "${KIT:-0}" = 1 ]; then
+  export PYTHONPATH=$PWD:/tmp/site
+  tests="tests/test_gluon_decode_gpu.py tests/test_tree_attention_triton.py tests/test_tree_steps_gpu.py tests/test_tree_graph_runner_gpu.py"
+  conftest=""
+else
+  export PYTHONPATH=$PWD
+  tests="tests/test_gluon_decode_gpu.py tests/test_tree_attention_triton.py"
+  conftest="--noconftest"
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/card.txt
 timeout 150 python3 benchmarks/gluon_decode_spike.py --fp8 --check > $OUT/gluon_check.txt 2>&1  # bf16 and e4m3
 echo "gluon --check rc=$?"; tail -12 $OUT/gluon_check.txt | cut -c1-300
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --noconftest -m gpu -p no:cacheprovider \
-  tests/test_gluon_decode_gpu.py tests/test_tree_attention_triton.py > $OUT/gpu_tests.txt 2>&1
+timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $conftest -m gpu -p no:cacheprovider --durations=8 ${TESTS:-$tests} \
+  > $OUT/gpu_tests.txt 2>&1
 grep -E "passed|failed|error" $OUT/gpu_tests.txt | tail -6; grep -E "^FAILED|^ERROR" $OUT/gpu_tests.txt | head -20 | cut -c1-300
 if [ "${BENCH:-1}" = 1 ]; then
   [ "${TREE_BENCH:-0}" = 1 ] && timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9

@@ -10,6 +10,9 @@
 # Upload = one run per piece, back to back (the machine forgets /tmp when it goes cold ~30 s after a run):
 #   take .upK along, command: mkdir -p /tmp/up && cp .upK/* /tmp/up/
 # then, with the last piece: bash tools/device_sglang_run.sh all   (it assembles /tmp/up first)
+# `device_pack.sh wheels`: the wheels alone (whl/, fi/) as .upw1 .upw2, for a machine whose sgl-kernel was set up from
+# .kit1 .kit2 .kit3 (shared/device/README.md; tools/device_kernels_run.sh KIT=1 runs there first): upload each the
+# same way, then bash tools/device_sglang_run.sh ... (it skips the kit when /tmp/site/sgl_kernel exists)
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
 cache="${HOME}/.cache/mla-kit/sglang-0.5.17"
@@ -39,15 +42,20 @@ fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/kit" "$stage/whl" "$stage/fi"
-cp "$repo"/.kit1/* "$repo"/.kit2/* "$repo"/.kit3/* "$stage/kit/"
 cp "$cache"/whl/*.whl "$stage/whl/"
 cp "$cache"/fi/*.whl "$stage/fi/"
-rm -rf "$repo"/.up[0-9]*
-tar -C "$stage" -cf - kit whl fi | split -b 29000000 -d -a 2 - "$stage/p"
+if [ "${1:-}" = wheels ]; then
+  prefix=.upw; parts="whl fi"
+else
+  prefix=.up; parts="kit whl fi"
+  cp "$repo"/.kit1/* "$repo"/.kit2/* "$repo"/.kit3/* "$stage/kit/"
+fi
+rm -rf "$repo/$prefix"[0-9]*
+tar -C "$stage" -cf - $parts | split -b 29000000 -d -a 2 - "$stage/p"
 n=0
 for f in "$stage"/p*; do
-  k=$(( n / 2 + 1 )); mkdir -p "$repo/.up$k"; mv "$f" "$repo/.up$k/"; n=$(( n + 1 ))
+  k=$(( n / 2 + 1 )); mkdir -p "$repo/$prefix$k"; mv "$f" "$repo/$prefix$k/"; n=$(( n + 1 ))
 done
 ex="$(git -C "$repo" rev-parse --git-dir)/info/exclude"
 grep -qx '/.up*/' "$ex" 2>/dev/null || echo '/.up*/' >> "$ex"
-echo "$n chunks in .up1 .. .up$(( (n + 1) / 2 )); upload each with: mkdir -p /tmp/up && cp .upK/* /tmp/up/"
+echo "$n chunks in ${prefix}1 .. $prefix$(( (n + 1) / 2 )); upload each with: mkdir -p /tmp/up && cp ${prefix}K/* /tmp/up/"
