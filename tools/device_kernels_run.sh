@@ -6,7 +6,8 @@
 #   the tree part's Triton kernel: its GPU test (TREE_BENCH=1: benchmarks/tree_attention.py too; whole tree steps need
 #   the kit: the backend resolves FA3 for every step)
 # conftest skips every gpu test without sgl_kernel, so pytest runs with --noconftest here (the tests named need none).
-# KIT=1: sgl-kernel is set up in /tmp/site (.kit1 .kit2 uploaded, then `bash .kit3/setup.sh` in the same call as this):
+# KIT=1: sgl-kernel is set up in /tmp/site (`tools/device_pack.sh kit`'s .upk1 .upk2 .upk3 uploaded, then
+# `bash tools/device_kit_setup.sh` in the same call as this):
 # conftest on, the whole tree steps and the tree graph runner too (they resolve FA3), FA3 / FlashMLA in the benchmark.
 set -uo pipefail
 if [ "${KIT:-0}" = 1 ]; then

@@ -13,8 +13,22 @@
 # `device_pack.sh wheels`: the wheels alone (whl/, fi/) as .upw1 .upw2, for a machine whose sgl-kernel was set up from
 # .kit1 .kit2 .kit3 (shared/device/README.md; tools/device_kernels_run.sh KIT=1 runs there first): upload each the
 # same way, then bash tools/device_sglang_run.sh ... (it skips the kit when /tmp/site/sgl_kernel exists)
+# `device_pack.sh kit`: sgl-kernel alone, re-cut into .upk1 .upk2 .upk3 (at most 58 MB each, so that each fits beside
+# the working tree); upload each as above, then bash tools/device_kit_setup.sh
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
+if [ "${1:-}" = kit ]; then
+  for i in 1 2 3; do [ -d "$repo/.kit$i" ] || { echo "run ../shared/device/prepare-kit first (.kit$i missing)" >&2; exit 1; }; done
+  rm -rf "$repo"/.upk[0-9]*
+  mkdir -p "$repo/.upk1" "$repo/.upk2" "$repo/.upk3"
+  cat "$repo/.kit1/fo.part0" "$repo/.kit2/fo.part1" "$repo/.kit3/fo.part2" | split -b 58000000 -d -a 2 - "$repo/.upk1/k."
+  mv "$repo/.upk1/k.01" "$repo/.upk2/"
+  mv "$repo/.upk1/k.02" "$repo/.upk3/"
+  [ ! -e "$repo/.upk1/k.03" ] || { echo "the FA3 library grew past 3 pieces: adjust device_pack.sh kit" >&2; exit 1; }
+  cp "$repo/.kit3/sgl_rest.tar.xz" "$repo/.upk3/"
+  du -sb "$repo"/.upk[0-9]
+  exit 0
+fi
 cache="${HOME}/.cache/mla-kit/sglang-0.5.17"
 mkdir -p "$cache/whl" "$cache/fi"
 for i in 1 2 3; do [ -d "$repo/.kit$i" ] || { echo "run ../shared/device/prepare-kit first (.kit$i missing)" >&2; exit 1; }; done

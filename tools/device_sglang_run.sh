@@ -11,7 +11,7 @@ if [ ! -f /tmp/payload/done ]; then
   echo "assembling $n pieces"
   mkdir -p /tmp/payload && cat /tmp/up/p* | tar -x -C /tmp/payload || { echo "pieces missing: upload .up1 .. again" >&2; exit 3; }
   mkdir -p /tmp/kit && cp /tmp/payload/kit/* /tmp/kit/ && mkdir -p .kit3 && cp /tmp/payload/kit/setup.sh /tmp/payload/kit/fo.part2 /tmp/payload/kit/sgl_rest.tar.xz .kit3/
-  [ -d /tmp/site/sgl_kernel ] || bash .kit3/setup.sh || exit 3  # the kit may be set up already (pieces 1-3 alone)
+  [ -d /tmp/site/sgl_kernel ] || bash .kit3/setup.sh || exit 3  # the kit may be set up already (device_kit_setup.sh)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/payload/whl/*.whl 2>&1 | grep -v "^WARNING" | tail -2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fi /tmp/payload/fi/*.whl 2>&1 | grep -v "^WARNING" | tail -2
   touch /tmp/payload/done
