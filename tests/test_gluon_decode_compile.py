@@ -192,6 +192,12 @@ def test_split_kv_launch_switch_refuses_what_the_kernel_does_not_run():
     kv = torch.randn(8, 64, 1, 576).bfloat16()
     table = torch.zeros(2, 4, dtype=torch.int32)
     seqlens = torch.tensor(lens, dtype=torch.int32)
+    two = ops.get_splitkv_schedule(lens, num_heads=16, page_size=64, num_q_tokens=2, config=ws)
+    call = check_splitkv(torch.randn(2, 2, 16, 576).bfloat16(), kv, table, seqlens, head_dim_v=512, schedule=two,
+                         softmax_scale=0.1, causal=False, descale_q=None, descale_k=None, impl=ops.Impl.TRITON,
+                         q_rope=None)
+    with pytest.raises(ValueError, match="causal must be True with 2 query tokens"):
+        splitkv_triton.splitkv_mla_with_kvcache(call, two)
     for heads, w_uv, message in ((128, None, "q must have 16 heads"), (16, torch.zeros(16, 512, 128).bfloat16(),
                                                                         "output projection is not fused")):
         sched = ops.get_splitkv_schedule(lens, num_heads=heads, page_size=64, config=ws)

@@ -202,6 +202,13 @@ def test_split_kv_switch_with_half_partials_and_other_waves_matches_the_oracle(g
     full = schedule_for(lens, config=KernelConfig(block_n=64, waves=waves, warp_specialized=True))
     out, lse = run_triton(q, kv, table, seqlens, half)
     out32, lse32 = run_triton(q, kv, table, seqlens, full)
+    # phase 1 alone: the bf16 partials are the fp32 ones rounded once (the same arithmetic before the store)
+    call = gd.check_supported(q, kv, table, seqlens, schedule=half, softmax_scale=SCALE)
+    p16, l16 = gd.gluon_partials(call, half, half=True)
+    p32, l32 = gd.gluon_partials(call, half)
+    slots = half.work.view(-1, 4)[: int(half.num_work.item()), 3].long()  # the slots the live rows write
+    assert p16.dtype == BF16 and p32.dtype == torch.float32
+    assert torch.equal(p16[slots], p32[slots].to(BF16)) and torch.equal(l16[slots], l32[slots])
     ref_out, ref_lse, lowp = oracle_and_lowp(dense)
     check(out, lse, ref_out, ref_lse, lowp, out32)
     assert cosine(out, out32) >= 0.9999
@@ -234,9 +241,15 @@ def test_two_query_tokens_per_request_are_causal_and_match_the_oracle(gd, waves)
         assert ws.planned_work > len(lens)
     out, lse = run_triton(q, kv, table, seqlens, ws)
     again, _ = run_triton(q, kv, table, seqlens, ws)
+    # the same q laid out token-minor ([bs, H, 2, D] transposed: stride(1) = D, not H·D), its rope part apart
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)
+    rope_t = q[..., R:].transpose(1, 2).contiguous().transpose(1, 2)
+    apart = ops.splitkv_mla_with_kvcache(q_t[..., :R], kv, table, seqlens, head_dim_v=R, schedule=ws,
+                                         softmax_scale=SCALE, causal=True, impl="triton", q_rope=rope_t)
     torch.cuda.synchronize()
+    assert q_t.stride(1) == D and rope_t.stride(1) == D_ROPE
     assert out.shape == (len(lens), 2, H, R) and lse.shape == (len(lens), 2, H)
-    assert torch.equal(out, again)
+    assert torch.equal(out, again) and torch.equal(out, apart[0]) and torch.equal(lse, apart[1])
     tri, _ = run_triton(q, kv, table, seqlens, schedule_for(lens, num_q_tokens=2))
     check(out, lse, torch.stack(ref_out), torch.stack(ref_lse), torch.stack(lowp), tri)
     assert torch.isneginf(lse[0, 0]).all() and (out[0, 0] == 0).all()  # L = 1: token 0 sees no key

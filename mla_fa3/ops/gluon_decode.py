@@ -15,6 +15,8 @@ thread and the whole [r, H] output accumulator 64 — one consumer warpgroup hol
 would pad 16 heads to M = 64 and need a [64, 512] fp32 accumulator: 256 registers per thread, two warpgroups).
 
     # one program (CTA) per schedule work row w = (b, start, end, slot); rows past num_work write nothing
+    # (written for SQ = 1, N = H = 16 rows; SQ = 2: N = 32 rows n = j·H + h, and "key < end" below is
+    # key < min(end, L_b - 1 + j) per row)
     end = min(end, L_b);  tiles = ceil((end - start) / 64)         (start: a multiple of 64, the planner's granule)
     smem: q [9][16, 64] (loaded once), kv ring [STAGES][9][64, 64], p [16, 64], mbarriers ready/empty[STAGES]
     producer warp (1 warp, few registers):
@@ -377,7 +379,7 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     bf16, lse [bs, sq, 16] float32, natural log; a row without keys: 0, -inf). sq = 2: causal, bottom-right (token
     j of a request of L keys sees the first L - 1 + j), bf16 cache only.
 
-    q ``[bs, 1, 16, 576]`` bf16 (q_lat | q_rope), or q ``[bs, 1, 16, 512]`` with ``q_rope [bs, 1, 16, 64]`` apart
+    q ``[bs, sq, 16, 576]`` bf16 (q_lat | q_rope), or q ``[bs, sq, 16, 512]`` with ``q_rope [bs, sq, 16, 64]`` apart
     (any strides, contiguous last dims); kv_cache ``[num_pages, 64, 1, 576]`` bf16 contiguous, read in place;
     page_table ``[bs, max_pages] int32``; cache_seqlens ``[bs] int32``; ``schedule`` from
     ``ops.get_splitkv_schedule`` (page_size 64) planned from the same lengths. Phase 1 here, then our combine (two

@@ -49,7 +49,8 @@ class KernelConfig:
     waves         programs per SM the split planner aims for
     half_partials partial outputs stored in the output dtype (bf16/fp16) instead of float32
     reload_kv     load the latent tile a second time for P·V (each load then feeds one dot)
-    pdl           programmatic dependent launch of both phases (CUDA sm_90+; elsewhere they launch in order)
+    pdl           programmatic dependent launch of both phases (CUDA sm_90+; elsewhere they launch in order); with
+                  ``warp_specialized`` the combine alone (phase 1 signals it after its key loops)
     max_registers registers per thread phase 1 is compiled to (``maxnreg``; None: the compiler's choice): fewer
                   registers fit more programs on an SM (with few stages, shared memory allows up to 4)
     latent_chunks q·kᵀ over the latent as this many column chunks (1, 2 or 4), each its own dot: under mma.sync
@@ -66,8 +67,9 @@ class KernelConfig:
                   slower per step on the H200 (docs/PERFORMANCE_HISTORY.md, 2026-12-06)
     warp_specialized phase 1 as the warp-specialized Gluon kernel (``gluon_decode.py``: a TMA producer warp, a
                   wgmma consumer warpgroup, one program per SM) instead of the Triton one; the same schedule,
-                  workspace and combine. Its one shape so far: bf16, 16 heads, one query token, page 64, DeepSeek's
-                  512 + 64 columns, no fused projection; a launch outside it raises ValueError. Needs block_n 64
+                  workspace and combine. Its shapes so far: 16 heads, one query token (two, causal, over a bf16
+                  cache), bf16 or e4m3 cache with a bf16 q, page 64, DeepSeek's 512 + 64 columns, no fused
+                  projection; a launch outside them raises ValueError. Needs block_n 64
                   (its tile); one program fits an SM, so ``waves`` is programs per SM in sequence (1.0: one wave);
                   ``half_partials`` applies, num_warps / num_stages / max_rows / max_registers / latent_chunks /
                   prefetch_pages / reload_kv do not (its warps, ring and registers are its own)

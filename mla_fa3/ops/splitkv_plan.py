@@ -253,7 +253,9 @@ def plan_schedule(
         config = config.with_(waves=float(waves))
     chk.host_int(min_split_tokens, "min_split_tokens", minimum=1)
     num_sms = DEFAULT_NUM_SMS if num_sms is None else chk.host_int(num_sms, "num_sms", minimum=1)
-    target = target_splits(num_sms, head_tiles(num_heads, num_q_tokens, config.max_rows), config.waves)
+    # the warp-specialized kernel holds every (token, head) row of a request in one program: one head tile
+    tiles = 1 if config.warp_specialized else head_tiles(num_heads, num_q_tokens, config.max_rows)
+    target = target_splits(num_sms, tiles, config.waves)
     work, offsets, chunk = plan_splits(seqlens, target=target, granule=max(page_size, SPLIT_GRANULE),
                                        min_split_tokens=min_split_tokens)
     capacity = None if max_batch is None else capacity_for(max_batch, target)

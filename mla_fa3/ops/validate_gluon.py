@@ -60,6 +60,9 @@ def unsupported(call, schedule: SplitKVSchedule) -> Optional[str]:
     if not 1 <= sq <= MAX_QUERIES:
         return (f"q must hold 1 to {MAX_QUERIES} query tokens per request (q.shape[1]) for the Gluon decode kernel "
                 f"(wgmma N = heads x tokens <= {HEADS * MAX_QUERIES}: its output accumulator's registers), got {sq}")
+    if sq > 1 and not call.causal:
+        return (f"causal must be True with {sq} query tokens per request for the Gluon decode kernel (it masks each "
+                "token to its causal, bottom-right limit)")
     if sq > 1 and kv_cache.dtype == torch.float8_e4m3fn:
         return (f"q must hold one query token per request over an e4m3 cache for the Gluon decode kernel, got {sq} "
                 "(the e4m3 variant at 32 query rows spills registers under triton 3.6)")
