@@ -27,12 +27,32 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 
-def _checkpoint(path: str, seed: int) -> str:
-    from mla_fa3.models.tiny import random_hf_model, save_hf_checkpoint
+MAX_POSITIONS = 4096
+# DeepSeek-V3's own config.json keys that transformers 5's DeepseekV3Config no longer writes and SGLang's DeepseekV2
+# model reads (models/deepseek_v2.py: MoE layer placement and the noaux_tc router, which is transformers' V3 router)
+SGLANG_CONFIG_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1,
+                          aux_loss_alpha=0.001, seq_aux=True)
 
-    model = random_hf_model("v3_mla_dims", seed=seed, max_position_embeddings=4096)
+
+def _checkpoint(path: str, seed: int) -> str:
+    """The tiny V3 checkpoint both engines load. Its YaRN rope is stretched to the whole ``MAX_POSITIONS``
+    (original 1024 x factor 4): SGLang's DeepSeek YaRN tables cover original x factor positions and read past them
+    unchecked, transformers computes any position (the project's tiny configs stop at 64 x 4 = 256 positions,
+    shorter than this prompt)."""
+    from mla_fa3.models.tiny import TINY_CONFIGS, random_hf_model, save_hf_checkpoint
+
+    rope = dict(TINY_CONFIGS["v3_mla_dims"]["rope_scaling"])
+    rope["original_max_position_embeddings"] = MAX_POSITIONS // int(rope["factor"])
+    model = random_hf_model("v3_mla_dims", seed=seed, max_position_embeddings=MAX_POSITIONS, rope_scaling=rope)
     model.config.eos_token_id = None
-    return save_hf_checkpoint(model, path), model
+    save_hf_checkpoint(model, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for key, value in SGLANG_CONFIG_KEYS.items():
+        cfg.setdefault(key, value)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path, model
 
 
 def _with_nextn(ckpt: str, path: str, seed: int) -> str:
@@ -40,7 +60,6 @@ def _with_nextn(ckpt: str, path: str, seed: int) -> str:
     SGLang's NEXTN / EAGLE speculative decoding drafts with: ``model.layers.{N}`` (N = num_hidden_layers) holds the
     last decoder layer's weights again plus random ``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``. A
     draft of no skill: greedy output must still equal the target's (verification accepts only its own argmax)."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -85,7 +104,7 @@ def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], 
     kw = dict(model_path=ckpt, attention_backend=backend, page_size=page, kv_cache_dtype=kv,
               sampling_backend="pytorch", grammar_backend="none", chunked_prefill_size=256,
               mem_fraction_static=0.5, cuda_graph_max_bs_decode=8, disable_prefill_cuda_graph=True,
-              skip_tokenizer_init=True, log_level="error", context_length=4096, dtype="bfloat16")
+              skip_tokenizer_init=True, log_level="error", context_length=MAX_POSITIONS, dtype="bfloat16")
     if topk:  # NEXTN (EAGLE over DeepSeek's MTP layer): 3 draft steps, topk branches, 4 draft tokens verified
         kw.update(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=topk,
                   speculative_num_draft_tokens=4)

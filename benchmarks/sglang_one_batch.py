@@ -28,6 +28,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.sglang_engine_check import SGLANG_CONFIG_KEYS  # noqa: E402
+
 # (bs, ctx) per head count: SGLang's benchmark prefills bs x ctx tokens in one forward
 SHAPES = {16: [(1, 32768), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 8192)],
           128: [(1, 32768), (4, 32768), (16, 16384)]}
@@ -51,6 +53,7 @@ def write_model(path: str, heads: int, layers: int, intermediate: int) -> str:
         rms_norm_eps=1e-6, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
         hidden_act="silu", routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc",
         scoring_func="sigmoid", attention_bias=False)
+    cfg.update({k: v for k, v in SGLANG_CONFIG_KEYS.items() if k not in cfg})
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

@@ -39,7 +39,10 @@ else:
 
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
     plugin.register()
+    HookRegistry.apply_hooks()  # what SGLang's load_plugins does after the plugins' register (the draft routes)
     if not torch.cuda.is_available():  # SGLang's pool writer is a Triton kernel: on the CPU, the same rows by torch
         from sglang.srt.mem_cache import memory_pool
 

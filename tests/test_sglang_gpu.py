@@ -36,9 +36,15 @@ def test_kit_cuda_graph_decode_gpu(name, backend):
                                       device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# SGLang's own fa3 fails these kit cases at DeepSeek's dims (H100, SGLang 0.5.17, sgl-kernel 0.4.5, 2026-12-07:
+# docs/perf/2026-12-07/h100-run2/run16-sglang_tree.txt); strict, so that a fixed release shows
+_FA3_FAILS = pytest.mark.xfail(strict=True, reason="SGLang's fa3 backend fails this kit case itself (topk 2 verify: "
+                               "81 of 384 values off, max |Δ| 0.64; EAGLE draft graph at page 16: 2 of 9 off)")
+
+
+@pytest.mark.parametrize("backend,topk", [("mla_fa3", 1), ("mla_fa3", 2), ("fa3", 1),
+                                          pytest.param("fa3", 2, marks=_FA3_FAILS)])
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("topk", [1, 2])
 def test_kit_target_verify_gpu(backend, graph, topk):
     """The kit's EAGLE verify, a chain (topk 1) or its draft tree (topk 2: a root and two branches, FULL_MASK)."""
     from sglang.test.kits.attention_unittest.runner_modes import speculative_target_verify_runner as tv
@@ -48,12 +54,13 @@ def test_kit_target_verify_gpu(backend, graph, topk):
     run(TESTCASE, c, topk=topk, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("topk,page_size", [(1, 16), (2, 1), (2, 16)])
+@pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16), ("mla_fa3", 2, 1), ("fa3", 2, 1),
+                                                    pytest.param("fa3", 1, 16, marks=_FA3_FAILS)])
 def test_kit_eagle_draft_gpu(backend, topk, page_size):
     """The kit's EAGLE multi-step draft under its CUDA-graph runner: the draft backend SGLang's DraftBackendFactory
-    builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches; at page
-    16 each branch on its own pages)."""
+    builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches). The kit
+    lays branches out linearly and refuses topk > 1 at page > 1 (for every backend); our page-aligned branches at
+    page 16 are tested in test_sglang_draft.py and tests/test_tree_steps_gpu.py."""
     from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
 
     c = case("DECODE", prefix_lens=(14, 5, 30), page_size=page_size, backend=backend,

@@ -62,8 +62,8 @@ def _tree_fixture(k: int, topk: int, custom_mask, *, dtype=torch.bfloat16, page_
     if custom_mask is not None:
         custom_mask = custom_mask.to(device)
     fb = fx.forward_batch
-    fb.seq_lens = torch.tensor(c.prefix_lens, dtype=torch.int32)
-    fb.seq_lens_cpu = fb.seq_lens.clone()
+    fb.seq_lens = torch.tensor(c.prefix_lens, dtype=torch.int32, device=device)
+    fb.seq_lens_cpu = fb.seq_lens.cpu()
     fb.spec_info = SimpleNamespace(draft_token_num=k, topk=topk, custom_mask=custom_mask,
                                    positions=torch.zeros((live or len(prefixes)) * k, dtype=torch.int64,
                                                          device=device))
