@@ -7,9 +7,10 @@ Symbols of :mod:`mla_fa3.absorb` and :mod:`mla_fa3.tree`: request ``b`` has ``m`
     o_P, lse_P = attend_prefix(q_lat, q_rope)          # the step's decode kernel, m rows per request over the
                                                        # P_b prefix keys, no causal mask (FA3 / FlashMLA /
                                                        # split-KV; an FP8 pool read as the kernel reads it)
-    o_T, lse_T = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask)   # masked, n <= 64 keys (one Triton
-                                                                          # launch on CUDA; torch elsewhere)
-    o_lat      = merge_states(o_P, lse_P, o_T, lse_T)  # o = Σ o_i·e^(lse_i − lse), lse = ln Σ e^(lse_i)
+    o_lat, _   = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, prior=(o_P, lse_P))
+                                                       # the tree keys (masked, n <= 64: one Triton launch on
+                                                       # CUDA, torch elsewhere) merged with the prefix state in
+                                                       # the same call: o = Σ o_i·e^(lse_i − lse), lse = ln Σ e^lse_i
     o          = o_lat · W_UVᵀ                         # project_output
 
 The metadata of a tree step is the prefix's (``cache_seqlens = seq_lens − n``, ``max_seqlen_q = m``), so the
@@ -25,7 +26,6 @@ import torch
 from mla_fa3 import ops
 from mla_fa3.absorb import absorb_query, attend_prefix, check_query, project_output, split_query
 from mla_fa3.layer import AttentionLayer
-from mla_fa3.lse import NaturalLSE, merge_states
 from mla_fa3.metadata import AttentionMetadata
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.policy.paths import DecodeKernel
@@ -72,15 +72,7 @@ def attend_latent_tree(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: Attenti
     o_p, lse_p = attend_prefix(q_lat, q_rope, layer, metadata, kv_paged, kernel=kernel, schedule=schedule,
                                kv_scale=kv_scale, impl=impl)
     fp8 = kv_paged.dtype == FP8_DTYPE
-    o_t, lse_t = ops.tree_attention(q_lat, q_rope, kv_rows, tree.key_slots, tree.mask, softmax_scale=layer.scaling,
-                                    softcap=layer.logit_cap, kv_scale=kv_scale if fp8 else None, impl=impl)
-    o, _ = merge_states(o_p.to(o_t.dtype), NaturalLSE(lse_p), o_t, NaturalLSE(lse_t), impl=_merge_impl(impl))
+    o, _ = ops.tree_attention(q_lat, q_rope, kv_rows, tree.key_slots, tree.mask, softmax_scale=layer.scaling,
+                              softcap=layer.logit_cap, kv_scale=kv_scale if fp8 else None, prior=(o_p, lse_p),
+                              impl=impl)
     return o
-
-
-def _merge_impl(impl):
-    """The merge's implementation: the backend's setting where it names one the merge has (FA3 / reference)."""
-    if impl is None:
-        return None
-    chosen = ops.coerce_impl(impl)
-    return chosen if chosen in (ops.Impl.FA3, ops.Impl.REFERENCE) else None

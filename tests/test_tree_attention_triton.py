@@ -111,6 +111,66 @@ def check_against_oracle(bs, m_kind, n, H, r, dr, dtype, *, kv_dtype=None, softc
     assert lerr <= 1e-4 * max(1.0, ref_lse[fin].abs().max().item()), f"lse error {lerr:.3e}"
 
 
+def prefix_and_union(q_lat, q_rope, kv, key_slots, mask, scale, *, kv_scale=None, P=5, seed=0, dtype=torch.float64):
+    """A prior state for ``prior=``: each row's own prefix of P random latent rows (rows t % 3 == 2 have none), as
+    (o_P [T, H, r] fp64, lse_P [T, H] fp64), and the attention over the UNION of those prefix rows and the row's
+    visible tree keys in one softmax, computed in ``dtype`` (fp64: the oracle; bf16: the torch-bf16 baseline)."""
+    bs, m, n = mask.shape
+    T, H, r = q_lat.shape
+    g = torch.Generator().manual_seed(seed + 1)
+    pre = torch.randn(T, P, kv.shape[1], generator=g)
+    o_p = torch.zeros(T, H, r, dtype=torch.float64)
+    lse_p = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(T, H, r, dtype=dtype)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    for b in range(bs):
+        for i in range(m):
+            t, vis = b * m + i, mask[b, i].nonzero().flatten()
+            rows_p = pre[t, : 0 if t % 3 == 2 else P].double()
+            rows_t = kv[key_slots[b, vis]].double() * (1.0 if kv_scale is None else kv_scale.double())
+            rows = torch.cat([rows_p, rows_t])
+            if len(rows_p):
+                s_p = scale * (q_lat[t].double() @ rows_p[:, :r].T + q_rope[t].double() @ rows_p[:, r:].T)
+                lse_p[t], o_p[t] = torch.logsumexp(s_p, -1), torch.softmax(s_p, -1) @ rows_p[:, :r]
+            if len(rows):
+                rk = rows.to(dtype)
+                s = (q_lat[t].to(dtype) @ rk[:, :r].T + q_rope[t].to(dtype) @ rk[:, r:].T) * scale
+                lse[t] = torch.logsumexp(s.double(), -1)
+                out[t] = torch.softmax(s.float(), -1).to(dtype) @ rk[:, :r]
+    return o_p, lse_p, out, lse
+
+
+def check_prior_against_oracle(bs, m_kind, n, H, r, dr, dtype, *, kv_dtype=None, seed=0, impl="triton"):
+    """``prior=(o_P, lse_P)``: the merged state is the fp64 softmax over the union of the prior's keys and the visible
+    tree keys (o_P handed over rounded to q's dtype); a row without prior keys gets the tree part alone, a row that
+    sees no tree key gets o_P, a row with neither gets 0 and lse -inf."""
+    mask = tree_masks(m_kind, bs, n, seed)
+    q_lat, q_rope, kv, key_slots, kv_scale = inputs(bs, mask.shape[1], n, H, r, dr, dtype, kv_dtype=kv_dtype,
+                                                    seed=seed)
+    scale = (r + dr) ** -0.5
+    o_p, lse_p, ref_out, ref_lse = prefix_and_union(q_lat, q_rope, kv, key_slots, mask, scale, kv_scale=kv_scale,
+                                                    seed=seed)
+    prior = (o_p.to(dtype).transpose(0, 1).contiguous().transpose(0, 1), lse_p.float().t().contiguous().t())
+    out, lse = ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=scale, kv_scale=kv_scale,
+                                  prior=prior, impl=impl)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows with no key at all: lse -inf exactly"
+    if m_kind == "random":  # the case really holds a row with neither prior nor tree keys
+        assert bool(torch.isneginf(ref_lse).any()) and bool(torch.isfinite(ref_lse).any())
+    vmax = ref_out.abs().max().item() + 1e-30
+    tol = 1e-5 if dtype == torch.float32 else 4 * 2.0 ** -11  # fp16: o_P, P and the output rounded once each
+    err = (out.double() - ref_out).abs().max().item()
+    assert err <= tol * max(vmax, 1.0), f"merged out error {err:.3e} > {tol * max(vmax, 1.0):.3e}"
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-4 * max(1.0, ref_lse[fin].abs().max().item())
+
+
+PRIOR_CASES = {  # name: (bs, mask kind, n, H, r, d_rope, kwargs); random masks: rows that see no tree key
+    "prior_random_masks": (2, "random", 7, 4, 32, 16, {}),
+    "prior_tree_16h": (2, "tree", 9, 16, 32, 16, {}),
+    "prior_e4m3_cache": (2, "tree", 9, 16, 32, 16, {"kv_dtype": FP8}),
+}
+
 CASES = {  # name: (bs, mask kind, n, H, r, d_rope, kwargs)
     "chain_2x16h": (2, "chain", 8, 16, 32, 16, {}),
     "star_3x2h": (3, "star", 5, 2, 32, 16, {}),
@@ -132,6 +192,10 @@ def _interpreter_run() -> dict:
             if name in ("deepseek_row", "128_heads") and dt is torch.float16:
                 continue  # interpreter time; the fp32 case covers the tile shapes
             checks.append((f"{name}/{dt}", lambda a=(bs, kind, n, H, r, dr, dt), kw=kw: check_against_oracle(*a, **kw)))
+    for name, (bs, kind, n, H, r, dr, kw) in PRIOR_CASES.items():
+        for dt in (torch.float32, torch.float16):
+            checks.append((f"{name}/{dt}",
+                           lambda a=(bs, kind, n, H, r, dr, dt), kw=kw: check_prior_against_oracle(*a, **kw)))
     return run_cases(checks)
 
 
@@ -145,6 +209,22 @@ def test_reference_form_matches_the_oracle(name):
     """The torch form (impl='reference', every device's fallback) on the same cases, in-process."""
     bs, kind, n, H, r, dr, kw = CASES[name]
     check_against_oracle(bs, kind, n, H, r, dr, torch.float32, impl="reference", **kw)
+
+
+@pytest.mark.parametrize("name", list(PRIOR_CASES))
+def test_reference_form_merges_a_prior_state(name):
+    bs, kind, n, H, r, dr, kw = PRIOR_CASES[name]
+    check_prior_against_oracle(bs, kind, n, H, r, dr, torch.float32, impl="reference", **kw)
+
+
+def test_a_bad_prior_is_refused_by_name():
+    q_lat, q_rope, kv, key_slots, _ = inputs(1, 3, 3, 2, 16, 8, torch.float32)
+    mask = tree_masks("chain", 1, 3, 0)
+    o, lse = torch.zeros(3, 2, 16), torch.zeros(3, 2)
+    for prior, message in (((o,), "prior must be None or a tuple"), ((o[:, :1], lse), "prior's o must be"),
+                           ((o, lse.double()), "prior's lse must be"), ((o, lse[:2]), "prior's lse must be")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=0.3, prior=prior, impl="reference")
 
 
 def test_triton_asked_for_on_the_cpu_is_a_named_error():
@@ -180,6 +260,30 @@ def test_tree_kernel_bf16_on_the_gpu(kind, n, H, kv_dtype):
                 t = b * mask.shape[1] + i
                 s = (q_lat[t] @ kr[:, :512].T + q_rope[t] @ kr[:, 512:].T) * scale
                 torch_bf16[t] = torch.softmax(s.float(), dim=-1).bfloat16() @ kr[:, :512]
+    check_bf16_rule(out, ref, torch_bf16, 0.9999)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    assert (lse.cpu().double()[fin] - ref_lse[fin]).abs().max().item() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,n,H", [("tree", 64, 16), ("random", 33, 128)])
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+def test_tree_kernel_merges_the_prefix_state_bf16_on_the_gpu(kind, n, H, kv_dtype):
+    """bf16 at DeepSeek's row with a prior state (the tree step's prefix part): the merged output against the fp64
+    softmax over the union, within twice the error of the same union attention in torch bf16."""
+    bs = 3
+    mask = tree_masks(kind, bs, n, 2)
+    q_lat, q_rope, kv, key_slots, kv_scale = inputs(bs, mask.shape[1], n, H, 512, 64, torch.bfloat16,
+                                                    kv_dtype=kv_dtype, seed=2)
+    scale = 576 ** -0.5
+    o_p, lse_p, ref, ref_lse = prefix_and_union(q_lat, q_rope, kv, key_slots, mask, scale, kv_scale=kv_scale, seed=2)
+    _, _, torch_bf16, _ = prefix_and_union(q_lat, q_rope, kv, key_slots, mask, scale, kv_scale=kv_scale, seed=2,
+                                           dtype=torch.bfloat16)
+    dev = [x.cuda() for x in (q_lat, q_rope, kv, key_slots, mask)]
+    out, lse = ops.tree_attention(*dev, softmax_scale=scale, kv_scale=None if kv_scale is None else kv_scale.cuda(),
+                                  prior=(o_p.bfloat16().cuda(), lse_p.float().cuda()), impl="triton")
+    assert bool(torch.isfinite(out).all())
     check_bf16_rule(out, ref, torch_bf16, 0.9999)
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), fin)

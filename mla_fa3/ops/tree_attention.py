@@ -9,7 +9,9 @@ request b (token-major row ``t = b*m + i``) and its visible keys ``V = {j : mask
     out[t]  = Σ_{j∈V} softmax(s)_j · c_kv_j      [H, r]
     lse[t]  = ln Σ_{j∈V} exp(s_j)               [H] float32, natural log (-inf, out 0 when V is empty)
 
-— the absorbed MLA state over the tree keys, merged with the prefix part's state by ``lse.merge_states``.
+— the absorbed MLA state over the tree keys. ``prior=(o_P, lse_P)`` (the prefix part's state: a disjoint key set)
+merges it in the same call — ``lse = ln(e^lse_P + e^lse_T)``, ``out = e^(lse_P - lse)·o_P + e^(lse_T - lse)·out_T``,
+rounded once — and returns the state over the union (what a tree step needs; no separate merge).
 
 Two implementations, one contract (``impl=``, as the other kernels of ``mla_fa3.ops``):
 
@@ -45,8 +47,10 @@ Tensor = torch.Tensor
 
 def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor, mask: Tensor, *,
                    softmax_scale: float, softcap: float = 0.0, kv_scale: Optional[Tensor] = None,
+                   prior: Optional[Tuple[Tensor, Tensor]] = None,
                    impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:
-    """(out [T, H, r] in q_lat's dtype, lse [T, H] float32 natural log) of the tree part (module docstring).
+    """(out [T, H, r] in q_lat's dtype, lse [T, H] float32 natural log) of the tree part (module docstring), merged
+    with ``prior`` = (o [T, H, r] floating, lse [T, H] float32 natural log; any strides) when given.
 
     q_lat ``[T, H, r]``, q_rope ``[T, H, d_rope]`` (any strides), kv ``[num_slots, r + d_rope]`` — the layer's
     latent rows (``MLATokenPool.kv_buffer[layer]``, or the paged view flattened), key_slots ``[bs, n]`` int64
@@ -55,6 +59,7 @@ def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor,
     docstring (not recorded by ``last_impl()``, which keeps telling the step's prefix kernel).
     """
     _check(q_lat, q_rope, kv, key_slots, mask, softmax_scale, softcap, kv_scale)
+    _check_prior(prior, q_lat)
     chosen = get_impl() if impl is None else coerce(impl)
     kernels = _triton_module("tree")
     if _kernel_not_torch(chosen, q_lat.device, kernels, "tree attention"):
@@ -65,12 +70,12 @@ def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor,
         else:
             with _on(q_lat.device):
                 return kernels.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=softmax_scale,
-                                              softcap=softcap, kv_scale=kv_scale)
+                                              softcap=softcap, kv_scale=kv_scale, prior=prior)
     return _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, softmax_scale=softmax_scale, softcap=softcap,
-                                 kv_scale=kv_scale)
+                                 kv_scale=kv_scale, prior=prior)
 
 
-def _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, *, softmax_scale, softcap, kv_scale):
+def _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, *, softmax_scale, softcap, kv_scale, prior=None):
     """The REFERENCE form (module docstring)."""
     bs, m, n = mask.shape
     T, H, r = q_lat.shape
@@ -88,8 +93,37 @@ def _tree_attention_torch(q_lat, q_rope, kv, key_slots, mask, *, softmax_scale, 
     lse = torch.logsumexp(s, dim=-1)  # [bs, m, H]
     p = torch.exp(s - lse.unsqueeze(-1))
     p = p.masked_fill(torch.isneginf(lse).unsqueeze(-1), 0.0)  # a row with no visible key: out 0, lse -inf
-    out = torch.einsum("bmhn,bnr->bmhr", p, c_kv)
-    return out.reshape(T, H, r).to(q_lat.dtype), lse.reshape(T, H)
+    out = torch.einsum("bmhn,bnr->bmhr", p, c_kv).reshape(T, H, r)
+    lse = lse.reshape(T, H)
+    if prior is not None:  # fp32 merge with the prior state, one rounding below
+        o_p, lse_p = prior[0].float(), prior[1]
+        top = torch.maximum(lse, lse_p)
+        top = top.masked_fill(torch.isneginf(top), 0.0)
+        w_t, w_p = torch.exp(lse - top), torch.exp(lse_p - top)
+        tot = w_t + w_p
+        inv = torch.where(tot > 0, 1.0 / tot.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        out = out * (w_t * inv).unsqueeze(-1) + o_p * (w_p * inv).unsqueeze(-1)
+        lse = torch.where(tot > 0, top + torch.log(tot.clamp_min(torch.finfo(torch.float32).tiny)), float("-inf"))
+    return out.to(q_lat.dtype), lse
+
+
+def _check_prior(prior, q_lat: Tensor) -> None:
+    if prior is None:
+        return
+    if not isinstance(prior, tuple) or len(prior) != 2:
+        raise TypeError(f"prior must be None or a tuple (o, lse), got {type(prior).__name__}")
+    o, lse = prior
+    chk.tensor(o, "prior's o")
+    chk.tensor(lse, "prior's lse")
+    if tuple(o.shape) != tuple(q_lat.shape) or not o.dtype.is_floating_point:
+        raise ValueError(f"prior's o must be a floating [T, H, r] = {list(q_lat.shape)} tensor, got {o.dtype} "
+                         f"{tuple(o.shape)}")
+    if tuple(lse.shape) != tuple(q_lat.shape[:2]) or lse.dtype != torch.float32:
+        raise ValueError(f"prior's lse must be a [T, H] = {list(q_lat.shape[:2])} float32 tensor, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    for x, name in ((o, "prior's o"), (lse, "prior's lse")):
+        if x.device != q_lat.device:
+            raise ValueError(f"{name} must be on q_lat's device {q_lat.device}, got {x.device}")
 
 
 def _check(q_lat, q_rope, kv, key_slots, mask, softmax_scale, softcap, kv_scale) -> None:

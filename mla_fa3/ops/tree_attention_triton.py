@@ -19,6 +19,10 @@ request's tree keys (n <= 64 rows, an L2 hit after the first program) once per 6
         mx = rowmax(s);  e = exp(s - mx);  l = rowsum(e);  lse = mx + ln l   (l = 0: lse -inf, e 0)
         for each chunk c of r:  out[t, h, c] = (e / l) @ c_kv[:, c]   (· kv_scale), rounded once to q's dtype
 
+With a prior state (``prior=(o_P, lse_P)``: the prefix part, a disjoint key set) the merge is fused: lse =
+ln(e^lse_P + e^lse_T), P is scaled by e^(lse_T - lse) and each output chunk gains e^(lse_P - lse) · o_P before its
+one rounding — no separate merge kernel, no rounding of the tree part on its own.
+
 The dots take q's dtype (an e4m3 key tile is converted to it in registers: exact for fp16 / bf16 / fp32) with fp32
 accumulation; fp32 inputs run them in IEEE fp32, not TF32. The probabilities enter P·V in q's dtype (as FA3 and
 FlashMLA round P to bf16). The key tile is loaded twice (scores, then P·V): the second load is an L2 hit. No host
@@ -38,12 +42,13 @@ MAX_KEYS = 128  # n: one tile of keys (a draft tree has at most a few dozen)
 
 
 @triton.jit
-def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, m, H, n, scale, softcap,
+def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, PriorLse, m, H, n, scale, softcap,
                            stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_kv, stride_sb,
-                           stride_mb, stride_mi, stride_ot, stride_oh, stride_lt,
+                           stride_mb, stride_mi, stride_ot, stride_oh, stride_lt, stride_pot, stride_poh,
+                           stride_plt, stride_plh,
                            R: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           IEEE: tl.constexpr, PRIOR: tl.constexpr):
     b = tl.program_id(0)
     mb = tl.program_id(1)
     pairs = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,8 +98,21 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, m, H, n, 
     e = tl.exp2((s - mx_safe[:, None]) * 1.4426950408889634)  # exp(-inf) = 0 on masked keys
     l = tl.sum(e, axis=1)
     lse = tl.where(l > 0.0, mx_safe + tl.log(l), float("-inf"))
-    tl.store(Lse + t * stride_lt + h, lse, mask=pair_ok)
     inv = tl.where(l > 0.0, 1.0 / l, 0.0)
+    if PRIOR:  # merge with the prior state: weights e^(lse_X - lse) of the union's lse (0 for an empty side)
+        lse_p = tl.load(PriorLse + t * stride_plt + h.to(tl.int64) * stride_plh, mask=pair_ok,
+                        other=float("-inf"))
+        top = tl.maximum(lse, lse_p)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_t = tl.exp(lse - top)
+        w_p = tl.exp(lse_p - top)
+        tot = w_t + w_p
+        inv_tot = tl.where(tot > 0.0, 1.0 / tot, 0.0)
+        lse = tl.where(tot > 0.0, top + tl.log(tot), float("-inf"))
+        inv = inv * (w_t * inv_tot)
+        prior_w = w_p * inv_tot
+        po_row = PriorO + t * stride_pot + h.to(tl.int64) * stride_poh
+    tl.store(Lse + t * stride_lt + h, lse, mask=pair_ok)
     if FP8:
         inv = inv * kv_scale
     p = (e * inv[:, None]).to(dt)
@@ -108,6 +126,9 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, m, H, n, 
             o = tl.dot(p, v, input_precision="ieee")
         else:
             o = tl.dot(p, v)
+        if PRIOR:
+            po = tl.load(po_row[:, None] + cols[None, :], mask=pair_ok[:, None] & col_ok[None, :], other=0.0)
+            o += prior_w[:, None] * po.to(tl.float32)
         tl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=pair_ok[:, None] & col_ok[None, :])
 
 
@@ -118,14 +139,19 @@ def block_m_for(heads: int) -> int:
 
 
 def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor, mask: Tensor, *,
-                   softmax_scale: float, softcap: float, kv_scale: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """Launch (arguments checked by ``ops.tree_attention``): returns (out [T, H, r] q's dtype, lse [T, H] float32)."""
+                   softmax_scale: float, softcap: float, kv_scale: Optional[Tensor],
+                   prior: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+    """Launch (arguments checked by ``ops.tree_attention``): returns (out [T, H, r] q's dtype, lse [T, H] float32),
+    merged with ``prior`` (o [T, H, r], lse [T, H] float32) when given."""
     bs, m, n = mask.shape
     T, H, r = q_lat.shape
     dr = q_rope.shape[2]
     if n > MAX_KEYS:
         raise ValueError(f"the tree kernel takes at most {MAX_KEYS} tree keys per request, got {n}")
-    for x, name in ((q_lat, "q_lat"), (q_rope, "q_rope"), (kv, "kv")):
+    prior_o, prior_lse = prior if prior is not None else (None, None)
+    for x, name in ((q_lat, "q_lat"), (q_rope, "q_rope"), (kv, "kv"), (prior_o, "prior's o")):
+        if x is None:
+            continue
         if x.shape[-1] and x.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous for the tree kernel (stride {x.stride(-1)})")
     out = torch.empty(T, H, r, dtype=q_lat.dtype, device=q_lat.device)
@@ -137,14 +163,16 @@ def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor,
     block_m = block_m_for(H)
     fp8 = kv_scale is not None
     scale_arg = kv_scale if fp8 else lse  # an unused pointer when not FP8
+    po, pl = (out, lse) if prior is None else (prior_o, prior_lse)  # unused pointers without a prior
     grid = (bs, triton.cdiv(m * H, block_m))
     _tree_attention_kernel[grid](
-        q_lat, q_rope, kv, slots, mask_c.view(torch.int8), out, lse, scale_arg, m, H, n,
+        q_lat, q_rope, kv, slots, mask_c.view(torch.int8), out, lse, scale_arg, po, pl, m, H, n,
         float(softmax_scale), float(softcap),
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), slots.stride(0),
         mask_c.stride(0), mask_c.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
         R=r, DR=dr, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
         BLOCK_R=min(64, max(16, triton.next_power_of_2(r))), BLOCK_DR=max(16, triton.next_power_of_2(dr)),
-        FP8=fp8, SOFTCAP=softcap > 0, IEEE=q_lat.dtype == torch.float32,
+        FP8=fp8, SOFTCAP=softcap > 0, IEEE=q_lat.dtype == torch.float32, PRIOR=prior is not None,
         num_warps=8 if block_m == 128 else 4, num_stages=2)
     return out, lse
