@@ -57,6 +57,9 @@ def main(argv=None) -> int:
             backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
             backend.init_forward_metadata_out_graph(fb, in_capture=True)
             backend.init_forward_metadata_in_graph(fb)
+            # a replay's update: the batch's own lengths into the captured buffers (at capture, mla_fa3 sizes them
+            # for the graph and holds fill values; fa3 reads the batch's lengths at capture already)
+            backend.init_forward_metadata_out_graph(fb)
             def layer_step():  # as SGLang's runner captures it: the backend's in-graph half, then the layer
                 backend.init_forward_metadata_in_graph(fb)
                 layer(q_lat.view(bs, -1), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
