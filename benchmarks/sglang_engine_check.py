@@ -9,7 +9,10 @@ EAGLE topk K — ``:eagleK``, whose greedy output must equal the target's; CUDA 
 enough that its later prefill chunks run SGLang's chunked-prefix MHA path (``--chunked-prefill-size`` 256,
 ``SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD`` 64), compared token by token with transformers' greedy continuation; and
 teacher-forced top-1 agreement over the prompt and that continuation (SGLang's top-1 at every input position
-against transformers' argmax). GPU only; needs SGLang 0.5.17 and sgl-kernel.
+against transformers' argmax). A configuration run after SGLang's fa3 on the same page size and KV dtype is also
+compared with it (``vs_fa3_greedy``, ``vs_fa3_top1``: the same attention on the same model should give the same
+tokens; an EAGLE configuration's greedy tokens must be fa3's without speculation). GPU only; needs SGLang 0.5.17
+and sgl-kernel.
 """
 
 from __future__ import annotations
@@ -129,9 +132,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="page 64 only")
-    p.add_argument("--configs", default="", help="backend:page:kv[:eagleK],... (e.g. mla_fa3:64:auto,fa3:64:auto,"
-                   "mla_fa3:1:auto:eagle2 — speculative decoding over the MTP layer with topk K); "
-                   "default: mla_fa3 and fa3 x pages x (auto, fp8_e4m3)")
+    p.add_argument("--configs", default="", help="backend:page:kv[:eagleK],... (e.g. fa3:64:auto,mla_fa3:64:auto,"
+                   "mla_fa3:1:auto:eagle2 — speculative decoding over the MTP layer with topk K; a config after fa3's "
+                   "of the same page and KV dtype is also compared with it token by token); "
+                   "default: fa3 and mla_fa3 x pages x (auto, fp8_e4m3)")
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--new", type=int, default=32)
     args = p.parse_args(argv)
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
     pages = [64] if args.quick else [1, 64]
     configs = [(f[0], int(f[1]), f[2], int(f[3][len("eagle"):]) if len(f) > 3 else 0)
                for f in (c.split(":") for c in args.configs.split(",") if c)] or \
-        [(b, p, kv, 0) for b in ("mla_fa3", "fa3") for p in pages for kv in ("auto", "fp8_e4m3")]
+        [(b, p, kv, 0) for p in pages for kv in ("auto", "fp8_e4m3") for b in ("fa3", "mla_fa3")]
     nextn = _with_nextn(ckpt, tmp + "_nextn", seed=2) if any(t for *_, t in configs) else None
     for backend, page, kv, topk in configs:
         row = dict(backend=backend, page=page, kv=kv, eagle_topk=topk)
@@ -163,9 +167,17 @@ def main(argv=None) -> int:
             tf = sum(a == b for a, b in pairs) / max(len(pairs), 1)
             row.update(greedy_match=f"{agree}/{len(hf_cont)}", first_divergence=first_diff,
                        teacher_forced_top1=round(tf, 4), positions=len(pairs), wall_4x64_s=round(wall, 3))
+            # against SGLang's fa3 on the same page size and KV dtype, when it ran before in this run: the same
+            # greedy tokens, and the same top-1 at each teacher-forced position
+            peer = next((r for r in results if r["backend"] == "fa3" and r["page"] == page and r["kv"] == kv
+                         and "tokens" in r), None)
+            if peer is not None and backend != "fa3":
+                row.update(vs_fa3_greedy=f"{sum(a == b for a, b in zip(tokens, peer['tokens']))}/{len(tokens)}",
+                           vs_fa3_top1=round(sum(a == b for a, b in zip(top, peer["top1"])) / max(len(top), 1), 4))
+            row.update(tokens=tokens, top1=top)
         except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
             row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top1")}), flush=True)
         results.append(row)
         _write(args.out, prompt, args.new, results)  # after every configuration: a run cut short keeps its rows
     return 0
