@@ -221,6 +221,19 @@ def test_forward_absorbed_tree_checks_q_by_default(case):
         forward_absorbed_tree(bad, case.layer, None, None)
 
 
+def test_a_tree_step_refuses_a_window_of_zero_tokens(case):
+    """sliding_window 0 is a window (each query sees only its own position), not "none" (-1): a tree step, whose
+    positions differ per branch, refuses it like any other window."""
+    import dataclasses
+
+    from mla_fa3.absorb_tree import check_tree_layer
+    from mla_fa3.tree import DraftTreeError
+
+    check_tree_layer(case.layer)  # no window: runs
+    with pytest.raises(DraftTreeError, match="sliding-window"):
+        check_tree_layer(dataclasses.replace(case.layer, sliding_window=0))
+
+
 def test_a_verify_mask_error_names_the_first_token_that_sees_a_later_one():
     import numpy as np
 

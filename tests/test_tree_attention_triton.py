@@ -185,6 +185,21 @@ CASES = {  # name: (bs, mask kind, n, H, r, d_rope, kwargs)
 }
 
 
+def _more_keys_than_the_kernel_takes():
+    """impl='triton' with n > MAX_KEYS tree keys: a named error, not a silent switch to the torch form."""
+    from mla_fa3.ops.tree_attention_triton import MAX_KEYS
+
+    n = MAX_KEYS + 1
+    q_lat, q_rope, kv, key_slots, _ = inputs(1, 2, n, 1, 16, 16, torch.float32)
+    mask = torch.ones(1, 2, n, dtype=torch.bool)
+    try:
+        ops.tree_attention(q_lat, q_rope, kv, key_slots, mask, softmax_scale=0.3, impl="triton")
+    except ValueError as exc:
+        assert f"at most {MAX_KEYS} tree keys" in str(exc), exc
+    else:
+        raise AssertionError(f"impl='triton' took {n} tree keys")
+
+
 def _interpreter_run() -> dict:
     checks = []
     for name, (bs, kind, n, H, r, dr, kw) in CASES.items():
@@ -192,6 +207,7 @@ def _interpreter_run() -> dict:
             if name in ("deepseek_row", "128_heads") and dt is torch.float16:
                 continue  # interpreter time; the fp32 case covers the tile shapes
             checks.append((f"{name}/{dt}", lambda a=(bs, kind, n, H, r, dr, dt), kw=kw: check_against_oracle(*a, **kw)))
+    checks.append(("more_than_128_keys_refused", _more_keys_than_the_kernel_takes))
     for name, (bs, kind, n, H, r, dr, kw) in PRIOR_CASES.items():
         for dt in (torch.float32, torch.float16):
             checks.append((f"{name}/{dt}",
