@@ -10,9 +10,9 @@
 # Upload = one run per piece, back to back (the machine forgets /tmp when it goes cold ~30 s after a run):
 #   take .upK along, command: mkdir -p /tmp/up && cp .upK/* /tmp/up/
 # then, with the last piece: bash tools/device_sglang_run.sh all   (it assembles /tmp/up first)
-# `device_pack.sh wheels`: the wheels alone (whl/, fi/) as .upw1 .upw2, for a machine whose sgl-kernel was set up from
-# .kit1 .kit2 .kit3 (shared/device/README.md; tools/device_kernels_run.sh KIT=1 runs there first): upload each the
-# same way, then bash tools/device_sglang_run.sh ... (it skips the kit when /tmp/site/sgl_kernel exists)
+# `device_pack.sh wheels`: the wheels alone (whl/, fi/) as .upw1 .upw2, for a machine whose sgl-kernel was set up
+# from the kit pieces below (tools/device_kernels_run.sh KIT=1 may run there first): upload each the same way, then
+# bash tools/device_sglang_run.sh ... (it skips the kit when /tmp/site/sgl_kernel exists)
 # `device_pack.sh kit`: sgl-kernel alone, re-cut into .upk1 .upk2 .upk3 (at most 58 MB each, so that each fits beside
 # the working tree); upload each as above, then bash tools/device_kit_setup.sh
 set -euo pipefail

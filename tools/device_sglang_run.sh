@@ -10,7 +10,9 @@ if [ ! -f /tmp/payload/done ]; then
   n=$(ls /tmp/up/p* 2>/dev/null | wc -l)
   echo "assembling $n pieces"
   mkdir -p /tmp/payload && cat /tmp/up/p* | tar -x -C /tmp/payload || { echo "pieces missing: upload .up1 .. again" >&2; exit 3; }
-  mkdir -p /tmp/kit && cp /tmp/payload/kit/* /tmp/kit/ && mkdir -p .kit3 && cp /tmp/payload/kit/setup.sh /tmp/payload/kit/fo.part2 /tmp/payload/kit/sgl_rest.tar.xz .kit3/
+  if [ -d /tmp/payload/kit ]; then  # the .up pieces carry the kit; the .upw pieces (wheels alone) do not
+    mkdir -p /tmp/kit && cp /tmp/payload/kit/* /tmp/kit/ && mkdir -p .kit3 && cp /tmp/payload/kit/setup.sh /tmp/payload/kit/fo.part2 /tmp/payload/kit/sgl_rest.tar.xz .kit3/
+  fi
   [ -d /tmp/site/sgl_kernel ] || bash .kit3/setup.sh || exit 3  # the kit may be set up already (device_kit_setup.sh)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/payload/whl/*.whl 2>&1 | grep -v "^WARNING" | tail -2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fi /tmp/payload/fi/*.whl 2>&1 | grep -v "^WARNING" | tail -2
