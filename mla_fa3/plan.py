@@ -267,9 +267,8 @@ class StepPlanner:
         tree = metadata.tree
         if tree is not None:
             reason += (f"; tree of {tree.num_queries} queries x {tree.num_keys} keys per request: the prefix on "
-                       f"{kernel.value} (no causal mask), the tree part by ops.tree_attention (one Triton launch on CUDA, "
-                       "torch elsewhere), merged "
-                       "by LSE")
+                       f"{kernel.value} (no causal mask), then the tree part merged into it by LSE "
+                       "(ops.tree_attention: one Triton launch on CUDA, torch elsewhere)")
         record = self._record(metadata.mode.name, AttentionPath.ABSORBED, kernel.value, reason, graph=graph,
                               kv_bytes=self._kv_bytes(batch), num_splits=splits,
                               tree=None if tree is None else (tree.num_queries, tree.num_keys))
