@@ -24,7 +24,8 @@ max |Δlse|, cosine. A failed check prints CHECK FAILED, the timings still run (
 read with the bf16 q, by the Gluon kernel's e4m3 variant and by our Triton split-KV (its e4m3 table config,
 ``descale_k=``); bytes = Σ L_b · 576 · 1 (half of bf16's), roofline at the same measured copy bandwidth; FA3 /
 FlashMLA columns stay empty (FlashMLA reads an e4m3 cache only with an e4m3 q: another contract). The check then
-runs on the e4m3 cache as well as on the bf16 one.
+runs on the e4m3 cache as well as on the bf16 one. Each e4m3 variant is timed twice: the tile staged as fp16 in
+shared memory, and (columns ``..r_us``) converted in wgmma's A registers (``reg_a``).
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def check(gd, fp8: bool = False) -> bool:
         kv = (kv.float() / descale).to(torch.float8_e4m3fn)
         kw["descale_k"] = gkw["descale_k"] = descale
     ok = True
-    for waves in (1.0, 8.0):
+    runs = [(w, r) for w in (1.0, 8.0) for r in ((False, True) if fp8 else (False,))]
+    for waves, reg_a in runs:
         sched = ops.get_splitkv_schedule(lens, num_heads=H, page_size=PAGE, device="cuda", waves=waves,
                                          min_split_tokens=64)
-        out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, **gkw)
+        out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, reg_a=reg_a,
+                                       **gkw)
         tri, tri_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=ops.get_splitkv_schedule(
             lens, num_heads=H, page_size=PAGE, device="cuda", kv_fp8=fp8), impl="triton", **kw)
         ref, ref_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=sched, impl="reference", **kw)
@@ -97,7 +100,8 @@ def check(gd, fp8: bool = False) -> bool:
         base = (t - r).abs().max().item()  # the Triton kernel's own error against the reference: the scale
         good = bool(torch.isfinite(out).all()) and cos >= 0.9999 and d_ref <= 2 * base + 1e-3 and dl_ref <= 2e-3
         ok &= good
-        print(f"check {'e4m3' if fp8 else 'bf16'} cache, waves {waves} ({sched.planned_work} splits): "
+        print(f"check {'e4m3' if fp8 else 'bf16'} cache{' (reg_a)' if reg_a else ''}, waves {waves} "
+              f"({sched.planned_work} splits): "
               f"max |gluon - triton| {d_tri:.3g}, "
               f"|gluon - reference| {d_ref:.3g} (triton vs reference {base:.3g}), max |Δlse| vs triton {dl_tri:.3g}, "
               f"vs reference {dl_ref:.3g}, cosine vs reference {cos:.6f}: {'ok' if good else 'CHECK FAILED'}",
@@ -149,13 +153,14 @@ def main(argv=None) -> int:
             def us(fn):
                 return 1e3 * time_per_call(fn, n, warmup=3, iters=args.iters)
 
-            variants = [(w, h) for w in waves for h in ((False, True) if args.half else (False,))]
-            for w, h in variants:
+            variants = [(w, h, r) for w in waves for h in ((False, True) if args.half else (False,))
+                        for r in ((False, True) if args.fp8 else (False,))]
+            for w, h, r in variants:
                 sched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, waves=w)
-                tag = f"gluon_w{w:g}{'h' if h else ''}"
+                tag = f"gluon_w{w:g}{'h' if h else ''}{'r' if r else ''}"
                 row[f"{tag}_splits"] = sched.planned_work
-                row[f"{tag}_us"] = us(lambda s=sched, h=h: [gd.gluon_mla_decode(
-                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE, half_partials=h, **gkw)
+                row[f"{tag}_us"] = us(lambda s=sched, h=h, r=r: [gd.gluon_mla_decode(
+                    q, kv, table, shape.seqlens, schedule=s, softmax_scale=SCALE, half_partials=h, reg_a=r, **gkw)
                     for kv, table in shape.copies])
             tsched = ops.get_splitkv_schedule([ctx] * bs, num_heads=H, page_size=PAGE, device=dev, kv_fp8=args.fp8)
             row["triton_splits"] = tsched.planned_work
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
                 impl="triton", **gkw) for kv, table in shape.copies])
             for name, make in (("fa3", fa3_fn), ("flashmla", flashmla_fn)):
                 row[f"{name}_us"] = us(make(shape, q)) if peers else None
-            best = min(row[f"gluon_w{w:g}{'h' if h else ''}_us"] for w, h in variants)
+            best = min(row[f"gluon_w{w:g}{'h' if h else ''}{'r' if r else ''}_us"] for w, h, r in variants)
             row["gluon_over_roofline"] = best / row["roofline_us"]
             row["triton_over_gluon"] = row["triton_us"] / best
             for name in ("fa3", "flashmla"):

@@ -8,9 +8,12 @@ timed by CUDA events around graph replays (median of ``--iters``). Every backend
 
     python benchmarks/sglang_backends.py --out out/sglang_backends.csv [--quick]
 
-Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay), host_us (the replay update: the backend's
-``init_forward_metadata_out_graph``), ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), kernel (what
-mla_fa3 ran). GPU only; needs SGLang 0.5.17 and sgl-kernel.
+Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
+layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
+ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), meta_us and layer_us (the same two halves captured and
+replayed apart), per_layer_us (layer_us + meta_us / ``--layers``: SGLang's runner runs the metadata half once per
+step and the layer call once per layer, 61 layers in DeepSeek-V3), ratio_per_layer (fa3's per_layer_us / this),
+kernel (what mla_fa3 ran). GPU only; needs SGLang 0.5.17 and sgl-kernel.
 """
 
 from __future__ import annotations
@@ -101,6 +104,18 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     return statistics.median(times)
 
 
+def _graph_us(fn, iters: int) -> float:
+    """Median replay time of ``fn`` captured alone in a CUDA graph, µs."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return replay_us(graph, iters)
+
+
 def _time_backend(name, fx, registry, iters):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
@@ -132,8 +147,10 @@ def _time_backend(name, fx, registry, iters):
             graph.replay()
         torch.cuda.synchronize()
         us = replay_us(graph, iters)
+        meta_us = _graph_us(lambda: backend.init_forward_metadata_in_graph(fb), iters)
+        layer_us = _graph_us(step, iters)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
-    return us, statistics.median(host) * 1e6, kernel
+    return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)
 
 
 def main(argv=None) -> int:
@@ -142,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="three shapes")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--layers", type=int, default=61, help="layers per step for per_layer_us (DeepSeek-V3: 61)")
     args = p.parse_args(argv)
     if not sglang_ready("sglang_backends"):
         return 2
@@ -160,12 +178,19 @@ def main(argv=None) -> int:
                     try:
                         res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters)
                     except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
-                        res[name] = (float("nan"), float("nan"), f"error: {type(exc).__name__}: {exc}"[:160])
-                base = res["fa3"][0]
-                for name, (us, host, kernel) in res.items():
+                        nan = float("nan")
+                        res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan,
+                                         kernel=f"error: {type(exc).__name__}: {exc}"[:160])
+                for r in res.values():
+                    r["per_layer_us"] = r["layer_us"] + r["meta_us"] / args.layers
+                base = res["fa3"]
+                for name, r in res.items():
                     row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", backend=name,
-                               us=round(us, 2), host_us=round(host, 1), ratio_vs_fa3=round(base / us, 3),
-                               kernel=kernel)
+                               us=round(r["us"], 2), host_us=round(r["host_us"], 1),
+                               ratio_vs_fa3=round(base["us"] / r["us"], 3), meta_us=round(r["meta_us"], 2),
+                               layer_us=round(r["layer_us"], 2), per_layer_us=round(r["per_layer_us"], 2),
+                               ratio_per_layer=round(base["per_layer_us"] / r["per_layer_us"], 3),
+                               kernel=r["kernel"])
                     rows.append(row)
                     print(",".join(str(v) for v in row.values()), flush=True)
                 del fx

@@ -100,6 +100,26 @@ def test_cubin_has_no_spills(variant, request):
         assert _count(sass, "F2FP.F16.E4M3.UNPACK_B") == 144 and not re.search(r"\bF2F\.", sass)
 
 
+def test_e4m3_register_read_feeds_wgmma_from_registers_without_a_staged_tile():
+    """``reg_a=True`` (the e4m3 cache): every chunk goes from the ring into wgmma's A registers and is converted
+    there — 68 wgmma whose A operand is four registers (not a shared-memory descriptor), 17 x 16 conversions per
+    thread and tile (9 chunks for Sᵀ, 8 for accᵀ: each of the 17 A operands converted on its own), at most one
+    wgmma group in flight while the next chunk converts (17 waits of 1), no staging tile: a ring of 5 e4m3 tiles
+    (184,320 B) where the staged variant holds 3 and their fp16 copy, no spills."""
+    kernel = gd.compile_for_hopper(kv8=True, reg_a=True)
+    ptx = kernel.asm["ptx"]
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, (\S+)", ptx)
+    assert len(mma) == 68 and all(a.startswith("{") for a in mma)  # A: a register list
+    assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 17 * 16
+    assert _count(ptx, "wgmma.wait_group.sync.aligned 1;") == 17
+    assert 5 * 9 * 64 * 64 <= kernel.metadata.shared <= 227 * 1024
+    usage, sass = _usage_and_sass(kernel)
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+    assert _count(sass, "HGMMA.64x16x16.F32 ") == 68 and _count(sass, "UTMALDG.2D") == 9
+    with pytest.raises(ValueError, match="reg_a is the e4m3 cache's read"):
+        gd.compile_for_hopper(reg_a=True)
+
+
 @pytest.mark.parametrize("kv8", [False, True])
 def test_half_partials_variant_stores_bf16_partial_outputs(kv8, compiled, compiled_fp8):
     """``half=True`` (``KernelConfig.half_partials``): the partial outputs are rounded to bf16 and stored as 16-bit

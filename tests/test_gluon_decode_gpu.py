@@ -285,13 +285,16 @@ def run_triton_fp8(q, kv, table, seqlens, descale, lens):
                                         causal=True, impl="triton", descale_k=descale)
 
 
+@pytest.mark.parametrize("reg_a", [False, True], ids=["staged", "reg_a"])
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_gluon_fp8_cache_matches_oracle_and_triton_splitkv(gd, name, plan):
+def test_gluon_fp8_cache_matches_oracle_and_triton_splitkv(gd, name, plan, reg_a):
+    """Both e4m3 reads: the tile staged as fp16 in shared memory, and converted in wgmma's A registers."""
     lens = CASES[name]
     q, kv, table, seqlens, descale, dense = build_fp8(lens, seed=len(lens) + 100)
     sched = schedule_for(lens, **PLANS[plan])
-    out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale)
+    out, lse = gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale,
+                                   reg_a=reg_a)
     torch.cuda.synchronize()
     assert out.dtype == BF16 and out.shape == (len(lens), 1, H, R) and lse.shape == (len(lens), 1, H)
     tri, tri_lse = run_triton_fp8(q, kv, table, seqlens, descale, lens)
@@ -319,6 +322,11 @@ def test_gluon_fp8_is_bitwise_repeatable_and_goes_through_split_kv_the_same(gd):
     assert torch.equal(via[0], direct[0]) and torch.equal(via[1], direct[1])
     ref_out, ref_lse, lowp = oracle_and_lowp_fp8(dense)
     check(a[0], a[1], ref_out, ref_lse, lowp, run_triton_fp8(q, kv, table, seqlens, descale, lens)[0])
+    r1, r2 = (gd.gluon_mla_decode(q, kv, table, seqlens, schedule=sched, softmax_scale=SCALE, descale_k=descale,
+                                  reg_a=True) for _ in range(2))
+    assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1])
+    # the register read: repeatable to the bit too, and held to the oracle (not to the staged read's bits)
+    check(r1[0], r1[1], ref_out, ref_lse, lowp, run_triton_fp8(q, kv, table, seqlens, descale, lens)[0])
 
 
 def test_gluon_refuses_an_e4m3_q(gd):

@@ -26,12 +26,15 @@ echo "gluon --check rc=$?"; tail -12 $OUT/gluon_check.txt | cut -c1-300
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $conftest -m gpu -p no:cacheprovider --durations=8 ${TESTS:-$tests} \
   > $OUT/gpu_tests.txt 2>&1
 grep -E "passed|failed|error" $OUT/gpu_tests.txt | tail -6; grep -E "^FAILED|^ERROR" $OUT/gpu_tests.txt | head -20 | cut -c1-300
+# BENCH=1: both benchmarks below; BENCH=fp8: the e4m3 one alone; BENCH=0: none
 if [ "${BENCH:-1}" = 1 ]; then
   [ "${TREE_BENCH:-0}" = 1 ] && timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9
   # bf16: waves x (fp32 | bf16 partials), the combine a programmatic dependent (SPIKE_ARGS to narrow the shapes)
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --half --waves 0.5,1.0,2.0 ${SPIKE_ARGS:-} \
     --out $OUT/gluon_spike.csv > $OUT/gluon_bench.txt 2>&1
   tail -16 $OUT/gluon_bench.txt | cut -c1-400
+fi
+if [ "${BENCH:-1}" = 1 ] || [ "${BENCH:-1}" = fp8 ]; then
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --fp8 --half --waves 1.0,2.0 \
     ${SPIKE_ARGS_FP8:---batch 1,4,16,64 --context 16384,65536} --out $OUT/gluon_spike_fp8.csv > $OUT/gluon_bench_fp8.txt 2>&1
   tail -14 $OUT/gluon_bench_fp8.txt | cut -c1-400

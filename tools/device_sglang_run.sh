@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the checkout root, after the pieces of tools/device_pack.sh were copied to /tmp/up:
 # assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
-#   $1 = tests | bench | engine | onebatch | tree | all  (results under $OUT)
+#   $@ = one or more of tests bench engine onebatch tree gap, or all  (results under $OUT)
 # MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
 # otherwise flashinfer is answered by tools/flashinfer_placeholder.py, whose functions raise if called.
 set -uo pipefail
@@ -32,30 +32,37 @@ printf '[sglang.srt.plugins]\nmla_fa3 = mla_fa3.integrations.sglang.plugin:regis
 if [ "${MLA_FA3_FLASHINFER:-placeholder}" = real ]; then export PYTHONPATH=$PYTHONPATH:/tmp/fi; fi
 printf 'import os\ntry:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    if os.environ.get("MLA_FA3_FLASHINFER", "placeholder") != "real":\n        from tools.flashinfer_placeholder import install\n        install()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
-what=${1:-all}
-if [ "$what" = tests ] || [ "$what" = all ]; then
+modes=" ${*:-all} "  # one or more of the modes, in this order
+want() { [[ "$modes" == *" $1 "* || "$modes" == *" all "* ]]; }
+if want tests; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --maxfail=8 -m gpu ${TEST_ARGS:-tests/test_sglang_gpu.py tests/test_backend_gpu.py tests/test_fp8_cache_gpu.py} > $OUT/gpu_tests.txt 2>&1
   tail -5 $OUT/gpu_tests.txt
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 400 python3 benchmarks/sglang_backends.py --out $OUT/sglang_backends.csv ${BENCH_ARGS:-} > $OUT/sglang_backends.txt 2>&1
-  tail -60 $OUT/sglang_backends.txt
 fi
 # the Engine captures SGLang's DeepSeek model in CUDA graphs, whose RMSNorm is flashinfer's: the carried flashinfer
 # (seen 2026-12-07: the placeholder stops the capture), JIT-built on first use
 engine_env="MLA_FA3_FLASHINFER=real PYTHONPATH=$PYTHONPATH:/tmp/fi"
-if [ "$what" = engine ] || [ "$what" = all ]; then
+# (also for the bench: SGLang's flashmla backend needs flashinfer to construct)
+if want bench; then
+  env $engine_env timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/sglang_backends.py --out $OUT/sglang_backends.csv ${BENCH_ARGS:-} \
+    > $OUT/sglang_backends.txt 2>&1
+  tail -60 $OUT/sglang_backends.txt
+fi
+if want engine; then
   env $engine_env timeout ${ENGINE_TIMEOUT:-300} python3 benchmarks/sglang_engine_check.py --out $OUT/engine_check.json \
     ${ENGINE_ARGS:-} > $OUT/engine_check.txt 2>&1
   grep '^{' $OUT/engine_check.txt | cut -c1-400
   grep -q greedy_match $OUT/engine_check.txt || tail -30 $OUT/engine_check.txt | cut -c1-300
 fi
-if [ "$what" = onebatch ] || [ "$what" = all ]; then
+if want onebatch; then
   env $engine_env timeout ${ONEBATCH_TIMEOUT:-540} python3 benchmarks/sglang_one_batch.py --out $OUT/one_batch.csv \
     ${ONEBATCH_ARGS:-} > $OUT/one_batch.txt 2>&1
   tail -40 $OUT/one_batch.txt | cut -c1-300
 fi
-if [ "$what" = tree ] || [ "$what" = all ]; then
+if want tree; then
   timeout ${TREE_TIMEOUT:-300} python3 benchmarks/sglang_tree_verify.py --out $OUT/tree_verify.csv ${TREE_ARGS:-} > $OUT/tree_verify.txt 2>&1
   grep -v Warning $OUT/tree_verify.txt | tail -60 | cut -c1-300
+fi
+if want gap; then
+  timeout ${GAP_TIMEOUT:-200} python3 benchmarks/sglang_fa3_gap.py ${GAP_ARGS:-} > $OUT/fa3_gap.txt 2>&1
+  grep -v Warning $OUT/fa3_gap.txt | tail -30 | cut -c1-300
 fi

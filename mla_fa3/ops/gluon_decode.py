@@ -90,6 +90,8 @@ LOG2E = 1.4426950408889634
 CW = 64  # columns per chunk: 64 bf16 = 128 bytes, the widest 128B-swizzled TMA box
 STAGES = 2  # key tiles in the shared-memory ring (bf16 cache)
 STAGES_FP8 = 3  # key tiles in the ring of an e4m3 cache (36 KB each; plus the 72 KB bf16 staging tile)
+STAGES_FP8_REG = 5  # ... when the dots convert in registers (``reg_a``): no staging tile, 180 KB of ring
+FP8_REG_A = False  # the e4m3 read's default variant: the staged tile (measured) until reg_a is measured faster
 NUM_WARPS = 4  # the consumer warpgroup (the default partition)
 PRODUCER_REGS = 40  # registers per thread of the producer warp (setmaxnreg; 24 is the floor)
 
@@ -138,9 +140,11 @@ def _convert_tile(ring, base, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
 def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready, empty,
               o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live, scale_log2, DescaleK,
               H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr,
-              BN: gl.constexpr, BW: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr):
+              BN: gl.constexpr, BW: gl.constexpr, KV8: gl.constexpr, REG_A: gl.constexpr, PDL: gl.constexpr):
     """The math warpgroup: q into shared memory, then Sᵀ, the online softmax and accᵀ per tile; the partials.
-    Its N = H · SQ columns are the query rows n = j · H + h (query token j, head h)."""
+    Its N = H · SQ columns are the query rows n = j · H + h (query token j, head h). ``REG_A`` (e4m3 cache only):
+    each chunk of the tile is read from the ring straight into wgmma's A-operand registers and converted there
+    (no fp16 copy of the tile in shared memory)."""
     LAT: gl.constexpr = R // BW
     N: gl.constexpr = H * SQ
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
@@ -148,6 +152,7 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
     key_l: gl.constexpr = gl.SliceLayout(1, acc_l)  # [BN] (and [BW]: the rows of accᵀ are latent columns)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, 64] per pass, rows x 16 B
     cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # e4m3 [32, 64] per pass, rows x 16 B
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)  # wgmma's A in registers
 
     # q: 8 latent chunks and the rope chunk, [H, 64] each (wgmma's B, K-major after the permute below)
     nn = gl.arange(0, N, layout=gl.SliceLayout(1, tile_l))
@@ -191,7 +196,13 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         s = i % NSTAGES
         n0 = start + i * BN
         mbarrier.wait(ready.index(s), (i // NSTAGES) & 1)
-        if KV8:  # e4m3 ring[s] -> fp16 stg; the dots read stg
+        if REG_A:  # the value rows past the end <- 0 in the ring (they may hold NaN); the dots convert in registers
+            if end - n0 < BN:
+                _zero_tail(ring, s * CHUNKS, end - n0, LAT, BN, BW, cvt_l)
+                fence_async_shared()
+            kb = ring
+            base = s * CHUNKS
+        elif KV8:  # e4m3 ring[s] -> fp16 stg; the dots read stg
             if end - n0 < BN:  # the last tile: the value rows past the end <- 0 in the ring first (may hold NaN)
                 _zero_tail(ring, s * CHUNKS, end - n0, LAT, BN, BW, cvt_l)
             _convert_tile(ring, s * CHUNKS, stg, CHUNKS, cvt_l)
@@ -205,9 +216,15 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
             kb = ring
             base = s * CHUNKS
         st = gl.zeros([BN, N], gl.float32, acc_l)
-        for c in gl.static_range(CHUNKS):
-            st = warpgroup_mma(kb.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
-        if KV8:  # ring[s] was read into stg before the barrier that precedes these wgmma: release it now
+        if REG_A:  # chunk c + 1 is read and converted while chunk c's wgmma runs (at most one in flight)
+            for c in gl.static_range(CHUNKS):
+                a = kb.index(base + c).load(a_l).to(gl.float16)
+                st = warpgroup_mma(a, q_smem.index(c).permute((1, 0)), st, is_async=True)
+                st, a = warpgroup_mma_wait(1, deps=[st, a])
+        else:
+            for c in gl.static_range(CHUNKS):
+                st = warpgroup_mma(kb.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
+        if KV8 and not REG_A:  # ring[s] was read into stg before the barrier that precedes these wgmma: release it
             mbarrier.arrive(empty.index(s), count=1)
         st = warpgroup_mma_wait(0, deps=[st])
 
@@ -228,9 +245,17 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
         fence_async_shared()
         new_acc = ()
-        for c in gl.static_range(LAT):
-            new_acc = new_acc + (warpgroup_mma(kb.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
-                                               acc[c] * alpha[None, :], is_async=True),)
+        if REG_A:  # A = the value chunk transposed [64 columns, 64 keys], read and converted in registers
+            for c in gl.static_range(LAT):
+                a = kb.index(base + c).permute((1, 0)).load(a_l).to(gl.float16)
+                t = warpgroup_mma(a, p_smem.permute((1, 0)), acc[c] * alpha[None, :], is_async=True)
+                t, a = warpgroup_mma_wait(1, deps=[t, a])
+                new_acc = new_acc + (t,)
+            mbarrier.arrive(empty.index(s), count=1)  # every chunk of ring[s] is in registers by now
+        else:
+            for c in gl.static_range(LAT):
+                new_acc = new_acc + (warpgroup_mma(kb.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
+                                                   acc[c] * alpha[None, :], is_async=True),)
         acc = warpgroup_mma_wait(0, deps=new_acc)
         if not KV8:
             mbarrier.arrive(empty.index(s), count=1)
@@ -261,7 +286,7 @@ def _gluon_mla_decode_kernel(
     stride_oh, stride_lw, stride_ls,
     scale_log2,
     H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr,
-    PRODUCER_NREG: gl.constexpr, KV8: gl.constexpr, PDL: gl.constexpr,
+    PRODUCER_NREG: gl.constexpr, KV8: gl.constexpr, REG_A: gl.constexpr, PDL: gl.constexpr,
 ):
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
@@ -284,7 +309,7 @@ def _gluon_mla_decode_kernel(
     DT: gl.constexpr = gl.float16 if KV8 else gl.bfloat16  # the dots' operand type
     N: gl.constexpr = H * SQ  # wgmma's N: the query rows (token, head) of one request
     qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, BW], DT)
-    if KV8:  # the fp16 copy of one e4m3 tile, the dots' A operand (wgmma takes no e4m3 x 16-bit product)
+    if KV8 and not REG_A:  # the fp16 copy of one e4m3 tile, the dots' A operand (no e4m3 x 16-bit wgmma)
         stg = gl.allocate_shared_memory(DT, [CHUNKS, BN, BW], gl.NVMMASharedLayout.get_default_for([BN, BW], DT))
     else:
         stg = ring
@@ -303,7 +328,7 @@ def _gluon_mla_decode_kernel(
     gl.warp_specialize([
         (_consumer, (q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready,
                      empty, o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live,
-                     scale_log2, DescaleK, H, SQ, R, CHUNKS, NSTAGES, BN, BW, KV8, PDL)),
+                     scale_log2, DescaleK, H, SQ, R, CHUNKS, NSTAGES, BN, BW, KV8, REG_A, PDL)),
         (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
     ], [1], [PRODUCER_NREG])
 
@@ -314,13 +339,17 @@ def _kv_layout(kv8: bool = False):
     return gl.NVMMASharedLayout.get_default_for([PAGE, CW], gl.float8e4nv if kv8 else gl.bfloat16)
 
 
-def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False, sq: int = 1) -> dict:
-    return dict(H=num_heads, SQ=sq, R=LATENT, DR=ROPE, NSTAGES=STAGES_FP8 if kv8 else STAGES,
-                PRODUCER_NREG=PRODUCER_REGS, KV8=kv8, PDL=pdl)
+def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False, sq: int = 1,
+                reg_a: bool = False) -> dict:
+    if reg_a and not kv8:
+        raise ValueError("reg_a is the e4m3 cache's read (a bf16 tile goes to wgmma from shared memory)")
+    stages = (STAGES_FP8_REG if reg_a else STAGES_FP8) if kv8 else STAGES
+    return dict(H=num_heads, SQ=sq, R=LATENT, DR=ROPE, NSTAGES=stages, PRODUCER_NREG=PRODUCER_REGS, KV8=kv8,
+                REG_A=reg_a, PDL=pdl)
 
 
 def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False, half: bool = False,
-                       sq: int = 1):
+                       sq: int = 1, reg_a: bool = False):
     """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch; ``half``: bf16
     partial outputs; ``sq``: query tokens per request) for ``GPUTarget("cuda", capability, 32)`` without a
     GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
@@ -335,14 +364,14 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
                  "max_pages", "stride_ow", "stride_os", "stride_oh", "stride_lw", "stride_ls"):
         sig[name] = "i32"
     sig["scale_log2"] = "fp32"
-    consts = _constexprs(kv8=kv8, pdl=pdl, sq=sq)
+    consts = _constexprs(kv8=kv8, pdl=pdl, sq=sq, reg_a=reg_a)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fn=_gluon_mla_decode_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
-                   half: bool = False) -> Tuple[Tensor, Tensor]:
+def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False, half: bool = False,
+                   reg_a: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
     """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, sq, H, r] float32 — bf16 with ``half``:
     half the workspace traffic, one more rounding per split —, part_lse2 [capacity, sq, H] float32, base 2): the
     workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
@@ -350,9 +379,12 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
     launched next with ``pdl=True`` starts early (it waits for this whole grid before reading the partials).
 
     An e4m3 cache (``call.kv_fp8``): ``call.descale_k`` is folded into the scores here; the partial outputs are NOT
-    scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does)."""
+    scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does).
+    ``reg_a`` (e4m3 only; None: ``FP8_REG_A``): the tile converted in wgmma's A registers instead of staged as fp16
+    in shared memory."""
     q, kv = call.q, call.kv_cache
     kv8 = bool(call.kv_fp8)
+    reg_a = kv8 and (FP8_REG_A if reg_a is None else bool(reg_a))
     q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
     sq, H, cap = q.shape[1], q.shape[2], schedule.capacity
     part_o = torch.empty(cap, sq, H, LATENT, dtype=torch.bfloat16 if half else torch.float32, device=q.device)
@@ -366,7 +398,7 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
             q.stride(0), q.stride(1), q.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
             call.page_table.stride(0), call.page_table.shape[1],
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse2.stride(0), part_lse2.stride(1),
-            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl, sq), num_warps=NUM_WARPS,
+            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl, sq, reg_a), num_warps=NUM_WARPS,
         )
     return part_o, part_lse2
 
@@ -374,7 +406,7 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False,
 def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *,
                      schedule: SplitKVSchedule, softmax_scale: float, q_rope: Optional[Tensor] = None,
                      head_dim_v: int = LATENT, descale_k: Optional[Tensor] = None,
-                     half_partials: bool = False) -> Tuple[Tensor, Tensor]:
+                     half_partials: bool = False, reg_a: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
     """The decode step of ``ops.splitkv_mla_with_kvcache`` for this kernel's shapes -> (out [bs, sq, 16, 512]
     bf16, lse [bs, sq, 16] float32, natural log; a row without keys: 0, -inf). sq = 2: causal, bottom-right (token
     j of a request of L keys sees the first L - 1 + j), bf16 cache only.
@@ -388,7 +420,7 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     kv_cache may be ``torch.float8_e4m3fn`` with ``descale_k [1] float32`` (its per-tensor scale; required then),
     read with the bf16 q (q never rounded to e4m3): phase 1 folds descale_k into the scores, the combine into the
     output — once each, as ``ops.splitkv_mla_with_kvcache`` does. ``half_partials``: the partial outputs in bf16
-    (``KernelConfig.half_partials``)."""
+    (``KernelConfig.half_partials``). ``reg_a``: the e4m3 read's variant (``gluon_partials``)."""
     call = check_supported(q, kv_cache, page_table, cache_seqlens, schedule=schedule, softmax_scale=softmax_scale,
                            q_rope=q_rope, head_dim_v=head_dim_v, descale_k=descale_k)
     bs, sq, H = q.shape[:3]
@@ -397,7 +429,7 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     if bs == 0:
         return out, lse
     pdl = pdl_capable(q.device)
-    part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl, half=half_partials)
+    part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl, half=half_partials, reg_a=reg_a)
     with torch.cuda.device(q.device):
         combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
                        call.descale_k if call.kv_fp8 else None, pdl=pdl)  # the e4m3 scale on the output, once
