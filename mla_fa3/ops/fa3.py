@@ -174,13 +174,15 @@ def _module(name: str):
 
 
 def _token_major(lse: Tensor, kernel_shape: tuple, perm: tuple, want: tuple) -> Tensor:
-    """Kernel lse (``kernel_shape``) -> ``want`` layout (contiguous), +inf (empty row) -> -inf."""
+    """Kernel lse (``kernel_shape``) -> ``want`` layout (contiguous), +inf (empty row) -> -inf, NaN kept: one kernel
+    (the copy into token-major order does the fix-up; it runs in every layer that asks for the LSE)."""
     if tuple(lse.shape) == kernel_shape:
         lse = lse.permute(*perm)
     elif tuple(lse.shape) != want:
         raise RuntimeError(f"unexpected kernel lse shape {tuple(lse.shape)}, expected {kernel_shape}")
-    lse = lse.float().contiguous()
-    return lse.masked_fill_(lse == float("inf"), float("-inf"))
+    out = torch.empty(want, dtype=torch.float32, device=lse.device)
+    inf = float("inf")
+    return torch.nan_to_num(lse.float(), nan=float("nan"), posinf=-inf, neginf=-inf, out=out)
 
 
 def _empty(q: Tensor, dv: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
