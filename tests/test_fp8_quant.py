@@ -108,10 +108,14 @@ def _store_inputs(name: str):
     return x, buf, buf[:, col0: col0 + W], loc, torch.tensor([scale], dtype=torch.float32)
 
 
-def _check_store(name: str, impl: str) -> None:
+def _check_store(name: str, impl: str, split: int | None = None) -> None:
+    """``split``: the row given as x[:, :split] and ``rest`` = x[:, split:] (one call), the oracle on the whole row."""
     x, buf, out, loc, s = _store_inputs(name)
     before = buf.view(torch.uint8).clone()
-    ops.store_e4m3(out, loc, x, s, impl=impl)
+    if split is None:
+        ops.store_e4m3(out, loc, x, s, impl=impl)
+    else:
+        ops.store_e4m3(out, loc, x[:, :split].contiguous(), s, rest=x[:, split:].contiguous(), impl=impl)
     want = before.clone()
     col0 = out.data_ptr() - buf.data_ptr()
     if x.shape[0]:
@@ -160,6 +164,15 @@ def _check_query(name: str, impl: str) -> None:
 def test_store_reference_matches_the_e4m3_oracle(name):
     _check_store(name, "reference")
     assert ops.last_impl() is Impl.REFERENCE
+
+
+# a row in two parts (``rest``: a latent row's c_kv and k_rope in one call): case -> where it splits
+STORE_SPLITS = {"bf16_latent_576": 512, "fp16_4_rows_per_program": 77, "bf16_16_rows_per_program": 1}
+
+
+@pytest.mark.parametrize("name", list(STORE_SPLITS))
+def test_store_of_a_row_in_two_parts_matches_the_whole_rows_oracle(name):
+    _check_store(name, "reference", STORE_SPLITS[name])
 
 
 @pytest.mark.parametrize("name", list(QUERY_CASES))
@@ -266,6 +279,7 @@ def _interpreter_run() -> dict:
         assert ops.last_impl() in (Impl.TRITON, Impl.REFERENCE)
 
     checks = [(f"store/{n}", lambda n=n: _check_store(n, "triton")) for n in STORE_CASES]
+    checks += [(f"store_split/{n}", lambda n=n: _check_store(n, "triton", STORE_SPLITS[n])) for n in STORE_SPLITS]
     checks += [(f"query/{n}", lambda n=n: _check_query(n, "triton")) for n in QUERY_CASES]
     checks += [("pool_and_backend", _pool_and_backend_run)]
     failures = run_cases((name, lambda c=check: ran_a_kernel(c)) for name, check in checks)

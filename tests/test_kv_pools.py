@@ -32,6 +32,30 @@ def test_mla_pool_set_kv_reads_back_through_paged_views(dtype, page_size) -> Non
     assert pool.paged(0)[loc[0] // page_size, loc[0] % page_size].eq(1).all()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("parts", [(torch.bfloat16, torch.float32), (torch.float64, torch.float16),
+                                   (torch.float32, torch.float32)])
+def test_mla_pool_stores_each_part_as_its_own_cast_whatever_the_two_dtypes(kv_dtype, parts) -> None:
+    """set_kv takes c_kv and k_rope in one store (one launch on CUDA): with parts of different dtypes each is still
+    stored as it would be alone — oracle: the part cast straight to the storage dtype (bf16), or divided by the
+    scale in fp32 and rounded to e4m3 (the FP8 pool) — never rounded through the other part's dtype."""
+    g = torch.Generator().manual_seed(3)
+    r, dr, page_size = 12, 4, 4
+    pool = MLATokenPool(1, 4, page_size, r, dr, torch.bfloat16, "cpu", kv_dtype=kv_dtype)
+    loc = torch.tensor([3, 9, 14])
+    c_kv = (torch.randn(3, r, generator=g, dtype=torch.float64) * 3).to(parts[0])
+    k_rope = (1 + torch.rand(3, dr, generator=g, dtype=torch.float64) * 2 ** -9).to(parts[1])  # bf16 / e4m3 ties
+    pool.set_kv(0, loc, c_kv, k_rope)
+    row = pool.paged(0).view(-1, r + dr)[loc]
+    if kv_dtype == torch.bfloat16:
+        want_c, want_r = c_kv.to(torch.bfloat16), k_rope.to(torch.bfloat16)
+    else:
+        s = float(pool.layer_scale(0))
+        want_c = (c_kv.float() / s).to(torch.float8_e4m3fn)
+        want_r = (k_rope.float() / s).to(torch.float8_e4m3fn)
+    assert torch.equal(row[:, :r].float(), want_c.float()) and torch.equal(row[:, r:].float(), want_r.float())
+
+
 def test_mla_pool_named_errors() -> None:
     pool = MLATokenPool(1, 4, 4, 8, 2, torch.bfloat16, "cpu")
     loc = torch.tensor([1, 2])

@@ -117,6 +117,28 @@ def test_store_rows_matches_the_cast_oracle(name, impl):
     _check(name, impl)
 
 
+# a row given in two parts, x [T, W1] and rest [T, W - W1] (a latent row's c_kv and k_rope): name -> (case, W1)
+SPLITS = {"latent_c_kv_and_k_rope": ("fp32_to_bf16_latent", 512), "split_inside_a_column_block": ("fp16_to_bf16", 45),
+          "one_column_first": ("bf16_4_rows_per_program", 1), "split_16_rows_per_program": ("fp32_16_rows_per_program", 24)}
+
+
+def _check_split(name: str, impl: str) -> None:
+    """The row [x | rest] stored by one call: the same bytes as the whole row through the oracle."""
+    case, w1 = SPLITS[name]
+    x, buf, out, loc, col0 = _inputs(case)
+    ops.store_rows(out, loc, x[:, :w1].contiguous(), rest=x[:, w1:].contiguous(), impl=impl)
+    want = torch.full_like(buf, SENTINEL)
+    for t in range(x.shape[0]):
+        want[int(loc[t]), col0: col0 + x.shape[1]] = cast_oracle(x[t], buf.dtype)
+    assert _same(buf, want), f"{name}: {(buf.float() != want.float()).sum()} elements differ"
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_a_row_in_two_parts_is_stored_as_the_whole_row(name, impl):
+    _check_split(name, impl)
+
+
 def _bad_calls():
     x, buf, out, loc, _ = _inputs("fp32_to_bf16_latent")
     return {
@@ -129,6 +151,10 @@ def _bad_calls():
         "x must be on out's device": dict(x=x.to("meta")),
         "x must have a contiguous last dimension": dict(x=torch.empty(576, x.shape[0], dtype=x.dtype).t()),
         "loc must be a torch.Tensor": dict(loc=loc.tolist()),
+        "rest must have x's dtype": dict(x=x[:, :512], rest=x[:, 512:].half()),
+        "x and rest must be": dict(x=x[:, :512], rest=x[:, 511:]),
+        "rest must be 2-D": dict(x=x[:, :512], rest=x[None, :, 512:]),
+        "rest must be on out's device": dict(x=x[:, :512], rest=x[:, 512:].to("meta")),
     }, (x, buf, out, loc)
 
 
@@ -136,11 +162,11 @@ def _bad_calls():
 @pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_bad_input_raises_a_named_error_before_writing(match, impl):
     bad, (x, buf, out, loc) = _bad_calls()
-    args = dict(out=out, loc=loc, x=x)
+    args = dict(out=out, loc=loc, x=x, rest=None)
     args.update(bad[match])
     before = buf.clone()
     with pytest.raises((ValueError, TypeError), match="^" + match):
-        ops.store_rows(args["out"], args["loc"], args["x"], impl=impl)
+        ops.store_rows(args["out"], args["loc"], args["x"], rest=args["rest"], impl=impl)
     assert torch.equal(buf, before)
 
 
@@ -200,7 +226,11 @@ def _interpreter_run() -> dict:
         assert (raw[:S] == 0).all() and (raw[2 * S:] == 0).all(), "e4m3 written past the buffer"
         assert (raw[S: 2 * S][bad[good].long()] != 0).any()
 
+    def split_through_the_kernel(name):
+        _check_split(name, "triton")
+
     return run_cases([(name, lambda n=name: through_the_kernel(n)) for name in CASES]
+                     + [(name, lambda n=name: split_through_the_kernel(n)) for name in SPLITS]
                      + [("slots_outside_the_buffer_are_skipped", slots_outside_the_buffer_are_skipped)])
 
 

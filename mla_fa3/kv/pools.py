@@ -235,21 +235,28 @@ class MLATokenPool(_TokenPoolBase):
         return [propose_scale(a, headroom) for a in self.absmax.tolist()]
 
     # ------------------------------------------------------------------ store
-    def _store(self, layer: int, rows: Tensor, cols: slice, x: Tensor) -> None:
-        """buf[rows, cols] = x in the storage dtype (quantized when FP8; its absmax observed when calibrating).
+    def _store(self, layer: int, rows: Tensor, x: Tensor, rest: Tensor | None = None) -> None:
+        """buf[rows] = x (whole rows) or [x | rest] (c_kv and k_rope) in the storage dtype (quantized when FP8; the
+        absmax observed when calibrating).
 
-        FP8: ``ops.store_e4m3`` — on CUDA one fused Triton launch (divide, saturate, cast, scatter); a float pool:
-        ``ops.store_rows`` (one launch on CUDA, the cast to the storage dtype in it) for fp32 / fp16 / bf16 rows."""
+        FP8: ``ops.store_e4m3`` — on CUDA one fused Triton launch (divide, saturate, cast, scatter; both parts);
+        a float pool: ``ops.store_rows`` (one launch on CUDA, the cast to the storage dtype in it) for fp32 / fp16 /
+        bf16 rows."""
+        parts = (x,) if rest is None else (x, rest)
         if self.absmax is not None and x.numel():
             a = self.absmax[layer: layer + 1]
-            torch.maximum(a, x.detach().abs().amax().float().reshape(1), out=a)
+            for p in parts:
+                torch.maximum(a, p.detach().abs().amax().float().reshape(1), out=a)
         buf = self.kv_buffer[layer]
+        if rest is not None and (rest.dtype != x.dtype or x.dtype not in _FLOAT_DTYPES):
+            x, rest = torch.cat([x, rest], dim=-1), None  # one row tensor in the promoted dtype (an exact upcast)
+        rest = None if rest is None else _rows_2d(rest)
         if self.is_fp8:
-            ops.store_e4m3(buf[:, cols], rows, _rows_2d(x), self.scale[layer])
+            ops.store_e4m3(buf, rows, _rows_2d(x), self.scale[layer], rest=rest)
         elif x.dtype in _FLOAT_DTYPES:
-            ops.store_rows(buf[:, cols], rows, _rows_2d(x))  # the storage dtype (kv_dtype) may differ from dtype
+            ops.store_rows(buf, rows, _rows_2d(x), rest=rest)  # the storage dtype (kv_dtype) may differ from dtype
         else:
-            buf[rows, cols] = x.to(buf.dtype)
+            buf[rows] = x.to(buf.dtype)
 
     def _check_finite(self, *named: tuple[str, Tensor]) -> None:
         """FP8 + debug_checks: a non-finite element raises (reads the device) before anything is written."""
@@ -269,10 +276,7 @@ class MLATokenPool(_TokenPoolBase):
         self._check_rows(c_kv, "c_kv", t, (self.kv_lora_rank,))
         self._check_rows(k_rope, "k_rope", t, (self.qk_rope_head_dim,))
         self._check_finite(("c_kv", c_kv), ("k_rope", k_rope))
-        loc = to_device(loc, self.device, torch.int64)
-        r = self.kv_lora_rank
-        self._store(layer, loc, slice(None, r), c_kv)
-        self._store(layer, loc, slice(r, None), k_rope)
+        self._store(layer, to_device(loc, self.device, torch.int64), c_kv, k_rope)  # one launch on CUDA
 
     def set_latent(self, layer: int, loc: Tensor, latent: Tensor) -> None:
         """Write whole rows ``latent`` [T, r + d_rope] (``c_kv | k_rope`` already concatenated)."""
@@ -280,7 +284,7 @@ class MLATokenPool(_TokenPoolBase):
         self._check_loc(loc)
         self._check_rows(latent, "latent", loc.shape[0], (self.width,))
         self._check_finite(("latent", latent))
-        self._store(layer, to_device(loc, self.device, torch.int64), slice(None), latent)
+        self._store(layer, to_device(loc, self.device, torch.int64), latent)
 
     # ------------------------------------------------------------------ read
     def paged(self, layer: int) -> Tensor:

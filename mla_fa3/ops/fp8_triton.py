@@ -46,7 +46,7 @@ interpreter tests exercise exactly the arithmetic the GPU runs.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -104,19 +104,24 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _store_rows_kernel(X, Scale, Loc, Out, T, W, S, stride_x, stride_out,
+def _store_rows_kernel(X, X2, Scale, Loc, Out, T, W, W1, S, stride_x, stride_x2, stride_out,
                        E4M3: tl.constexpr, TO_BF16: tl.constexpr, MAX: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
-    """out[loc[t], c] = x[t, c], quantized to its e4m3 code (E4M3: Out is a uint8 view) or cast to Out's dtype
-    (TO_BF16, fp32 / fp16 into bf16: rounded in integer arithmetic, ``_bf16_bits``). A slot outside [0, S) is not
-    written (nothing past the buffer; the values of loc are the caller's to check)."""
+    """out[loc[t], c] = [x | x2][t, c] (columns < W1 from x, the rest from x2), quantized to its e4m3 code (E4M3:
+    Out is a uint8 view) or cast to Out's dtype (TO_BF16, fp32 / fp16 into bf16: rounded in integer arithmetic,
+    ``_bf16_bits``). A slot outside [0, S) is not written (nothing past the buffer; the values of loc are the
+    caller's to check)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     row_ok = rows < T
     slot = tl.load(Loc + rows, mask=row_ok, other=0).to(tl.int64)
     row_ok = row_ok & (slot >= 0) & (slot < S)
     mask = row_ok[:, None] & (cols < W)[None, :]
-    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    first = (cols < W1)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask & first, other=0.0)
+    x2 = tl.load(X2 + r64 * stride_x2 + (cols - W1)[None, :], mask=mask & ~first, other=0.0)
+    x = tl.where(first, x, x2)
     if E4M3:
         y = tl.math.div_rn(x.to(tl.float32), tl.load(Scale))
         y = tl.where(y != y, 0.0, y)
@@ -200,26 +205,30 @@ def rows_per_program(rows: int, rule: Tuple[Tuple[int, int], ...], otherwise: in
     return otherwise
 
 
-def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor) -> None:
-    """out[loc[t], :] = e4m3(clamp(x[t] / scale, ±448)) (NaN -> 0): x [T, W], out [S, W] (last dims contiguous)."""
-    _store_rows(out.view(torch.uint8), loc, x, scale, e4m3=True)
+def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, rest: Optional[Tensor] = None) -> None:
+    """out[loc[t], :] = e4m3(clamp(row[t] / scale, ±448)) (NaN -> 0), row = x ([T, W]) or [x | rest]; out [S, W]
+    (last dims contiguous)."""
+    _store_rows(out.view(torch.uint8), loc, x, rest, scale, e4m3=True)
 
 
-def store_rows(out: Tensor, loc: Tensor, x: Tensor) -> None:
-    """out[loc[t], :] = x[t] cast to out's float dtype (round to nearest even): x [T, W], out [S, W] (last dims
-    contiguous)."""
-    _store_rows(out, loc, x, x, e4m3=False)  # x stands in for the scale pointer: read only when E4M3
+def store_rows(out: Tensor, loc: Tensor, x: Tensor, rest: Optional[Tensor] = None) -> None:
+    """out[loc[t], :] = row[t] cast to out's float dtype (round to nearest even), row = x ([T, W]) or [x | rest];
+    out [S, W] (last dims contiguous)."""
+    _store_rows(out, loc, x, rest, x, e4m3=False)  # x stands in for the scale pointer: read only when E4M3
 
 
-def _store_rows(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, e4m3: bool) -> None:
-    T, W = x.shape
+def _store_rows(out: Tensor, loc: Tensor, x: Tensor, rest: Optional[Tensor], scale: Tensor, *, e4m3: bool) -> None:
+    T, W1 = x.shape
     if T == 0:
         return
+    W = out.shape[1]
+    x2 = x if rest is None else rest  # without rest no column reads it (W1 = W)
     block_t = rows_per_program(T, STORE_BLOCK_T)
     grid = (triton.cdiv(T, block_t), triton.cdiv(W, STORE_BLOCK_W))
     to_bf16 = not e4m3 and out.dtype == torch.bfloat16 and x.dtype != torch.bfloat16
-    _store_rows_kernel[grid](x, scale, loc, out, T, W, out.shape[0], x.stride(0), out.stride(0), E4M3=e4m3,
-                             TO_BF16=to_bf16, MAX=FP8_E4M3_MAX, BLOCK_T=block_t, BLOCK_W=STORE_BLOCK_W)
+    _store_rows_kernel[grid](x, x2, scale, loc, out, T, W, W1, out.shape[0], x.stride(0), x2.stride(0),
+                             out.stride(0), E4M3=e4m3, TO_BF16=to_bf16, MAX=FP8_E4M3_MAX, BLOCK_T=block_t,
+                             BLOCK_W=STORE_BLOCK_W)
 
 
 def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:

@@ -233,34 +233,42 @@ def fp8_fused_available(device: Union[torch.device, str], impl: Optional[ImplLik
     return True
 
 
-def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, impl: Optional[ImplLike] = None) -> None:
+def store_e4m3(out: Tensor, loc: Tensor, x: Tensor, scale: Tensor, *, rest: Optional[Tensor] = None,
+               impl: Optional[ImplLike] = None) -> None:
     """Quantize rows and scatter them into an e4m3 cache: ``out[loc[t]] = e4m3(clamp(x[t] / scale, ±448))``.
 
     out ``[S, W]`` float8_e4m3fn (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
     loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; TRITON skips a slot outside
     [0, S), REFERENCE raises IndexError), x ``[T, W]`` float
     (last dim contiguous), scale ``[1]`` float32 on the device. x / scale in fp32; NaN -> 0, ±inf and
-    overflow -> ±448 (``fp8.quantize_e4m3``). TRITON: one launch; T = 0 writes nothing.
+    overflow -> ±448 (``fp8.quantize_e4m3``). ``rest`` ``[T, W - W1]`` (x then ``[T, W1]``, the same dtype): the
+    row is ``[x | rest]`` — a latent row's c_kv and k_rope stored by one launch. TRITON: one launch; T = 0 writes
+    nothing.
     """
     chosen = _resolve_triton(impl, validate.device_of(out, "out"), _fp8_kernels(), "FP8 quantization")
-    validate_fp8.check_store_e4m3(out, loc, x, scale)
+    validate_fp8.check_store_e4m3(out, loc, x, scale, rest)
     if chosen is Impl.TRITON:
         with _on(out.device):
-            _fp8_kernels().store_e4m3(out, loc, x, scale)
+            _fp8_kernels().store_e4m3(out, loc, x, scale, rest)
     elif x.shape[0]:
-        out[loc] = fp8.quantize_e4m3(x, scale)
+        out[loc] = fp8.quantize_e4m3(_whole_rows(x, rest), scale)
     ran(chosen)
 
 
-def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] = None) -> None:
+def _whole_rows(x: Tensor, rest: Optional[Tensor]) -> Tensor:
+    return x if rest is None else torch.cat([x, rest], dim=-1)
+
+
+def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, rest: Optional[Tensor] = None,
+               impl: Optional[ImplLike] = None) -> None:
     """Scatter rows into a float cache: ``out[loc[t]] = x[t]`` cast to out's dtype (round to nearest even) — a float
     latent pool's store, as ``store_e4m3`` is an e4m3 pool's (its kernel, the quantization left out).
 
     out ``[S, W]`` float32 / float16 / bfloat16 (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
     loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; no two alike; the kernel skips a
     slot outside [0, S), the indexed assignment raises IndexError), x ``[T, W]`` float32 / float16 / bfloat16 (last
-    dim contiguous). TRITON: one launch, where torch's indexed assignment
-    (the same bytes) costs 3-4 µs at decode sizes on an H100; T = 0 writes nothing. Capturable.
+    dim contiguous); ``rest`` as ``store_e4m3``'s (the row ``[x | rest]``). TRITON: one launch, where torch's
+    indexed assignment (the same bytes) costs 3-4 µs at decode sizes on an H100; T = 0 writes nothing. Capturable.
 
     AUTO / FA3: the kernel on CUDA, torch's indexed assignment elsewhere (TRITON_INTERPRET=1 included) or where
     Triton does not import — the exact path the kernel replaces, not a slow reference, so unlike ``store_e4m3``
@@ -270,12 +278,12 @@ def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, impl: Optional[ImplLike] 
     """
     chosen = get_impl() if impl is None else coerce(impl)
     kernel = _kernel_not_torch(chosen, validate.device_of(out, "out"), _fp8_kernels(), "the pool store")
-    validate_fp8.check_store_rows(out, loc, x)
+    validate_fp8.check_store_rows(out, loc, x, rest)
     if kernel:
         with _on(out.device):
-            _fp8_kernels().store_rows(out, loc, x)
+            _fp8_kernels().store_rows(out, loc, x, rest)
     elif x.shape[0]:
-        out[loc] = x.to(out.dtype)
+        out[loc] = _whole_rows(x, rest).to(out.dtype)
 
 
 def quantize_query_e4m3(q_a: Tensor, q_b: Tensor, *, impl: Optional[ImplLike] = None) -> Tuple[Tensor, Tensor]:

@@ -16,22 +16,26 @@ Tensor = torch.Tensor
 KERNELS = "the FP8 Triton kernels"
 
 
-def check_store_e4m3(out, loc, x, scale) -> None:
-    """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float, scale [1] float32, one device."""
-    _check_store(out, loc, x, scale, e4m3=True)
+def check_store_e4m3(out, loc, x, scale, rest=None) -> None:
+    """Validate ``store_e4m3``: out [S, W] e4m3, loc [T] int64/int32, x [T, W] float (or x [T, W1] and rest
+    [T, W - W1], one dtype), scale [1] float32, one device."""
+    _check_store(out, loc, x, scale, rest, e4m3=True)
 
 
-def check_store_rows(out, loc, x) -> None:
-    """Validate ``store_rows``: out [S, W] and x [T, W] float32 / float16 / bfloat16, loc [T] int64/int32, one
-    device."""
-    _check_store(out, loc, x, None, e4m3=False)
+def check_store_rows(out, loc, x, rest=None) -> None:
+    """Validate ``store_rows``: out [S, W] and x [T, W] float32 / float16 / bfloat16 (or x [T, W1] and rest
+    [T, W - W1], one dtype), loc [T] int64/int32, one device."""
+    _check_store(out, loc, x, None, rest, e4m3=False)
 
 
-def _check_store(out, loc, x, scale, *, e4m3: bool) -> None:
-    """Both stores, in one order: an e4m3 ``out`` with ``scale`` [1] float32, or a float ``out`` (no scale)."""
+def _check_store(out, loc, x, scale, rest, *, e4m3: bool) -> None:
+    """Both stores, in one order: an e4m3 ``out`` with ``scale`` [1] float32, or a float ``out`` (no scale); the
+    row given whole (x) or in two parts (x, then rest)."""
     chk.tensor(out, "out")
     chk.tensor(loc, "loc")
     chk.tensor(x, "x")
+    if rest is not None:
+        chk.tensor(rest, "rest")
     if e4m3:
         chk.tensor(scale, "scale")
         if out.dtype != torch.float8_e4m3fn:
@@ -42,18 +46,27 @@ def _check_store(out, loc, x, scale, *, e4m3: bool) -> None:
     chk.rank(x, "x", 2, "[T, W]")
     if x.dtype not in chk.TRITON_FLOAT_DTYPES:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    if x.shape[1] != out.shape[1]:
+    if rest is None and x.shape[1] != out.shape[1]:
         raise ValueError(f"x must have out's width {out.shape[1]}, got shape {tuple(x.shape)}")
+    if rest is not None:
+        chk.rank(rest, "rest", 2, "[T, W - W1]")
+        if rest.dtype != x.dtype:
+            raise ValueError(f"rest must have x's dtype {x.dtype}, got {rest.dtype}")
+        if rest.shape[0] != x.shape[0] or x.shape[1] + rest.shape[1] != out.shape[1]:
+            raise ValueError(f"x and rest must be [T, W1] and [T, W - W1] with W1 + (W - W1) = out's width "
+                             f"{out.shape[1]}, got {tuple(x.shape)} and {tuple(rest.shape)}")
     if loc.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"loc must be int64 or int32, got {loc.dtype}")
     if tuple(loc.shape) != (x.shape[0],):
         raise ValueError(f"loc must be [T] = [{x.shape[0]}] (one slot per row of x), got shape {tuple(loc.shape)}")
     if e4m3 and (scale.dtype != torch.float32 or tuple(scale.shape) != (1,)):
         raise ValueError(f"scale must be a [1] float32 tensor, got {tuple(scale.shape)} {scale.dtype}")
-    for t, name in ((loc, "loc"), (x, "x")) + (((scale, "scale"),) if e4m3 else ()):
+    parts = ((x, "x"),) + (((rest, "rest"),) if rest is not None else ())
+    for t, name in ((loc, "loc"),) + parts + (((scale, "scale"),) if e4m3 else ()):
         chk.same_device(t, name, out.device, "out")
     chk.last_dim_contiguous(out, "out", KERNELS)
-    chk.last_dim_contiguous(x, "x", KERNELS)
+    for t, name in parts:
+        chk.last_dim_contiguous(t, name, KERNELS)
 
 
 def check_quantize_query(q_a, q_b) -> None:
