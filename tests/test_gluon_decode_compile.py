@@ -105,7 +105,9 @@ def test_e4m3_register_read_feeds_wgmma_from_registers_without_a_staged_tile():
     there — 68 wgmma whose A operand is four registers (not a shared-memory descriptor), 17 x 16 conversions per
     thread and tile (9 chunks for Sᵀ, 8 for accᵀ: each of the 17 A operands converted on its own), at most one
     wgmma group in flight while the next chunk converts (17 waits of 1), no staging tile: a ring of 5 e4m3 tiles
-    (184,320 B) where the staged variant holds 3 and their fp16 copy, no spills."""
+    (184,320 B) where the staged variant holds 3 and their fp16 copy, no spills. The K chunks of Sᵀ are read 16
+    contiguous bytes at a time (the contraction index permuted, q stored in the same order): 2 x 9 16-byte loads a
+    thread and tile, no 16-bit ones, and the reinterpretation moves no data (no shuffle beyond the softmax's)."""
     kernel = gd.compile_for_hopper(kv8=True, reg_a=True)
     ptx = kernel.asm["ptx"]
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, (\S+)", ptx)
@@ -116,6 +118,9 @@ def test_e4m3_register_read_feeds_wgmma_from_registers_without_a_staged_tile():
     usage, sass = _usage_and_sass(kernel)
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
     assert _count(sass, "HGMMA.64x16x16.F32 ") == 68 and _count(sass, "UTMALDG.2D") == 9
+    assert _count(sass, "LDS.U16") == 0 and _count(sass, "LDS.128") >= 2 * 9
+    staged_usage, staged_sass = _usage_and_sass(gd.compile_for_hopper(kv8=True))
+    assert _count(sass, "SHFL") == _count(staged_sass, "SHFL")
     with pytest.raises(ValueError, match="reg_a is the e4m3 cache's read"):
         gd.compile_for_hopper(reg_a=True)
 

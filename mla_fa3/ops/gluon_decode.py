@@ -153,10 +153,18 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
     tile_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [16, 64] per pass, rows x 16 B
     cvt_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # e4m3 [32, 64] per pass, rows x 16 B
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)  # wgmma's A in registers
+    # REG_A, Sᵀ: a K chunk read 16 contiguous bytes a row (two 16-byte loads a thread: rows g and g + 8 of its
+    # warp's 16, bytes 16t .. 16t + 15), then reinterpreted as wgmma's A with the contraction index permuted —
+    # column 16t + 2j + e is logical k = 8j + 2t + e; q's columns are stored in the same order (``_k_order``)
+    ks_l: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+                                                    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                                    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, BW])
 
     # q: 8 latent chunks and the rope chunk, [H, 64] each (wgmma's B, K-major after the permute below)
     nn = gl.arange(0, N, layout=gl.SliceLayout(1, tile_l))
     cc = gl.arange(0, BW, layout=gl.SliceLayout(0, tile_l))
+    if REG_A:  # q's logical column k holds its column 16t + 2j + e (k = 8j + 2t + e): the K chunks' order (ks_l)
+        cc = 16 * ((cc % 8) // 2) + 2 * (cc // 8) + cc % 2
     q_off = (nn // H) * stride_qs + (nn % H) * stride_qh  # row n = j · H + h: q[b, j, h]
     qr_off = (nn // H) * stride_qrs + (nn % H) * stride_qrh
     if KV8:
@@ -218,7 +226,9 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         st = gl.zeros([BN, N], gl.float32, acc_l)
         if REG_A:  # chunk c + 1 is read and converted while chunk c's wgmma runs (at most one in flight)
             for c in gl.static_range(CHUNKS):
-                a = kb.index(base + c).load(a_l).to(gl.float16)
+                x = kb.index(base + c).load(ks_l).to(gl.float16)
+                x = x.reshape([BN, 4, 8, 2]).permute((0, 2, 1, 3)).reshape([BN, BW])  # column 16t+2j+e -> k 8j+2t+e
+                a = gl.convert_layout(x, a_l)  # the same registers in another order: no data moves
                 st = warpgroup_mma(a, q_smem.index(c).permute((1, 0)), st, is_async=True)
                 st, a = warpgroup_mma_wait(1, deps=[st, a])
         else:
