@@ -101,26 +101,29 @@ def test_cubin_has_no_spills(variant, request):
 
 
 def test_e4m3_register_read_feeds_wgmma_from_registers_without_a_staged_tile():
-    """``reg_a=True`` (the e4m3 cache): every chunk goes from the ring into wgmma's A registers and is converted
-    there — 68 wgmma whose A operand is four registers (not a shared-memory descriptor), 17 x 16 conversions per
-    thread and tile (9 chunks for Sᵀ, 8 for accᵀ: each of the 17 A operands converted on its own), at most one
-    wgmma group in flight while the next chunk converts (17 waits of 1), no staging tile: a ring of 5 e4m3 tiles
-    (184,320 B) where the staged variant holds 3 and their fp16 copy, no spills. The K chunks of Sᵀ are read 16
-    contiguous bytes at a time (the contraction index permuted, q stored in the same order): 2 x 9 16-byte loads a
-    thread and tile, no 16-bit ones, and the reinterpretation moves no data (no shuffle beyond the softmax's)."""
+    """``reg_a=True`` (the e4m3 cache): the tile goes from the ring into wgmma's A registers and is converted there
+    — 68 wgmma whose A operand is four registers (not a shared-memory descriptor), 17 x 16 conversions per thread
+    and tile, no staging tile: a ring of 5 e4m3 tiles (184,320 B) where the staged variant holds 3 and their fp16
+    copy, no spills. Every read is 16 contiguous bytes: Sᵀ's K chunks with the contraction index permuted (q stored
+    in the same order; 2 loads a chunk, one wgmma in flight while the next chunk converts: 9 waits of 1), P·V's
+    value chunks with the latent columns renumbered (4 loads a 16-key step for all 8 chunks, 8 wgmma in flight: 4
+    waits of 8) — no 8- or 16-bit shared loads in the key loop, and the reinterpretations move no data (no shuffle
+    beyond the softmax's, which the staged variant has too)."""
     kernel = gd.compile_for_hopper(kv8=True, reg_a=True)
     ptx = kernel.asm["ptx"]
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.f16\.f16 \{[^}]*\}, (\S+)", ptx)
     assert len(mma) == 68 and all(a.startswith("{") for a in mma)  # A: a register list
     assert _count(ptx, "cvt.rn.f16x2.e4m3x2") == 17 * 16
-    assert _count(ptx, "wgmma.wait_group.sync.aligned 1;") == 17
+    assert _count(ptx, "wgmma.wait_group.sync.aligned 1;") == 9
+    assert _count(ptx, "wgmma.wait_group.sync.aligned 8;") == 4
     assert 5 * 9 * 64 * 64 <= kernel.metadata.shared <= 227 * 1024
     usage, sass = _usage_and_sass(kernel)
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
     assert _count(sass, "HGMMA.64x16x16.F32 ") == 68 and _count(sass, "UTMALDG.2D") == 9
-    assert _count(sass, "LDS.U16") == 0 and _count(sass, "LDS.128") >= 2 * 9
+    # 2 x 9 (Sᵀ) + 4 x 4 (P·V) 16-byte loads a tile; one byte load in the whole kernel (outside the loop)
+    assert _count(sass, "LDS.U16") == 0 and _count(sass, "LDS.U8") <= 1 and _count(sass, "LDS.128") >= 2 * 9 + 4 * 4
     staged_usage, staged_sass = _usage_and_sass(gd.compile_for_hopper(kv8=True))
-    assert _count(sass, "SHFL") == _count(staged_sass, "SHFL")
+    assert _count(sass, "SHFL") == _count(staged_sass, "SHFL") and _count(staged_sass, "LDS.U8") <= 1
     with pytest.raises(ValueError, match="reg_a is the e4m3 cache's read"):
         gd.compile_for_hopper(reg_a=True)
 

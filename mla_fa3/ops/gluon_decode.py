@@ -101,8 +101,10 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _producer(kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr):
-    """The load warp: for each tile, wait for a free ring slot, then 9 TMA boxes of the tile's page into it."""
+def _producer(kv_desc, ring, rope, ready, empty, pt, first_page, n_tiles, CHUNKS: gl.constexpr,
+              NSTAGES: gl.constexpr):
+    """The load warp: for each tile, wait for a free ring slot, then 9 TMA boxes of the tile's page into it (the 8
+    value chunks into ring[s · 8 ..], k_rope into rope[s])."""
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
     page_next = first_page
@@ -115,7 +117,7 @@ def _producer(kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS: gl.c
         mbarrier.expect(bar, CHUNKS * kv_desc.block_type.nbytes)
         row = page * BN
         for c in gl.static_range(CHUNKS):
-            _tma_load(kv_desc, [row, c * BW], bar, ring.index(s * CHUNKS + c))
+            _tma_load(kv_desc, [row, c * BW], bar, _chunk(ring, rope, s, c, CHUNKS - 1))
 
 
 @gluon.jit
@@ -130,14 +132,68 @@ def _zero_tail(ring, base, valid, LAT_CHUNKS: gl.constexpr, BN: gl.constexpr, BW
 
 
 @gluon.jit
-def _convert_tile(ring, base, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
-    """e4m3 ring[base .. base + CHUNKS) -> fp16 stg[0 .. CHUNKS) (exact: e4m3 fits fp16; one cvt per 2 values)."""
-    for c in gl.static_range(CHUNKS):
-        stg.index(c).store(ring.index(base + c).load(layout).to(gl.float16))
+def _chunk(ring, rope, s, c: gl.constexpr, LAT: gl.constexpr):
+    """Chunk c of ring stage s: a value chunk ring[s · LAT + c] (c < LAT) or the k_rope chunk rope[s] (c = LAT). The
+    value chunks of a stage lie together (512 rows: ``_v_step`` reads them as one [8, 64, 64] view)."""
+    if c == LAT:
+        return rope.index(s)
+    else:
+        return ring.index(s * LAT + c)
 
 
 @gluon.jit
-def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready, empty,
+def _convert_tile(ring, rope, s, stg, CHUNKS: gl.constexpr, layout: gl.constexpr):
+    """e4m3 chunks 0 .. CHUNKS of stage s -> fp16 stg[0 .. CHUNKS) (exact: e4m3 fits fp16; one cvt per 2 values)."""
+    for c in gl.static_range(CHUNKS):
+        stg.index(c).store(_chunk(ring, rope, s, c, CHUNKS - 1).load(layout).to(gl.float16))
+
+
+@gluon.jit
+def _stage_values_36(ring, s, NSTAGES: gl.constexpr, LAT: gl.constexpr, BN: gl.constexpr, BW: gl.constexpr):
+    """The LAT value chunks of ring stage s as one [LAT, BN, BW] view (they lie together; triton 3.6's name)."""
+    return ring._reinterpret(ring.dtype, [NSTAGES, LAT * BN, BW], ring.layout).index(s).reshape([LAT, BN, BW])
+
+
+@gluon.jit
+def _stage_values_39(ring, s, NSTAGES: gl.constexpr, LAT: gl.constexpr, BN: gl.constexpr, BW: gl.constexpr):
+    """``_stage_values_36`` under the name later releases give the reinterpretation."""
+    return ring.reinterpret(ring.dtype, [NSTAGES, LAT * BN, BW], ring.layout).index(s).reshape([LAT, BN, BW])
+
+
+# a shared-memory view's reinterpretation: ``_reinterpret`` in triton 3.6, ``reinterpret`` in later releases
+_stage_values = _stage_values_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _stage_values_36
+
+
+@gluon.jit
+def _v_step(vt, ks, LAT: gl.constexpr, BN: gl.constexpr, BW: gl.constexpr):
+    """The e4m3 register read's A operands for k-step ``ks`` of P·V: keys 16·ks .. 16·ks + 15 of the 8 value chunks
+    ``vt`` [LAT, BN, BW] of one ring stage -> 8 fp16 tensors [64, 16] (chunk c: accᵀ[c]'s rows ρ x the 16 keys).
+
+    The latent columns are renumbered so that every thread's values lie in 16 contiguous bytes a key: accᵀ[c] row
+    ρ = 16w + 8rb + g (warp w, lane group g, register half rb — wgmma's A layout) is latent column
+    16 (8w + g) + 2c + rb, i.e. the value chunk 2w + g // 4, column 16 (g % 4) + 2c + rb. Thread (w, g, t) reads
+    keys 2t, 2t + 1, 2t + 8, 2t + 9 of that chunk, 16 bytes each (4 loads; the byte-wise transposed read of the
+    natural order takes 32 one-byte loads per chunk), the output columns are written back in the same order."""
+    pv_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [1, 0, 0]],
+        warp_bases=[[2, 0, 0], [4, 0, 0]], block_bases=[], shape=[LAT, 16, BW])
+    x = vt.slice(ks * 16, 16, dim=1).load(pv_l).to(gl.float16)  # [chunk, key, column]
+    # chunk = 2w + g2, column = 16 g01 + 2c + rb  ->  [ρ = (w, rb, g2, g01), key, c = (c2, c1, c0)]
+    x = x.reshape([4, 2, 16, 4, 8, 2]).permute((0, 5, 1, 3, 2, 4)).reshape([64, 16, 2, 2, 2])
+    c0a, c0b = x.split()
+    c1a, c1b = c0a.split()
+    c1c, c1d = c0b.split()
+    p0, p4 = c1a.split()  # c0 = 0, c1 = 0: c = 0, 4
+    p2, p6 = c1b.split()  # c0 = 0, c1 = 1: c = 2, 6
+    p1, p5 = c1c.split()  # c0 = 1, c1 = 0: c = 1, 5
+    p3, p7 = c1d.split()  # c0 = 1, c1 = 1: c = 3, 7
+    return (p0, p1, p2, p3, p4, p5, p6, p7)
+
+
+@gluon.jit
+def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, rope, stg, q_smem, p_smem, ready,
+              empty,
               o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live, scale_log2, DescaleK,
               H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, CHUNKS: gl.constexpr, NSTAGES: gl.constexpr,
               BN: gl.constexpr, BW: gl.constexpr, KV8: gl.constexpr, REG_A: gl.constexpr, PDL: gl.constexpr):
@@ -156,6 +212,7 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
     # REG_A, Sᵀ: a K chunk read 16 contiguous bytes a row (two 16-byte loads a thread: rows g and g + 8 of its
     # warp's 16, bytes 16t .. 16t + 15), then reinterpreted as wgmma's A with the contraction index permuted —
     # column 16t + 2j + e is logical k = 8j + 2t + e; q's columns are stored in the same order (``_k_order``)
+    a16_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)  # [64, 16]: one k-step
     ks_l: gl.constexpr = gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
                                                     lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
                                                     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, BW])
@@ -206,34 +263,31 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         mbarrier.wait(ready.index(s), (i // NSTAGES) & 1)
         if REG_A:  # the value rows past the end <- 0 in the ring (they may hold NaN); the dots convert in registers
             if end - n0 < BN:
-                _zero_tail(ring, s * CHUNKS, end - n0, LAT, BN, BW, cvt_l)
+                _zero_tail(ring, s * LAT, end - n0, LAT, BN, BW, cvt_l)
                 fence_async_shared()
-            kb = ring
-            base = s * CHUNKS
         elif KV8:  # e4m3 ring[s] -> fp16 stg; the dots read stg
             if end - n0 < BN:  # the last tile: the value rows past the end <- 0 in the ring first (may hold NaN)
-                _zero_tail(ring, s * CHUNKS, end - n0, LAT, BN, BW, cvt_l)
-            _convert_tile(ring, s * CHUNKS, stg, CHUNKS, cvt_l)
+                _zero_tail(ring, s * LAT, end - n0, LAT, BN, BW, cvt_l)
+            _convert_tile(ring, rope, s, stg, CHUNKS, cvt_l)
             fence_async_shared()  # the generic-proxy writes (stg; the zeroed ring rows) before wgmma / the next TMA
-            kb = stg
             # 0, but opaque and loop-variant: else the 17 wgmma smem descriptors of stg (64-bit each) are hoisted
             # out of the loop and held across it (triton 3.6 then spills them)
             base = gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [i], dtype=gl.int32, is_pure=True,
                                              pack=1)
-        else:
-            kb = ring
-            base = s * CHUNKS
         st = gl.zeros([BN, N], gl.float32, acc_l)
         if REG_A:  # chunk c + 1 is read and converted while chunk c's wgmma runs (at most one in flight)
             for c in gl.static_range(CHUNKS):
-                x = kb.index(base + c).load(ks_l).to(gl.float16)
+                x = _chunk(ring, rope, s, c, LAT).load(ks_l).to(gl.float16)
                 x = x.reshape([BN, 4, 8, 2]).permute((0, 2, 1, 3)).reshape([BN, BW])  # column 16t+2j+e -> k 8j+2t+e
                 a = gl.convert_layout(x, a_l)  # the same registers in another order: no data moves
                 st = warpgroup_mma(a, q_smem.index(c).permute((1, 0)), st, is_async=True)
                 st, a = warpgroup_mma_wait(1, deps=[st, a])
+        elif KV8:
+            for c in gl.static_range(CHUNKS):
+                st = warpgroup_mma(stg.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
         else:
             for c in gl.static_range(CHUNKS):
-                st = warpgroup_mma(kb.index(base + c), q_smem.index(c).permute((1, 0)), st, is_async=True)
+                st = warpgroup_mma(_chunk(ring, rope, s, c, LAT), q_smem.index(c).permute((1, 0)), st, is_async=True)
         if KV8 and not REG_A:  # ring[s] was read into stg before the barrier that precedes these wgmma: release it
             mbarrier.arrive(empty.index(s), count=1)
         st = warpgroup_mma_wait(0, deps=[st])
@@ -251,20 +305,33 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         m = m_new
         if not KV8:
             if end - n0 < BN:  # the request's last tile: the page's rows past its end are not keys (may hold NaN)
-                _zero_tail(ring, base, end - n0, LAT, BN, BW, tile_l)
+                _zero_tail(ring, s * LAT, end - n0, LAT, BN, BW, tile_l)
         p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
         fence_async_shared()
         new_acc = ()
-        if REG_A:  # A = the value chunk transposed [64 columns, 64 keys], read and converted in registers
+        if REG_A:  # accᵀ[c] += Vᵀ_c · Pᵀ one k-step of 16 keys at a time, all 8 chunks' A from one read (_v_step)
+            vt = _stage_values(ring, s, NSTAGES, LAT, BN, BW)
             for c in gl.static_range(LAT):
-                a = kb.index(base + c).permute((1, 0)).load(a_l).to(gl.float16)
-                t = warpgroup_mma(a, p_smem.permute((1, 0)), acc[c] * alpha[None, :], is_async=True)
-                t, a = warpgroup_mma_wait(1, deps=[t, a])
-                new_acc = new_acc + (t,)
+                new_acc = new_acc + (acc[c] * alpha[None, :],)
+            for ks in gl.static_range(BN // 16):
+                parts = _v_step(vt, ks, LAT, BN, BW)
+                pk = p_smem.slice(ks * 16, 16, dim=1).permute((1, 0))  # [16 keys, N]
+                issued = ()
+                for c in gl.static_range(LAT):
+                    issued = issued + (warpgroup_mma(gl.convert_layout(parts[c], a16_l), pk, new_acc[c],
+                                                     is_async=True),)
+                res = warpgroup_mma_wait(LAT, deps=issued + parts)  # the previous k-step's 8 are done
+                new_acc = ()
+                for c in gl.static_range(LAT):
+                    new_acc = new_acc + (res[c],)
             mbarrier.arrive(empty.index(s), count=1)  # every chunk of ring[s] is in registers by now
+        elif KV8:
+            for c in gl.static_range(LAT):
+                new_acc = new_acc + (warpgroup_mma(stg.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
+                                                   acc[c] * alpha[None, :], is_async=True),)
         else:
             for c in gl.static_range(LAT):
-                new_acc = new_acc + (warpgroup_mma(kb.index(base + c).permute((1, 0)), p_smem.permute((1, 0)),
+                new_acc = new_acc + (warpgroup_mma(ring.index(s * LAT + c).permute((1, 0)), p_smem.permute((1, 0)),
                                                    acc[c] * alpha[None, :], is_async=True),)
         acc = warpgroup_mma_wait(0, deps=new_acc)
         if not KV8:
@@ -286,7 +353,11 @@ def _consumer(q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring,
         inv = 1.0 / l_safe
         for c in gl.static_range(LAT):
             o = gl.convert_layout(acc[c] * inv[None, :], out_l)
-            gl.store(o_row + o_off[None, :] + c * BW + jj[:, None], o)
+            if REG_A:  # accᵀ[c] row ρ is latent column _v_column(c, ρ) (_v_step's order)
+                col = 16 * (8 * (jj // 16) + jj % 8) + 2 * c + (jj // 8) % 2
+            else:
+                col = c * BW + jj
+            gl.store(o_row + o_off[None, :] + col[:, None], o)
 
 
 @gluon.jit
@@ -315,7 +386,9 @@ def _gluon_mla_decode_kernel(
     end = gl.minimum(stop, seqlen)
     n_tiles = gl.where(live & (end > start), (end - start + BN - 1) // BN, 0)
 
-    ring = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES * CHUNKS, BN, BW], kv_desc.layout)
+    LAT: gl.constexpr = R // BW
+    ring = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES * LAT, BN, BW], kv_desc.layout)  # the value chunks
+    rope = gl.allocate_shared_memory(kv_desc.dtype, [NSTAGES, BN, BW], kv_desc.layout)  # the k_rope chunk
     DT: gl.constexpr = gl.float16 if KV8 else gl.bfloat16  # the dots' operand type
     N: gl.constexpr = H * SQ  # wgmma's N: the query rows (token, head) of one request
     qp_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, BW], DT)
@@ -336,10 +409,10 @@ def _gluon_mla_decode_kernel(
     o_row = PartO + slot.to(gl.int64) * stride_ow
     lse_row = PartLse2 + slot.to(gl.int64) * stride_lw
     gl.warp_specialize([
-        (_consumer, (q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, stg, q_smem, p_smem, ready,
-                     empty, o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live,
+        (_consumer, (q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, rope, stg, q_smem, p_smem,
+                     ready, empty, o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live,
                      scale_log2, DescaleK, H, SQ, R, CHUNKS, NSTAGES, BN, BW, KV8, REG_A, PDL)),
-        (_producer, (kv_desc, ring, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
+        (_producer, (kv_desc, ring, rope, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
     ], [1], [PRODUCER_NREG])
 
 
