@@ -18,7 +18,8 @@ would pad 16 heads to M = 64 and need a [64, 512] fp32 accumulator: 256 register
     # (written for SQ = 1, N = H = 16 rows; SQ = 2: N = 32 rows n = j·H + h, and "key < end" below is
     # key < min(end, L_b - 1 + j) per row)
     end = min(end, L_b);  tiles = ceil((end - start) / 64)         (start: a multiple of 64, the planner's granule)
-    smem: q [9][16, 64] (loaded once), kv ring [STAGES][9][64, 64], p [16, 64], mbarriers ready/empty[STAGES]
+    smem: q [9][16, 64] (loaded once), kv ring [STAGES][9][64, 64] (the 8 value chunks of a stage together, the
+          k_rope chunk in a ring of its own), p [16, 64], mbarriers ready/empty[STAGES]
     producer warp (1 warp, few registers):
         for i in range(tiles):                                      (page id of tile i + 1 read one tile ahead)
             s = i % STAGES; wait empty[s] (phase ((i // STAGES) & 1) ^ 1)
@@ -58,6 +59,15 @@ the ring first), fences, and runs both dots on stg exactly as above, in fp16: q 
 2^k (largest |q| in [2^13, 2^15), as ``splitkv_triton.py`` does), P stored fp16. ring[s] is released right after
 the Sᵀ wgmma are issued (stg holds the tile). Scores: s · scale · 2^k · descale_k · log2 e; the output's descale_k
 is applied by the combine (``combine_splits(..., descale_k)``), not here. Shared memory 205,884 B.
+
+``reg_a`` (``REG_A``, the e4m3 cache only): no staging tile. Each chunk goes from the e4m3 ring straight into wgmma's
+A-operand registers and is converted there (``cvt.rn.f16x2.e4m3x2``), so the conversion's shared-memory writes, its
+fence and the dots' second read of the tile are gone, and the ring holds STAGES_FP8_REG = 5 tiles (180 KB). Every
+read is 16 contiguous bytes a thread: for Sᵀ the contraction index of each chunk is permuted (column 16t + 2j + e is
+k = 8j + 2t + e; q is stored in the same order, the sum is unchanged); for P·V the latent columns are renumbered
+(``_v_step``: accᵀ[c] row ρ = 16w + 8rb + g holds latent column 16 (8w + g) + 2c + rb), so one 16-key step reads
+all 8 value chunks a thread needs with four 16-byte loads, and the partial outputs are written back in that order.
+``FP8_REG_A`` says which variant ``gluon_partials`` runs by default.
 
 Written against the Gluon API of triton 3.6 (the GPU machine's); see docs/DECODE_KERNEL.md for what differs in
 3.9. Imported lazily by its users: a CPU install without triton never imports it.
