@@ -31,6 +31,9 @@ import torch  # noqa: E402
 
 
 MAX_POSITIONS = 4096
+# SGLang's NEXTN draft layer normalizes through fused_eh_norm, which takes hidden sizes in (256, 8192], multiples of
+# 256 (the tiny config's 256 stops the draft's CUDA-graph capture): every configuration's checkpoint has 512
+HIDDEN = 512
 # DeepSeek-V3's own config.json keys that transformers 5's DeepseekV3Config no longer writes and SGLang's DeepseekV2
 # model reads (models/deepseek_v2.py: MoE layer placement and the noaux_tc router, which is transformers' V3 router)
 SGLANG_CONFIG_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1,
@@ -38,7 +41,7 @@ SGLANG_CONFIG_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func
 
 
 def _checkpoint(path: str, seed: int) -> str:
-    """The tiny V3 checkpoint both engines load. Its YaRN rope is stretched to the whole ``MAX_POSITIONS``
+    """The tiny V3 checkpoint both engines load (hidden size ``HIDDEN``). Its YaRN rope is stretched to the whole ``MAX_POSITIONS``
     (original 1024 x factor 4): SGLang's DeepSeek YaRN tables cover original x factor positions and read past them
     unchecked, transformers computes any position (the project's tiny configs stop at 64 x 4 = 256 positions,
     shorter than this prompt)."""
@@ -46,7 +49,8 @@ def _checkpoint(path: str, seed: int) -> str:
 
     rope = dict(TINY_CONFIGS["v3_mla_dims"]["rope_scaling"])
     rope["original_max_position_embeddings"] = MAX_POSITIONS // int(rope["factor"])
-    model = random_hf_model("v3_mla_dims", seed=seed, max_position_embeddings=MAX_POSITIONS, rope_scaling=rope)
+    model = random_hf_model("v3_mla_dims", seed=seed, max_position_embeddings=MAX_POSITIONS, rope_scaling=rope,
+                            hidden_size=HIDDEN)
     model.config.eos_token_id = None
     save_hf_checkpoint(model, path)
     with open(os.path.join(path, "config.json")) as f:

@@ -135,16 +135,20 @@ def test_gpu_extra_pins_the_pair():
     assert pins["torch"] == fa3.SGL_KERNEL_TORCH[pins["sglang-kernel"]] + ".*"
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("kernel_shape,perm,want", [((3, 5), (1, 0), (5, 3)), ((2, 3, 4), (0, 2, 1), (2, 4, 3))])
-def test_fa3_lse_comes_back_token_major_with_empty_rows_at_minus_inf(kernel_shape, perm, want):
+def test_fa3_lse_comes_back_token_major_with_empty_rows_at_minus_inf(kernel_shape, perm, want, requires_grad):
     """FA3's LSE in its own layout ([H, T] varlen, [bs, H, sq] batched) comes back contiguous in ours, +inf (FA3's
     empty row) as -inf, -inf and NaN as they were; already in our layout it passes through; any other shape is a
-    named error. Oracle: the element-wise rule on an explicit transpose."""
+    named error; an LSE that requires grad (a caller with autograd on, as SGLang's test kit runs) gives the same.
+    Oracle: the element-wise rule on an explicit transpose."""
     inf = float("inf")
     raw = torch.randn(kernel_shape)
     flat = raw.view(-1)
     flat[1], flat[4], flat[7] = inf, -inf, float("nan")
+    raw.requires_grad_(requires_grad)
     got = fa3._token_major(raw, kernel_shape, perm, want)
+    raw = raw.detach()
     expected = raw.permute(*perm).contiguous().clone()
     expected[expected == inf] = -inf
     assert got.is_contiguous() and got.dtype == torch.float32 and got.shape == want

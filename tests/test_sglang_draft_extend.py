@@ -83,6 +83,28 @@ def test_width_comes_from_the_runner_when_the_batch_has_no_host_lengths():
         to_mla_batch(fb, device=torch.device("cpu"), num_draft_tokens=0)
 
 
+def test_replay_view_holds_the_live_rows_slots_only():
+    """SGLang's draft-extend graph runner hands the backend ``out_cache_loc[:num_tokens]``: the live rows' windows
+    only, the batch padded past them. The padding rows get SGLang's padding slot 0; a slot count that is not whole
+    windows, or more than the batch holds, is a named error."""
+    fx = _fixture(3)
+    fb = copy.copy(fx.forward_batch)
+    live = fb.out_cache_loc.clone()
+    fb.batch_size = 4
+    fb.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=fb.req_pool_indices.dtype)])
+    fb.seq_lens = torch.tensor([17, 8, 33, FILL], dtype=torch.int32)
+    fb.seq_lens_cpu = fb.seq_lens.clone()
+    fb.extend_seq_lens_cpu = None
+    fb.spec_info = SimpleNamespace(extend_seq_lens_cpu=[3, 3, 3, 3])
+    ours = to_mla_batch(fb, device=torch.device("cpu"), num_draft_tokens=3)
+    assert ours.out_cache_loc.tolist() == live.tolist() + [0, 0, 0]
+    assert ours.seq_lens_cpu.tolist() == [17, 8, 33, 3]
+    for slots in (live[:-1], torch.cat([live, live[:6]])):
+        fb.out_cache_loc = slots
+        with pytest.raises(UnsupportedStepError, match="out_cache_loc holds"):
+            to_mla_batch(fb, device=torch.device("cpu"), num_draft_tokens=3)
+
+
 def test_cuda_graph_capture_then_replay_with_a_padding_row():
     """SGLang's draft-extend CUDA-graph protocol: state for 4 requests, capture on fill-value rows of width 3, then
     a replay of 3 live requests padded to 4 (the padding row at seq_lens = FILL, raised to the window; its kit row

@@ -180,8 +180,10 @@ def _token_major(lse: Tensor, kernel_shape: tuple, perm: tuple, want: tuple) -> 
         lse = lse.permute(*perm)
     elif tuple(lse.shape) != want:
         raise RuntimeError(f"unexpected kernel lse shape {tuple(lse.shape)}, expected {kernel_shape}")
-    out = torch.empty(want, dtype=torch.float32, device=lse.device)
     inf = float("inf")
+    if lse.requires_grad:  # autograd refuses out= (a caller running with grad on): the same values in two kernels
+        return torch.nan_to_num(lse.float(), nan=float("nan"), posinf=-inf, neginf=-inf).contiguous()
+    out = torch.empty(want, dtype=torch.float32, device=lse.device)
     return torch.nan_to_num(lse.float(), nan=float("nan"), posinf=-inf, neginf=-inf, out=out)
 
 

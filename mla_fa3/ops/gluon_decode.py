@@ -24,7 +24,11 @@ from .validate_gluon import HEADS, LATENT, PAGE, ROPE, check_supported
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
-FP8_REG_A = False  # the e4m3 read's default variant: the staged tile (measured) until reg_a is measured faster
+# the e4m3 read's default variant by query rows (bs x sq): reg_a from 16, the staged tile below. H100, 16 heads, kernel
+# alone (docs/perf/2026-12-07/h100-run1/call3_gluon_bench_fp8.txt): reg_a 5-12 % faster at bs 16-64 x 16k-64k (its
+# 5-stage ring streams longer splits better), 20-40 % slower at bs 1-4 x 16k (short splits: the conversion in the
+# A registers sits on each step's critical path), even at bs 4 x 64k
+FP8_REG_A_MIN_ROWS = 16
 
 
 def _kv_layout(kv8: bool = False):
@@ -74,11 +78,13 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False, half: 
 
     An e4m3 cache (``call.kv_fp8``): ``call.descale_k`` is folded into the scores here; the partial outputs are NOT
     scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does).
-    ``reg_a`` (e4m3 only; None: ``FP8_REG_A``): the tile converted in wgmma's A registers instead of staged as fp16
-    in shared memory."""
+    ``reg_a`` (e4m3 only; None: from ``FP8_REG_A_MIN_ROWS`` query rows on): the tile converted in wgmma's A
+    registers instead of staged as fp16 in shared memory."""
     q, kv = call.q, call.kv_cache
     kv8 = bool(call.kv_fp8)
-    reg_a = kv8 and (FP8_REG_A if reg_a is None else bool(reg_a))
+    if reg_a is None:
+        reg_a = q.shape[0] * q.shape[1] >= FP8_REG_A_MIN_ROWS
+    reg_a = kv8 and bool(reg_a)
     q_rope = q[..., LATENT:] if call.q_rope is None else call.q_rope
     sq, H, cap = q.shape[1], q.shape[2], schedule.capacity
     part_o = torch.empty(cap, sq, H, LATENT, dtype=torch.bfloat16 if half else torch.float32, device=q.device)

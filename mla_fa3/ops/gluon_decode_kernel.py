@@ -68,7 +68,8 @@ read is 16 contiguous bytes a thread: for Sᵀ the contraction index of each chu
 k = 8j + 2t + e; q is stored in the same order, the sum is unchanged); for P·V the latent columns are renumbered
 (``_v_step``: accᵀ[c] row ρ = 16w + 8rb + g holds latent column 16 (8w + g) + 2c + rb), so one 16-key step reads
 all 8 value chunks a thread needs with four 16-byte loads, and the partial outputs are written back in that order.
-``gluon_decode.FP8_REG_A`` says which variant ``gluon_partials`` runs by default.
+``gluon_decode.FP8_REG_A_MIN_ROWS`` says which variant ``gluon_partials`` runs by default (measured: faster from bs 16,
+slower at bs 1-4; docs/DECODE_KERNEL.md).
 
 Written against the Gluon API of triton 3.6 (the GPU machine's); see docs/DECODE_KERNEL.md for what differs in
 3.9. Imported lazily by its users: a CPU install without triton never imports it.

@@ -127,7 +127,8 @@ def draft_extend_widths(fb, bs: int, configured: int) -> torch.Tensor:
 def _draft_extend(fb, configured: int) -> ForwardBatch:
     """DRAFT_EXTEND_V2: n tokens per request at the end of each row (``seq_lens`` include them), causal over the
     prefix. Equal widths (SGLang's fixed window, always under CUDA graphs): a chain verify of k = n, the padding rows
-    of a replay (seq_lens = the fill value, below n) raised to n. Unequal widths: an extend-like DRAFT_EXTEND step."""
+    of a replay (seq_lens = the fill value, below n) raised to n, their slots (absent from the replay view's
+    ``out_cache_loc``, which holds the live rows' only) SGLang's padding slot 0. Unequal widths: an extend-like DRAFT_EXTEND step."""
     bs = int(fb.batch_size)
     widths = draft_extend_widths(fb, bs, configured)
     rows = fb.req_pool_indices[:bs].to(torch.int64)
@@ -137,6 +138,13 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
     common = dict(batch_size=bs, req_pool_indices=rows, out_cache_loc=loc, positions=None)
     n = int(widths[0])
     if bool((widths == n).all()):
+        live = loc.numel()
+        if live > bs * n or live % n:
+            raise UnsupportedStepError(f"DRAFT_EXTEND_V2: out_cache_loc holds {live} slots, not the live rows' windows "
+                                       f"of a batch of {bs} x {n} tokens")
+        if live < bs * n:  # the graph runner's replay view: the live rows' slots; its padding rows point at slot 0
+            loc = torch.cat([loc, loc.new_zeros(bs * n - live)])
+            common["out_cache_loc"] = loc
         return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=seq.clamp(min=n),
                             seq_lens_cpu=seq_cpu.clamp(min=n), num_draft_tokens=n, **common)
     if bool((seq_cpu < widths).any()):
