@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mla_fa3 import ops
+
 __all__ = ["gather_page_table", "cumsum_padded", "LocalLayout", "local_layout", "local_layout_np",
            "max_local_rows"]
 
@@ -51,17 +53,23 @@ def gather_page_table(req_to_token: Tensor, rows: Tensor, num_tokens: Tensor, ma
     ``arange`` (int64, >= max_pages long) on the device, ``col_offsets`` an optional cached
     ``arange * page_size`` (>= max_pages long; saves the multiply), ``out`` an optional [n, max_pages]
     int32 destination (a view of a CUDA-graph buffer: written in place, no extra copy). Entries past
-    a region's pages are 0. Four kernels when ``first_col`` is None and ``col_offsets`` is given
-    (gather, compare, divide, mask), six with ``first_col``.
+    a region's pages are 0. Without ``first_col``, on CUDA: one launch of ``ops.gather_page_ids`` (where
+    ``ops.page_ids_kernel`` says so: the global impl is not 'reference' and Triton imports); else torch ops —
+    four kernels when ``first_col`` is None and ``col_offsets`` is given (gather, compare, divide, mask), six
+    with ``first_col``.
     """
     device = req_to_token.device
+    width = req_to_token.shape[1]
+    if first_col is None and max_pages <= -(-width // page_size) and ops.page_ids_kernel(device):
+        if out is None:
+            out = torch.empty(rows.shape[0], max_pages, dtype=torch.int32, device=device)
+        return ops.gather_page_ids(req_to_token, rows, num_tokens, page_size, out)
     if col_offsets is not None:
         offs = col_offsets[:max_pages]
     else:
         j = (col_index[:max_pages] if col_index is not None
              else torch.arange(max_pages, dtype=torch.int64, device=device))
         offs = j * page_size
-    width = req_to_token.shape[1]
     if first_col is None and max_pages <= -(-width // page_size):
         # column j*p of each row: one index_select over the strided view (no index arithmetic)
         values = torch.index_select(req_to_token[:, : max_pages * page_size: page_size], 0, rows)

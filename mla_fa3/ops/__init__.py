@@ -46,8 +46,9 @@ from .selection import (ImplLike, coerce_impl, fa3_available, get_impl, last_imp
 from .splitkv_config import KernelConfig
 from .splitkv_plan import SplitKVSchedule
 from .tree_attention import tree_attention
-from .triton_ops import (HEAD_MATMUL_MAX_ROWS, absorb_query_e4m3, fp8_fused_available, get_splitkv_schedule,
-                         head_matmul, quantize_query_e4m3, replan_splitkv_schedule,
+from .triton_ops import (HEAD_MATMUL_MAX_ROWS, absorb_query_e4m3, fp8_fused_available, gather_page_ids,
+                         get_splitkv_schedule, head_matmul, page_ids_kernel, quantize_query_e4m3,
+                         replan_splitkv_schedule,
                          splitkv_available, splitkv_mla_with_kvcache, store_e4m3, store_rows)
 from .types import (
     FLASHMLA_HEAD_DIM,
@@ -104,6 +105,8 @@ __all__ = [
     "fp8_fused_available",
     "store_e4m3",
     "store_rows",
+    "gather_page_ids",
+    "page_ids_kernel",
     "quantize_query_e4m3",
     "absorb_query_e4m3",
     "head_matmul",

@@ -1,9 +1,11 @@
-"""The ops of our own Triton kernels: split-KV MLA decode, the fused FP8 quantization and the per-head matmul.
+"""The ops of our own Triton kernels: split-KV MLA decode, the fused FP8 quantization, the per-head matmul and the
+page-table gather.
 
 Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
 TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
 imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``,
-``head_matmul_triton.py``, ``tree_attention_triton.py`` — the last one's op is ``tree_attention.py``) and only when
+``head_matmul_triton.py``, ``page_table_triton.py``, ``tree_attention_triton.py`` — the last one's op is
+``tree_attention.py``) and only when
 available.
 Re-exported by ``mla_fa3.ops``.
 """
@@ -24,6 +26,7 @@ from .splitkv_plan import SplitKVSchedule
 from .types import Impl, KernelUnavailableError
 
 __all__ = ["get_splitkv_schedule", "replan_splitkv_schedule", "splitkv_available", "splitkv_mla_with_kvcache",
+           "page_ids_kernel", "gather_page_ids",
            "fp8_fused_available", "store_e4m3", "store_rows", "quantize_query_e4m3", "absorb_query_e4m3",
            "head_matmul", "HEAD_MATMUL_MAX_ROWS"]
 
@@ -38,8 +41,8 @@ Tensor = torch.Tensor
 
 @functools.lru_cache(maxsize=None)
 def _triton_module(which: str):
-    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8" | "matmul" | "tree"), or why it does not
-    import (str)."""
+    """The Triton kernel module ``which`` ("splitkv" | "replan" | "fp8" | "matmul" | "tree" | "pages"), or why it
+    does not import (str)."""
     try:
         if which == "splitkv":
             from . import splitkv_triton as module
@@ -49,6 +52,8 @@ def _triton_module(which: str):
             from . import head_matmul_triton as module
         elif which == "tree":
             from . import tree_attention_triton as module
+        elif which == "pages":
+            from . import page_table_triton as module
         else:
             from . import fp8_triton as module
     except Exception as exc:  # ImportError (no triton) or a broken triton install
@@ -159,6 +164,32 @@ def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
         splitkv_plan.replan_reference(cache_seqlens, schedule)
     ran(chosen)
     return schedule
+
+
+# ------------------------------------------------------------------ page ids from req_to_token
+def page_ids_kernel(device: Union[torch.device, str], impl: Optional[ImplLike] = None) -> bool:
+    """Whether ``gather_page_ids``' kernel is the page-table gather on ``device`` under ``impl`` (None: the global
+    choice): AUTO / FA3 on CUDA where Triton imports, TRITON (a named error where it cannot run); REFERENCE and
+    the CPU: no — the caller's four torch ops (``pages.gather_page_table``), the same values."""
+    chosen = get_impl() if impl is None else coerce(impl)
+    return _kernel_not_torch(chosen, torch.device(device), _triton_module("pages"), "page-table")
+
+
+def gather_page_ids(req_to_token: Tensor, rows: Tensor, num_tokens: Tensor, page_size: int, out: Tensor) -> Tensor:
+    """``out[b, j] = req_to_token[rows[b], j * page_size] // page_size`` where ``j * page_size < num_tokens[b]``, else
+    0 (the padding page): the page table of requests whose regions start at column 0, in one launch (capturable, no
+    host value read). A row outside ``req_to_token`` gets zeros (nothing read).
+
+    req_to_token ``[R, W]`` int32 / int64 (last dim contiguous), rows ``[n]`` int32 / int64, num_tokens ``[n]``
+    int32 / int64, out ``[n, max_pages]`` int32 (a view is fine: last dim contiguous) with ``(max_pages - 1) *
+    page_size < W``; all on one device. The kernel only (on the CPU under TRITON_INTERPRET=1, in tests), a named
+    error where it cannot run; ``page_ids_kernel`` says where it is the choice. Returns ``out``."""
+    validate.check_page_ids(req_to_token, rows, num_tokens, page_size, out)
+    kernels = _triton_module("pages")
+    _resolve_triton(Impl.TRITON, out.device, kernels, "page-table")
+    with _on(out.device):
+        kernels.gather_page_ids(req_to_token, rows, num_tokens, page_size, out)
+    return out
 
 
 def splitkv_mla_with_kvcache(

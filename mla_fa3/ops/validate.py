@@ -394,3 +394,27 @@ def check_splitkv(
         if q.shape[0] > schedule.max_batch:
             raise ValueError(f"schedule holds at most max_batch={schedule.max_batch} requests, q has {q.shape[0]}")
     return call
+
+
+def check_page_ids(req_to_token, rows, num_tokens, page_size, out) -> None:
+    """Validate ``gather_page_ids``: req_to_token [R, W], rows / num_tokens [n] (int32 / int64), out [n, max_pages]
+    int32 with (max_pages - 1) * page_size < W, one device, last dims contiguous; page_size a positive int."""
+    device = chk.device_of(out, "out")
+    chk.rank(out, "out", 2, "[n, max_pages]")
+    chk.int32(out, "out")
+    p = chk.host_int(page_size, "page_size", minimum=1)
+    for x, name, ndim, layout in ((req_to_token, "req_to_token", 2, "[R, W]"), (rows, "rows", 1, "[n]"),
+                                  (num_tokens, "num_tokens", 1, "[n]")):
+        chk.tensor(x, name)
+        chk.rank(x, name, ndim, layout)
+        if x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        chk.same_device(x, name, device, "out")
+    for x, name in ((rows, "rows"), (num_tokens, "num_tokens")):
+        if x.shape[0] != out.shape[0]:
+            raise ValueError(f"{name} must have out's {out.shape[0]} rows, got {x.shape[0]}")
+    for x, name in ((req_to_token, "req_to_token"), (out, "out")):
+        chk.last_dim_contiguous(x, name, kernel="the page-table")
+    if out.shape[1] and (out.shape[1] - 1) * p >= req_to_token.shape[1]:
+        raise ValueError(f"out's {out.shape[1]} pages of {p} reach past req_to_token's {req_to_token.shape[1]} "
+                         "columns")
