@@ -25,9 +25,9 @@ from .validate_gluon import HEADS, LATENT, PAGE, ROPE, check_supported
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 # the e4m3 read's default variant by query rows (bs x sq): reg_a from 16, the staged tile below. H100, 16 heads, kernel
-# alone (docs/perf/2026-12-07/h100-run1/call3_gluon_bench_fp8.txt): reg_a 5-12 % faster at bs 16-64 x 16k-64k (its
-# 5-stage ring streams longer splits better), 20-40 % slower at bs 1-4 x 16k (short splits: the conversion in the
-# A registers sits on each step's critical path), even at bs 4 x 64k
+# alone (docs/perf/2026-12-07/h100-run3/call3_gluon_bench_fp8.txt): reg_a takes 0.88-0.97x the staged read's time at
+# bs 16-64 x 16k-64k (its 5-stage ring streams long splits better), 1.24-1.39x at bs 1-4 x 16k and bs 1 x 64k (short
+# splits: the conversion in the A registers sits on each step's critical path), 1.00x at bs 4 x 64k
 FP8_REG_A_MIN_ROWS = 16
 
 
