@@ -7,6 +7,10 @@ timed by CUDA events around graph replays (median of ``--iters``). Every backend
 (``MLATokenToKVPool``, page 64) of ``bs`` requests at ``ctx`` tokens, built by SGLang's attention test kit.
 
     python benchmarks/sglang_backends.py --out out/sglang_backends.csv [--quick]
+    python benchmarks/sglang_backends.py --out out/one.csv --shapes 16:16:16384 --kv bf16 --profile
+
+``--shapes heads:bs:ctx,...`` replaces the sweep, ``--kv`` picks the cache dtypes, ``--profile`` also prints each
+backend's kernels in its metadata graph and its layer graph (torch's profiler over graph replays).
 
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
@@ -116,7 +120,28 @@ def _graph_us(fn, iters: int) -> float:
     return replay_us(graph, iters)
 
 
-def _time_backend(name, fx, registry, iters):
+def _kernel_table(fn, replays: int = 20) -> list[tuple[str, float, float]]:
+    """The GPU kernels of ``fn`` captured alone in a CUDA graph, from torch's profiler over ``replays`` replays:
+    (name, µs per replay, launches per replay), slowest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / replays, e.count / replays) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def _time_backend(name, fx, registry, iters, profile_meta=False):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     backend = registry[name](fx.runner)
@@ -149,6 +174,10 @@ def _time_backend(name, fx, registry, iters):
         us = replay_us(graph, iters)
         meta_us = _graph_us(lambda: backend.init_forward_metadata_in_graph(fb), iters)
         layer_us = _graph_us(step, iters)
+        if profile_meta:
+            for part, fn in (("meta", lambda: backend.init_forward_metadata_in_graph(fb)), ("layer", step)):
+                for kname, us_each, n in _kernel_table(fn):
+                    print(f"  {name} {part}: {us_each:8.2f} us  x{n:g}  {kname[:110]}", flush=True)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
     return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)
 
@@ -160,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--layers", type=int, default=61, help="layers per step for per_layer_us (DeepSeek-V3: 61)")
+    p.add_argument("--shapes", default="", help="heads:bs:ctx,... instead of the sweep (e.g. 16:4:32768)")
+    p.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--profile", action="store_true", help="also each backend's kernels per graph (torch profiler)")
     args = p.parse_args(argv)
     if not sglang_ready("sglang_backends"):
         return 2
@@ -169,32 +201,34 @@ def main(argv=None) -> int:
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
-    for heads in args.heads:
-        for bs, ctx in (QUICK if args.quick else SHAPES):
-            for fp8 in (False, True):
-                fx = _fixture(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
-                res = {}
-                for name in ("fa3", "flashmla", "mla_fa3"):
-                    try:
-                        res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters)
-                    except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
-                        nan = float("nan")
-                        res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan,
-                                         kernel=f"error: {type(exc).__name__}: {exc}"[:160])
-                for r in res.values():
-                    r["per_layer_us"] = r["layer_us"] + r["meta_us"] / args.layers
-                base = res["fa3"]
-                for name, r in res.items():
-                    row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", backend=name,
-                               us=round(r["us"], 2), host_us=round(r["host_us"], 1),
-                               ratio_vs_fa3=round(base["us"] / r["us"], 3), meta_us=round(r["meta_us"], 2),
-                               layer_us=round(r["layer_us"], 2), per_layer_us=round(r["per_layer_us"], 2),
-                               ratio_per_layer=round(base["per_layer_us"] / r["per_layer_us"], 3),
-                               kernel=r["kernel"])
-                    rows.append(row)
-                    print(",".join(str(v) for v in row.values()), flush=True)
-                del fx
-                torch.cuda.empty_cache()
+    shapes = [(h, bs, ctx) for h in args.heads for bs, ctx in (QUICK if args.quick else SHAPES)]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
+    for heads, bs, ctx in shapes:
+        for fp8 in (kv == "fp8" for kv in args.kv):
+            fx = _fixture(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
+            res = {}
+            for name in ("fa3", "flashmla", "mla_fa3"):
+                try:
+                    res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters, args.profile)
+                except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
+                    nan = float("nan")
+                    res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan,
+                                     kernel=f"error: {type(exc).__name__}: {exc}"[:160])
+            for r in res.values():
+                r["per_layer_us"] = r["layer_us"] + r["meta_us"] / args.layers
+            base = res["fa3"]
+            for name, r in res.items():
+                row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", backend=name,
+                           us=round(r["us"], 2), host_us=round(r["host_us"], 1),
+                           ratio_vs_fa3=round(base["us"] / r["us"], 3), meta_us=round(r["meta_us"], 2),
+                           layer_us=round(r["layer_us"], 2), per_layer_us=round(r["per_layer_us"], 2),
+                           ratio_per_layer=round(base["per_layer_us"] / r["per_layer_us"], 3),
+                           kernel=r["kernel"])
+                rows.append(row)
+                print(",".join(str(v) for v in row.values()), flush=True)
+            del fx
+            torch.cuda.empty_cache()
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
