@@ -108,8 +108,8 @@ def replay_us(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     return statistics.median(times)
 
 
-def _graph_us(fn, iters: int) -> float:
-    """Median replay time of ``fn`` captured alone in a CUDA graph, µs."""
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once, then captured alone in a CUDA graph, replayed once."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -117,7 +117,12 @@ def _graph_us(fn, iters: int) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    return replay_us(graph, iters)
+    return graph
+
+
+def _graph_us(fn, iters: int) -> float:
+    """Median replay time of ``fn`` captured alone in a CUDA graph, µs."""
+    return replay_us(_captured(fn), iters)
 
 
 def _kernel_table(fn, replays: int = 20) -> list[tuple[str, float, float]]:
@@ -125,13 +130,7 @@ def _kernel_table(fn, replays: int = 20) -> list[tuple[str, float, float]]:
     (name, µs per replay, launches per replay), slowest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = _captured(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
