@@ -41,10 +41,10 @@ SGLANG_CONFIG_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func
 
 
 def _checkpoint(path: str, seed: int) -> str:
-    """The tiny V3 checkpoint both engines load (hidden size ``HIDDEN``). Its YaRN rope is stretched to the whole ``MAX_POSITIONS``
-    (original 1024 x factor 4): SGLang's DeepSeek YaRN tables cover original x factor positions and read past them
-    unchecked, transformers computes any position (the project's tiny configs stop at 64 x 4 = 256 positions,
-    shorter than this prompt)."""
+    """The tiny V3 checkpoint both engines load (hidden size ``HIDDEN``). Its YaRN rope is stretched to the whole
+    ``MAX_POSITIONS`` (original 1024 x factor 4): SGLang's DeepSeek YaRN tables cover original x factor positions
+    and read past them unchecked, transformers computes any position (the project's tiny configs stop at 64 x 4 =
+    256 positions, shorter than this prompt)."""
     from mla_fa3.models.tiny import TINY_CONFIGS, random_hf_model, save_hf_checkpoint
 
     rope = dict(TINY_CONFIGS["v3_mla_dims"]["rope_scaling"])

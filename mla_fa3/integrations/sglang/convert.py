@@ -128,7 +128,8 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
     """DRAFT_EXTEND_V2: n tokens per request at the end of each row (``seq_lens`` include them), causal over the
     prefix. Equal widths (SGLang's fixed window, always under CUDA graphs): a chain verify of k = n, the padding rows
     of a replay (seq_lens = the fill value, below n) raised to n, their slots (absent from the replay view's
-    ``out_cache_loc``, which holds the live rows' only) SGLang's padding slot 0. Unequal widths: an extend-like DRAFT_EXTEND step."""
+    ``out_cache_loc``, which holds the live rows' only) SGLang's padding slot 0. Unequal widths: an extend-like
+    DRAFT_EXTEND step."""
     bs = int(fb.batch_size)
     widths = draft_extend_widths(fb, bs, configured)
     rows = fb.req_pool_indices[:bs].to(torch.int64)
