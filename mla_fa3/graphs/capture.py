@@ -263,7 +263,8 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
 def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor) -> None:
     """``page_table[:bs]`` over its whole width from the staged ``req_rows`` and ``table_lens``
     (``device_tables`` buffers). Tensor ops on fixed shapes, no host value: graph-legal, and what a
-    captured graph re-runs at each replay: four kernels. Padding rows (length 0) get page 0 throughout."""
+    captured graph re-runs at each replay: one launch on CUDA (``ops.gather_page_ids``), four torch kernels
+    elsewhere. Padding rows (length 0) get page 0 throughout."""
     if not buf.device_tables:
         raise ValueError("derive_tables needs buffers allocated with device_tables=True")
     gather_page_table(req_to_token, buf.req_rows[:bs], buf.table_lens[:bs], buf.page_table.shape[1], buf.page_size,

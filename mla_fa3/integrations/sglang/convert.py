@@ -136,18 +136,12 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
     loc = fb.out_cache_loc.to(torch.int64)
     seq_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
     seq = fb.seq_lens[:bs].to(torch.int32)
-    common = dict(batch_size=bs, req_pool_indices=rows, out_cache_loc=loc, positions=None)
+    common = dict(batch_size=bs, req_pool_indices=rows, positions=None)
     n = int(widths[0])
     if bool((widths == n).all()):
-        live = loc.numel()
-        if live > bs * n or live % n:
-            raise UnsupportedStepError(f"DRAFT_EXTEND_V2: out_cache_loc holds {live} slots, not the live rows' windows "
-                                       f"of a batch of {bs} x {n} tokens")
-        if live < bs * n:  # the graph runner's replay view: the live rows' slots; its padding rows point at slot 0
-            loc = torch.cat([loc, loc.new_zeros(bs * n - live)])
-            common["out_cache_loc"] = loc
         return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=seq.clamp(min=n),
-                            seq_lens_cpu=seq_cpu.clamp(min=n), num_draft_tokens=n, **common)
+                            seq_lens_cpu=seq_cpu.clamp(min=n), num_draft_tokens=n,
+                            out_cache_loc=_window_slots(loc, bs, n), **common)
     if bool((seq_cpu < widths).any()):
         raise UnsupportedStepError(f"DRAFT_EXTEND_V2: a window wider than its sequence (seq_lens_cpu "
                                    f"{seq_cpu.tolist()}, widths {widths.tolist()})")
@@ -155,7 +149,17 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
     ext = widths.to(seq.device) if ext is None else ext[:bs].to(torch.int32)
     return ForwardBatch(forward_mode=ForwardMode.DRAFT_EXTEND, seq_lens=seq, seq_lens_cpu=seq_cpu,
                         extend_prefix_lens=seq - ext, extend_prefix_lens_cpu=seq_cpu - widths, extend_seq_lens=ext,
-                        extend_seq_lens_cpu=widths, **common)
+                        extend_seq_lens_cpu=widths, out_cache_loc=loc, **common)
+
+
+def _window_slots(loc: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+    """The ``bs x n`` slots of a fixed-window step: ``loc`` itself, or — the graph runner's replay view, which holds
+    the live rows' slots only — ``loc`` followed by SGLang's padding slot 0 for the padding rows."""
+    live = loc.numel()
+    if live > bs * n or live % n:
+        raise UnsupportedStepError(f"DRAFT_EXTEND_V2: out_cache_loc holds {live} slots, not the live rows' windows "
+                                   f"of a batch of {bs} x {n} tokens")
+    return loc if live == bs * n else torch.cat([loc, loc.new_zeros(bs * n - live)])
 
 
 def verify_tree(fb, bs: int, k: int, prefix_cpu: torch.Tensor, device: torch.device,
