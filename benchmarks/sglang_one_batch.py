@@ -22,6 +22,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -95,12 +96,12 @@ def _worker(argv) -> int:
     return 0
 
 
-def _run(model: str, backend: str, kv: str, shapes, out_len: int, log) -> list[dict]:
+def _run(model: str, backend: str, kv: str, shapes, out_len: int, log, mem_fraction: float) -> list[dict]:
     max_bs = max(bs for bs, _ in shapes)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shapes", ",".join(f"{b}x{c}" for b, c in shapes),
            "--output-len", str(out_len), "--model-path", model, "--load-format", "dummy",
            "--attention-backend", backend, "--kv-cache-dtype", kv, "--page-size", "64", "--dtype", "bfloat16",
-           "--sampling-backend", "pytorch", "--grammar-backend", "none", "--mem-fraction-static", "0.8",
+           "--sampling-backend", "pytorch", "--grammar-backend", "none", "--mem-fraction-static", str(mem_fraction),
            "--context-length", str(max(c for _, c in shapes) + out_len + 64),
            "--max-running-requests", str(max_bs), "--cuda-graph-max-bs-decode", str(max_bs), "--disable-prefill-cuda-graph"]
     log.write("$ " + " ".join(cmd) + "\n")
@@ -117,9 +118,20 @@ def _run(model: str, backend: str, kv: str, shapes, out_len: int, log) -> list[d
                  tok_s=round(r["median_decode_throughput"], 1), prefill_s=round(r["prefill_latency"], 3))
             for r in got]
     done = {(r["bs"], r["ctx"]) for r in rows}
-    tail = out.strip().splitlines()[-1][:200] if out.strip() else ""
-    rows += [dict(bs=b, ctx=c, error=tail) for b, c in shapes if (b, c) not in done]
+    rows += [dict(bs=b, ctx=c, error=failure_line(out)) for b, c in shapes if (b, c) not in done]
     return rows
+
+
+def failure_line(out: str) -> str:
+    """Why a worker stopped, from its output: the last exception line (``...Error: ...``; SGLang's scheduler logs
+    it with a ``[rank0]:`` prefix, then exit warnings), else TIMEOUT, else the last line; 200 characters at most."""
+    lines = [line.removeprefix("[rank0]:").strip() for line in out.strip().splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
+    if errors:
+        return errors[-1][:200]
+    if "TIMEOUT" in lines:
+        return "TIMEOUT"
+    return lines[-1][:200] if lines else ""
 
 
 COLUMNS = ["heads", "kv", "backend", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s", "error"]
@@ -153,6 +165,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv", nargs="+", default=["auto", "fp8_e4m3"])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--flashmla-fp8", action="store_true", help="also SGLang's flashmla backend on an FP8 cache")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8,
+                   help="SGLang's share of GPU memory for weights and the KV pool (the pool fills the rest of it: "
+                        "SGLang's fa3 converts a whole layer's FP8 pool to bf16 per layer, which at 0.8 on an 80 GB "
+                        "card does not fit)")
     args = p.parse_args(argv)
     from benchmarks.sglang_backends import sglang_ready
 
@@ -169,7 +185,8 @@ def main(argv=None) -> int:
                 for backend in args.backends:
                     if kv != "auto" and backend == "flashmla" and not args.flashmla_fp8:
                         continue
-                    for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len, log):
+                    for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len, log,
+                                  args.mem_fraction_static):
                         rows.append(dict(heads=heads, kv=kv, backend=backend, **r))
                         print(json.dumps(rows[-1]), flush=True)
                     _write_csv(args.out, rows)  # after every process: a run cut short keeps what it measured

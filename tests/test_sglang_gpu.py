@@ -61,6 +61,29 @@ def test_kit_eagle_draft_gpu(backend, topk, page_size):
     builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches). The kit
     lays branches out linearly and refuses topk > 1 at page > 1 (for every backend); our page-aligned branches at
     page 16 are tested in test_sglang_draft.py and tests/test_tree_steps_gpu.py."""
+    _run_kit_draft(backend, topk, page_size)
+
+
+def test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split(monkeypatch):
+    """The topk-2, page-1 draft with FA3 pinned to one split wherever it plans its own (the tree's prefix part): the
+    graph replay then repeats the eager step's arithmetic, and the kit's draft tokens must match exactly — a stale
+    slot, page table or tree in the replay would still change them. Unpinned, FA3 sizes its splits by the page
+    table's width (the batch's in an eager step, the whole context in a graph), a last-bit difference that the kit's
+    random vocab-64 draft model can turn into another token."""
+    import sgl_kernel.flash_attn as fa
+
+    unpinned = fa.flash_attn_with_kvcache
+
+    def one_split(*args, **kwargs):
+        if kwargs.get("scheduler_metadata") is None:
+            kwargs["num_splits"] = 1
+        return unpinned(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attn_with_kvcache", one_split)
+    _run_kit_draft("mla_fa3", 2, 1)
+
+
+def _run_kit_draft(backend, topk, page_size):
     from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
 
     c = case("DECODE", prefix_lens=(14, 5, 30), page_size=page_size, backend=backend,

@@ -3,7 +3,8 @@
 # assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
 #   $@ = one or more of tests bench engine onebatch tree gap, or all  (results under $OUT)
 # MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
-# otherwise flashinfer is answered by tools/flashinfer_placeholder.py, whose functions raise if called.
+# otherwise flashinfer is answered by a placeholder (tools/import_placeholders.py: its names raise if called);
+# deep_gemm (never carried; SGLang's EAGLE draft worker imports it through the DSA backend) always is.
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site
 if [ ! -f /tmp/payload/done ]; then
@@ -30,7 +31,7 @@ printf '[sglang.srt.plugins]\nmla_fa3 = mla_fa3.integrations.sglang.plugin:regis
 # this image's transformers is newer than SGLang's pin: the shim (tests/sglang_cpu_shim.py) in every process;
 # flashinfer: the carried one (MLA_FA3_FLASHINFER=real) or the placeholder
 if [ "${MLA_FA3_FLASHINFER:-placeholder}" = real ]; then export PYTHONPATH=$PYTHONPATH:/tmp/fi; fi
-printf 'import os\ntry:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    if os.environ.get("MLA_FA3_FLASHINFER", "placeholder") != "real":\n        from tools.flashinfer_placeholder import install\n        install()\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
+printf 'import os\ntry:\n    from tests.sglang_cpu_shim import prepare_sglang_import\n    prepare_sglang_import()\n    from tools.import_placeholders import install\n    real = os.environ.get("MLA_FA3_FLASHINFER", "placeholder") == "real"\n    install(("deep_gemm",) if real else ("deep_gemm", "flashinfer"))\nexcept Exception:\n    pass\n' > /tmp/site/sitecustomize.py
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/card.txt
 modes=" ${*:-all} "  # one or more of the modes, in this order
 want() { [[ "$modes" == *" $1 "* || "$modes" == *" all "* ]]; }

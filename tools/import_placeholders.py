@@ -1,10 +1,13 @@
-"""A placeholder for ``flashinfer`` on the GPU machine, where it is not carried (its closure is GBs).
+"""Placeholders for packages SGLang imports on the GPU machine but this project does not carry there.
 
 SGLang 0.5.17 imports names of flashinfer and of its submodules at import time on CUDA (e.g.
 ``layers/quantization/fp8_utils.py``: ``from flashinfer import bmm_fp8``) even where the attention backend never
-calls them. ``install()`` adds an import hook that answers ``flashinfer`` and every ``flashinfer.*`` module with a
-placeholder whose names are functions that raise when called. Used by ``tools/device_sglang_run.sh`` (through
-``sitecustomize``) only; never by the library or CI.
+calls them, and its EAGLE draft worker imports the DSA backend, which imports ``deep_gemm``
+(``speculative/eagle_worker_v2.py``: ``_capture_cuda_graphs``; ``layers/attention/dsa_backend.py``), whatever the
+attention backend. ``install(packages)`` adds an import hook that answers each package and every ``package.*``
+module with a placeholder whose names are classes that raise when instantiated or called. It sits after the real
+finders: a package that is installed wins. Used by ``tools/device_sglang_run.sh`` (through ``sitecustomize``) only;
+never by the library or CI.
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ class _Placeholder(types.ModuleType):
             return logging.getLogger(where)  # SGLang sets flashinfer's log level (configure_logger)
 
         def missing(cls, *args, **kwargs):
-            raise RuntimeError(f"{where}: flashinfer is not installed on this machine")
+            raise RuntimeError(f"{where}: {self.__name__.split('.')[0]} is not installed on this machine")
 
         # a class: SGLang subclasses some names, calls others; calling (instantiating) raises either way
         return type(name, (), {"__new__": missing, "__module__": self.__name__})
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: tuple[str, ...]):
+        self.packages = packages
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "flashinfer" or fullname.startswith("flashinfer."):
+        if fullname.split(".")[0] in self.packages:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -49,6 +55,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> None:
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.append(_Finder())  # after the real finders: an installed flashinfer wins
+def install(packages: tuple[str, ...] = ("flashinfer",)) -> None:
+    covered = {p for f in sys.meta_path if isinstance(f, _Finder) for p in f.packages}
+    new = tuple(p for p in packages if p not in covered)
+    if new:
+        sys.meta_path.append(_Finder(new))  # after the real finders: an installed package wins
