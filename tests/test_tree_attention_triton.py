@@ -200,6 +200,27 @@ def _more_keys_than_the_kernel_takes():
         raise AssertionError(f"impl='triton' took {n} tree keys")
 
 
+SPLIT_CASES = {  # name: (bs, mask kind, n, H, r, d_rope, kwargs, prior?); r of 2+ column blocks, output split
+    "split_deepseek_row": (1, "tree", 8, 16, 512, 64, {}, False),
+    "split_random_masks_r128": (2, "random", 7, 4, 128, 16, {}, False),
+    "split_prior_e4m3_r128": (2, "tree", 9, 16, 128, 16, {"kv_dtype": FP8}, True),
+}
+
+
+def _split_output(name, args, kw, prior):
+    """A case with the output columns split over programs (the rule forced on: every grid counts as small)."""
+    from mla_fa3.ops import tree_attention_triton as tk
+
+    saved, tk.SPLIT_BELOW_PROGRAMS = tk.SPLIT_BELOW_PROGRAMS, 1 << 20
+    try:
+        bs, kind, n, H, r = args[:5]
+        m = n + 3 if kind == "random" else n
+        assert tk.out_splits_for(bs * -(-m * H // tk.block_m_for(H)), r, min(64, r)) > 1, name
+        (check_prior_against_oracle if prior else check_against_oracle)(*args, **kw)
+    finally:
+        tk.SPLIT_BELOW_PROGRAMS = saved
+
+
 def _interpreter_run() -> dict:
     checks = []
     for name, (bs, kind, n, H, r, dr, kw) in CASES.items():
@@ -212,6 +233,9 @@ def _interpreter_run() -> dict:
         for dt in (torch.float32, torch.float16):
             checks.append((f"{name}/{dt}",
                            lambda a=(bs, kind, n, H, r, dr, dt), kw=kw: check_prior_against_oracle(*a, **kw)))
+    for name, (bs, kind, n, H, r, dr, kw, prior) in SPLIT_CASES.items():
+        checks.append((f"{name}/{torch.float32}", lambda name=name, a=(bs, kind, n, H, r, dr, torch.float32), kw=kw,
+                       prior=prior: _split_output(name, a, kw, prior)))
     return run_cases(checks)
 
 
@@ -248,6 +272,43 @@ def test_triton_asked_for_on_the_cpu_is_a_named_error():
     with pytest.raises(KernelUnavailableError, match="tree attention"):
         ops.tree_attention(q_lat, q_rope, kv, key_slots, tree_masks("chain", 1, 3, 0), softmax_scale=0.3,
                            impl="triton")
+
+
+def test_output_split_rule_and_its_bad_values():
+    """``out_splits_for``: powers of two up to 4 within r's column blocks while the grid is small (never with the
+    threshold at 0); a bad ``out_splits`` is a named error before any launch."""
+    pytest.importorskip("triton")
+    from mla_fa3.ops import tree_attention_triton as tk
+
+    assert tk.out_splits_for(2, 512, 64) == (1 if tk.SPLIT_BELOW_PROGRAMS <= 2 else tk.out_splits_for(2, 512, 64))
+    saved, tk.SPLIT_BELOW_PROGRAMS = tk.SPLIT_BELOW_PROGRAMS, 64
+    try:
+        assert [tk.out_splits_for(p, 512, 64) for p in (2, 16, 20, 40, 64, 500)] == [4, 4, 4, 2, 1, 1]
+        assert tk.out_splits_for(2, 128, 64) == 2 and tk.out_splits_for(2, 32, 32) == 1
+    finally:
+        tk.SPLIT_BELOW_PROGRAMS = saved
+    q_lat, q_rope, kv, key_slots, _ = inputs(1, 3, 3, 2, 128, 16, torch.float32)
+    for bad in (0, 3, 4, True, 2.0):
+        with pytest.raises(ValueError, match="out_splits must be a power of two in \\[1, 2\\]"):
+            tk.tree_attention(q_lat, q_rope, kv, key_slots, tree_masks("chain", 1, 3, 0), softmax_scale=0.3,
+                              softcap=0.0, kv_scale=None, out_splits=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prior", [False, True])
+def test_split_output_is_bitwise_the_single_group_on_the_gpu(prior):
+    """Every output column group recomputes the same score tile: out and lse equal the unsplit launch's bit for bit
+    (16 heads, 8 draft tokens, bs 1: the small grid the split is for; bf16, DeepSeek's row)."""
+    from mla_fa3.ops import tree_attention_triton as tk
+
+    mask = tree_masks("tree", 1, 8, 3)
+    args = [x.cuda() for x in inputs(1, 8, 8, 16, 512, 64, torch.bfloat16, seed=3)[:4]] + [mask.cuda()]
+    g = torch.Generator().manual_seed(4)
+    state = (torch.randn(8, 16, 512, generator=g).bfloat16().cuda(), torch.randn(8, 16, generator=g).cuda())
+    runs = [tk.tree_attention(*args, softmax_scale=576 ** -0.5, softcap=0.0, kv_scale=None,
+                              prior=state if prior else None, out_splits=k) for k in (1, 2, 4, 8)]
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
 @pytest.mark.gpu

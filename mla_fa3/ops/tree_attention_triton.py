@@ -23,6 +23,11 @@ With a prior state (``prior=(o_P, lse_P)``: the prefix part, a disjoint key set)
 ln(e^lse_P + e^lse_T), P is scaled by e^(lse_T - lse) and each output chunk gains e^(lse_P - lse) · o_P before its
 one rounding — no separate merge kernel, no rounding of the tree part on its own.
 
+With ``out_splits`` > 1 the grid gains a third axis: each of a tile's programs computes the whole score tile again
+(the keys are an L2 hit) and writes only its group of ``r / out_splits`` output columns — more programs, each a
+shorter P·V loop, for the small grids of a tree step at bs 1 (16 heads, 8 draft tokens: two tiles). The LSE is
+written by group 0.
+
 The dots take q's dtype (an e4m3 key tile is converted to it in registers: exact for fp16 / bf16 / fp32) with fp32
 accumulation; fp32 inputs run them in IEEE fp32, not TF32. The probabilities enter P·V in q's dtype (as FA3 and
 FlashMLA round P to bf16). The key tile is loaded twice (scores, then P·V): the second load is an L2 hit. No host
@@ -48,9 +53,10 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, P
                            stride_plt, stride_plh,
                            R: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
-                           IEEE: tl.constexpr, PRIOR: tl.constexpr):
+                           IEEE: tl.constexpr, PRIOR: tl.constexpr, OUT_COLS: tl.constexpr):
     b = tl.program_id(0)
     mb = tl.program_id(1)
+    cs = tl.program_id(2)  # output column group: columns [cs·OUT_COLS, (cs + 1)·OUT_COLS) of r
     pairs = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     pair_ok = pairs < m * H
     i = pairs // H
@@ -112,13 +118,13 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, P
         inv = inv * (w_t * inv_tot)
         prior_w = w_p * inv_tot
         po_row = PriorO + t * stride_pot + h.to(tl.int64) * stride_poh
-    tl.store(Lse + t * stride_lt + h, lse, mask=pair_ok)
+    tl.store(Lse + t * stride_lt + h, lse, mask=pair_ok & (pairs * 0 + cs == 0))  # group 0 writes the lse
     if FP8:
         inv = inv * kv_scale
     p = (e * inv[:, None]).to(dt)
 
     o_row = Out + t * stride_ot + h.to(tl.int64) * stride_oh
-    for c0 in range(0, R, BLOCK_R):
+    for c0 in range(cs * OUT_COLS, tl.minimum(R, (cs + 1) * OUT_COLS), BLOCK_R):
         cols = c0 + tl.arange(0, BLOCK_R)
         col_ok = cols < R
         v = tl.load(kv_row[:, None] + cols[None, :], mask=seen[:, None] & col_ok[None, :], other=0.0).to(dt)
@@ -132,6 +138,21 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, P
         tl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=pair_ok[:, None] & col_ok[None, :])
 
 
+# the grid's programs below which the output columns are split (``out_splits_for``); 0: never. Not yet measured
+# against the single group on a GPU (``benchmarks/tree_attention.py --out-splits 1,2,4``): off until it is
+SPLIT_BELOW_PROGRAMS = 0
+
+
+def out_splits_for(programs: int, r: int, block_r: int) -> int:
+    """Output column groups for a grid of ``programs`` tiles: up to 4 (each a whole number of ``block_r`` columns)
+    while the grid has fewer than ``SPLIT_BELOW_PROGRAMS`` programs, else 1."""
+    chunks = triton.cdiv(r, block_r)
+    splits = 1
+    while splits < 4 and splits * 2 <= chunks and programs * splits < SPLIT_BELOW_PROGRAMS:
+        splits *= 2
+    return splits
+
+
 def block_m_for(heads: int) -> int:
     """(row, head) pairs per program: 128 from 128 heads up (two head tiles per query row would read its keys twice
     as often), else 64 — 4 rows of 16 heads, a row's 64 heads, or 32 rows of 2."""
@@ -140,9 +161,11 @@ def block_m_for(heads: int) -> int:
 
 def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor, mask: Tensor, *,
                    softmax_scale: float, softcap: float, kv_scale: Optional[Tensor],
-                   prior: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+                   prior: Optional[Tuple[Tensor, Tensor]] = None, out_splits: Optional[int] = None
+                   ) -> Tuple[Tensor, Tensor]:
     """Launch (arguments checked by ``ops.tree_attention``): returns (out [T, H, r] q's dtype, lse [T, H] float32),
-    merged with ``prior`` (o [T, H, r], lse [T, H] float32) when given."""
+    merged with ``prior`` (o [T, H, r], lse [T, H] float32) when given. ``out_splits``: output column groups (a
+    power of two, at most r's column blocks; None: ``out_splits_for`` the grid)."""
     bs, m, n = mask.shape
     T, H, r = q_lat.shape
     dr = q_rope.shape[2]
@@ -164,7 +187,16 @@ def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor,
     fp8 = kv_scale is not None
     scale_arg = kv_scale if fp8 else lse  # an unused pointer when not FP8
     po, pl = (out, lse) if prior is None else (prior_o, prior_lse)  # unused pointers without a prior
-    grid = (bs, triton.cdiv(m * H, block_m))
+    block_r = min(64, max(16, triton.next_power_of_2(r)))
+    tiles = bs * triton.cdiv(m * H, block_m)
+    if out_splits is None:
+        out_splits = out_splits_for(tiles, r, block_r)
+    chunks = triton.cdiv(r, block_r)
+    if isinstance(out_splits, bool) or not isinstance(out_splits, int) or not 1 <= out_splits <= chunks or \
+            out_splits & (out_splits - 1):
+        raise ValueError(f"out_splits must be a power of two in [1, {chunks}] (r = {r} in blocks of {block_r}), got "
+                         f"{out_splits!r}")
+    grid = (bs, triton.cdiv(m * H, block_m), out_splits)
     _tree_attention_kernel[grid](
         q_lat, q_rope, kv, slots, mask_c.view(torch.int8), out, lse, scale_arg, po, pl, m, H, n,
         float(softmax_scale), float(softcap),
@@ -172,7 +204,8 @@ def tree_attention(q_lat: Tensor, q_rope: Tensor, kv: Tensor, key_slots: Tensor,
         mask_c.stride(0), mask_c.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         po.stride(0), po.stride(1), pl.stride(0), pl.stride(1),
         R=r, DR=dr, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_R=min(64, max(16, triton.next_power_of_2(r))), BLOCK_DR=max(16, triton.next_power_of_2(dr)),
+        BLOCK_R=block_r, BLOCK_DR=max(16, triton.next_power_of_2(dr)),
         FP8=fp8, SOFTCAP=softcap > 0, IEEE=q_lat.dtype == torch.float32, PRIOR=prior is not None,
+        OUT_COLS=triton.cdiv(chunks, out_splits) * block_r,
         num_warps=8 if block_m == 128 else 4, num_stages=2)
     return out, lse
