@@ -54,8 +54,19 @@ def test_kit_target_verify_gpu(backend, graph, topk):
     run(TESTCASE, c, topk=topk, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16), ("mla_fa3", 2, 1), ("fa3", 2, 1),
-                                                    pytest.param("fa3", 1, 16, marks=_FA3_FAILS)])
+# The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. Its draft model
+# (hidden 64, vocab 64, random) is near-uniform: on the CPU its top-4 draft probabilities are one bf16 ulp apart
+# (relative gaps from 3.9e-3 = 2^-8), so a last-bit change of the attention output can reorder them. Eager and graph
+# steps round differently wherever FA3 plans its own splits (by the page table's width: the batch's in an eager step,
+# the whole context in a graph): our topk-2 page-1 case differed in 2 of 15 values on an H100 (2026-12-07), SGLang's
+# fa3 its page-16 case (above). test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split asserts the same case exactly
+# with FA3's splits pinned; tests/test_tree_steps_gpu.py holds the graph replay to the fp64 oracle.
+_ROUNDING = pytest.mark.xfail(strict=False, reason="eager and graph round differently (FA3's splits); the kit's "
+                              "near-uniform draft model turns one bf16 ulp into another token")
+
+
+@pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16), pytest.param("mla_fa3", 2, 1, marks=_ROUNDING),
+                                                    ("fa3", 2, 1), pytest.param("fa3", 1, 16, marks=_FA3_FAILS)])
 def test_kit_eagle_draft_gpu(backend, topk, page_size):
     """The kit's EAGLE multi-step draft under its CUDA-graph runner: the draft backend SGLang's DraftBackendFactory
     builds (for mla_fa3: ours, through the plugin's HookRegistry route), topk 1 (a chain) and 2 (branches). The kit
