@@ -280,9 +280,11 @@ def test_output_split_rule_and_its_bad_values():
     pytest.importorskip("triton")
     from mla_fa3.ops import tree_attention_triton as tk
 
-    assert tk.out_splits_for(2, 512, 64) == (1 if tk.SPLIT_BELOW_PROGRAMS <= 2 else tk.out_splits_for(2, 512, 64))
-    saved, tk.SPLIT_BELOW_PROGRAMS = tk.SPLIT_BELOW_PROGRAMS, 64
+    saved = tk.SPLIT_BELOW_PROGRAMS
     try:
+        tk.SPLIT_BELOW_PROGRAMS = 0
+        assert tk.out_splits_for(1, 512, 64) == 1
+        tk.SPLIT_BELOW_PROGRAMS = 64
         assert [tk.out_splits_for(p, 512, 64) for p in (2, 16, 20, 40, 64, 500)] == [4, 4, 4, 2, 1, 1]
         assert tk.out_splits_for(2, 128, 64) == 2 and tk.out_splits_for(2, 32, 32) == 1
     finally:
