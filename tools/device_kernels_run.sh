@@ -28,7 +28,9 @@ timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q $conftest -m gpu -p no:cachepr
 grep -E "passed|failed|error" $OUT/gpu_tests.txt | tail -6; grep -E "^FAILED|^ERROR" $OUT/gpu_tests.txt | head -20 | cut -c1-300
 # BENCH=1: both benchmarks below; BENCH=fp8: the e4m3 one alone; BENCH=0: none
 if [ "${BENCH:-1}" = 1 ]; then
-  [ "${TREE_BENCH:-0}" = 1 ] && timeout 60 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt 2>&1 | tail -9
+  # TREE_ARGS="--out-splits 1,2,4,8": the tree kernel's output split beside the single group
+  [ "${TREE_BENCH:-0}" = 1 ] && timeout 120 python3 benchmarks/tree_attention.py --out $OUT/tree_attention.txt \
+    ${TREE_ARGS:-} 2>&1 | tail -16
   # bf16: waves x (fp32 | bf16 partials), the combine a programmatic dependent (SPIKE_ARGS to narrow the shapes)
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/gluon_decode_spike.py --half --waves 0.5,1.0,2.0 ${SPIKE_ARGS:-} \
     --out $OUT/gluon_spike.csv > $OUT/gluon_bench.txt 2>&1
