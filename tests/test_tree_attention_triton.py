@@ -297,6 +297,21 @@ def test_output_split_rule_and_its_bad_values():
 
 
 @pytest.mark.gpu
+def test_tree_kernel_fp32_dots_are_ieee_on_the_gpu():
+    """fp32 inputs at DeepSeek's row: IEEE fp32 dots, within 1e-5 of the fp64 oracle (TF32 would be ~1e-3 off; the
+    interpreter cannot tell them apart)."""
+    mask = tree_masks("tree", 2, 16, 5)
+    q_lat, q_rope, kv, key_slots, _ = inputs(2, 16, 16, 16, 512, 64, torch.float32, seed=5)
+    scale = 576 ** -0.5
+    ref, ref_lse = oracle(q_lat, q_rope, kv, key_slots, mask, scale)
+    out, lse = ops.tree_attention(*[x.cuda() for x in (q_lat, q_rope, kv, key_slots, mask)], softmax_scale=scale,
+                                  impl="triton")
+    err = (out.cpu().double() - ref).abs().max().item()
+    assert err <= 1e-5 * max(ref.abs().max().item(), 1.0), f"fp32 out error {err:.3e}: not IEEE fp32 dots"
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= 1e-4 * max(1.0, ref_lse.abs().max().item())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prior", [False, True])
 def test_split_output_is_bitwise_the_single_group_on_the_gpu(prior):
     """Every output column group recomputes the same score tile: out and lse equal the unsplit launch's bit for bit
