@@ -120,17 +120,11 @@ def _captured(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _graph_us(fn, iters: int) -> float:
-    """Median replay time of ``fn`` captured alone in a CUDA graph, µs."""
-    return replay_us(_captured(fn), iters)
-
-
-def _kernel_table(fn, replays: int = 20) -> list[tuple[str, float, float]]:
-    """The GPU kernels of ``fn`` captured alone in a CUDA graph, from torch's profiler over ``replays`` replays:
-    (name, µs per replay, launches per replay), slowest first."""
+def _kernel_table(graph: torch.cuda.CUDAGraph, replays: int = 20) -> list[tuple[str, float, float]]:
+    """The GPU kernels of ``graph``, from torch's profiler over ``replays`` replays: (name, µs per replay, launches
+    per replay), slowest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = _captured(fn)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
@@ -171,11 +165,11 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
             graph.replay()
         torch.cuda.synchronize()
         us = replay_us(graph, iters)
-        meta_us = _graph_us(lambda: backend.init_forward_metadata_in_graph(fb), iters)
-        layer_us = _graph_us(step, iters)
-        if profile_meta:
-            for part, fn in (("meta", lambda: backend.init_forward_metadata_in_graph(fb)), ("layer", step)):
-                for kname, us_each, n in _kernel_table(fn):
+        parts = {"meta": _captured(lambda: backend.init_forward_metadata_in_graph(fb)), "layer": _captured(step)}
+        meta_us, layer_us = (replay_us(parts[part], iters) for part in ("meta", "layer"))
+        if profile_meta:  # the same two graphs
+            for part, part_graph in parts.items():
+                for kname, us_each, n in _kernel_table(part_graph):
                     print(f"  {name} {part}: {us_each:8.2f} us  x{n:g}  {kname[:110]}", flush=True)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
     return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)

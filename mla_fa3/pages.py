@@ -60,7 +60,8 @@ def gather_page_table(req_to_token: Tensor, rows: Tensor, num_tokens: Tensor, ma
     """
     device = req_to_token.device
     width = req_to_token.shape[1]
-    if first_col is None and max_pages <= -(-width // page_size) and ops.page_ids_kernel(device):
+    strided = first_col is None and max_pages <= -(-width // page_size)  # column j*p of each row, inside the table
+    if strided and ops.page_ids_kernel(device):
         if out is None:
             out = torch.empty(rows.shape[0], max_pages, dtype=torch.int32, device=device)
         return ops.gather_page_ids(req_to_token, rows, num_tokens, page_size, out)
@@ -70,8 +71,7 @@ def gather_page_table(req_to_token: Tensor, rows: Tensor, num_tokens: Tensor, ma
         j = (col_index[:max_pages] if col_index is not None
              else torch.arange(max_pages, dtype=torch.int64, device=device))
         offs = j * page_size
-    if first_col is None and max_pages <= -(-width // page_size):
-        # column j*p of each row: one index_select over the strided view (no index arithmetic)
+    if strided:  # one index_select over the strided view (no index arithmetic)
         values = torch.index_select(req_to_token[:, : max_pages * page_size: page_size], 0, rows)
     else:
         cols = offs.unsqueeze(0) if first_col is None else first_col.unsqueeze(1) + offs

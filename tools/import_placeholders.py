@@ -55,7 +55,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install(packages: tuple[str, ...] = ("flashinfer",)) -> None:
+def install(packages: tuple[str, ...]) -> None:
     covered = {p for f in sys.meta_path if isinstance(f, _Finder) for p in f.packages}
     new = tuple(p for p in packages if p not in covered)
     if new:
