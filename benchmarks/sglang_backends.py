@@ -158,7 +158,7 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
             backend.init_forward_metadata_in_graph(fb)
             step()
         host = []
-        for _ in range(5):
+        for _ in range(20):
             t0 = time.perf_counter()
             backend.init_forward_metadata_out_graph(fb)
             host.append(time.perf_counter() - t0)

@@ -8,6 +8,10 @@ apart, as SGLang's DeepSeek calls both) is captured in a CUDA graph and its repl
 keys through a per-token page table (its topk > 1 verify expands the pool's token slots as page ids).
 
     python benchmarks/sglang_tree_verify.py --out out/tree_verify.csv [--heads 16 128] [--bs 1 8 32] [--k 8 16 32 64]
+    python benchmarks/sglang_tree_verify.py --out out/split.csv --split-below 0 256 1024   # the output split's rule
+
+``--split-below N ...`` adds one tree row per N, backend ``mla_fa3 split<N``: the tree kernel's output split on below
+N programs (``ops.tree_attention_triton.SPLIT_BELOW_PROGRAMS``; the default row keeps the library's value).
 
 Columns: heads, bs, k, ctx, backend, shape (tree / chain), us, ratio_vs_fa3 (fa3's us for the same shape / this us: > 1
 is faster than fa3), max_diff_vs_fa3 (|out - fa3's out| on the same tree: both are bf16 attention of the same keys),
@@ -30,6 +34,7 @@ import torch  # noqa: E402
 
 from benchmarks.sglang_backends import sglang_ready  # noqa: E402
 from mla_fa3.bench.timing import time_graph  # noqa: E402
+from mla_fa3.ops import tree_attention_triton as tree_triton  # noqa: E402
 from tree_cases import ancestors_mask, random_tree  # noqa: E402
 
 R, D_ROPE = 512, 64
@@ -115,6 +120,13 @@ def _time(name, topk, fx, registry, iters):
     return us, out, kernel
 
 
+def _timed(name, topk, fx, registry, iters):
+    try:
+        return _time(name, topk, fx, registry, iters)
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
+        return float("nan"), None, f"error: {type(exc).__name__}: {exc}"[:200]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="CSV path")
@@ -124,6 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--smoke", action="store_true", help="CPU: one tiny shape through the plumbing, nothing timed")
+    p.add_argument("--split-below", type=int, nargs="*", default=[],
+                   help="also time the tree with the output split on below each of these program counts")
     args = p.parse_args(argv)
     if args.smoke:
         from tests.sglang_cpu_shim import prepare_sglang_import
@@ -147,10 +161,14 @@ def main(argv=None) -> int:
                 res = {}
                 for name, shape, topk in (("fa3", "tree", 2), ("mla_fa3", "tree", 2), ("fa3", "chain", 1),
                                           ("mla_fa3", "chain", 1)):
+                    res[(name, shape)] = _timed(name, topk, fx, ATTENTION_BACKENDS, args.iters)
+                for below in args.split_below:
+                    default, tree_triton.SPLIT_BELOW_PROGRAMS = tree_triton.SPLIT_BELOW_PROGRAMS, below
                     try:
-                        res[(name, shape)] = _time(name, topk, fx, ATTENTION_BACKENDS, args.iters)
-                    except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
-                        res[(name, shape)] = (float("nan"), None, f"error: {type(exc).__name__}: {exc}"[:200])
+                        res[(f"mla_fa3 split<{below}", "tree")] = _timed("mla_fa3", 2, fx, ATTENTION_BACKENDS,
+                                                                        args.iters)
+                    finally:
+                        tree_triton.SPLIT_BELOW_PROGRAMS = default
                 for (name, shape), (us, out, kernel) in res.items():
                     base_us, base_out, _ = res[("fa3", shape)]
                     diff = float("nan")

@@ -59,6 +59,7 @@ from mla_fa3 import absorb, absorb_tree, chunked_prefix, mha_fallback, ops
 from mla_fa3.backend_config import resolve_config
 from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
+from mla_fa3.graphs.capture import LengthSources, check_bound_lengths
 from mla_fa3.graphs.captured import CapturedGraphs, graph_shape
 from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
@@ -77,6 +78,7 @@ class _GraphEntry:
 
     plan: StepPlan
     reason: str
+    replay_plan: StepPlan | None = None  # lengths read on the device: the one plan every replay reuses
 
 
 class MLABackend:
@@ -302,7 +304,7 @@ class MLABackend:
                                "capture_cuda_graph / _replay_cuda_graph first)")
         if not self.device_metadata:
             raise RuntimeError("graph_prologue needs init_cuda_graph_state(..., device_metadata=True)")
-        self.builder.derive_tables(plan.metadata)
+        self.builder.derive_tables(plan.metadata, plan.length_sources)
         if plan.flashmla_schedule is not None:
             self.planner.schedules.replan_flashmla(plan.metadata, plan.flashmla_schedule)
         if plan.splitkv_schedule is not None:
@@ -313,7 +315,8 @@ class MLABackend:
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
                                                  num_draft_tokens: int = 1, kernel: DecodeKernel | None = None,
-                                                 tree_shape: tuple[int, int] | None = None):
+                                                 tree_shape: tuple[int, int] | None = None,
+                                                 lengths_from: LengthSources | None = None):
         """Plan a graph of ``bs`` requests in ``mode`` over views of the capture buffers; returns its metadata.
 
         ``kernel``: the absorbed kernel to record (one of :meth:`graph_kernels`); None chooses one for
@@ -322,6 +325,9 @@ class MLABackend:
         it; how ``graphs.runner.GraphRunner`` calls it). ``tree_shape`` (m, n): a tree step's graph (a static batch
         with a tree gives its shape), replayed only by batches whose tree has that shape. Call OUTSIDE ``torch.cuda.graph(...)``: it plans
         on the host (the kernel choice, the split-KV schedule) and allocates the captured FlashMLA schedule.
+        ``lengths_from``: a DECODE graph that reads its lengths and rows from these device tensors (the engine's
+        static inputs, rewritten before each replay: ``graphs.capture``), replayed by
+        :meth:`init_forward_metadata_replay_device_lengths` (needs :attr:`reads_lengths_on_device`).
         """
         batch = None
         if isinstance(bs, ForwardBatch):
@@ -334,6 +340,11 @@ class MLABackend:
         if kernel is not None and kernel not in self.graph_kernels():
             raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {self.graph_kernels()}")
         k = queries_per_request(mode, num_draft_tokens)
+        if lengths_from is not None:
+            if mode is not ForwardMode.DECODE or tree_shape is not None or not self.device_metadata:
+                raise ValueError("lengths_from: DECODE graphs with device metadata (init_cuda_graph_state("
+                                 f"device_metadata=True)) only, got {mode.name}")
+            lengths_from.check(self.builder.capture_buffers, bs)
         md = self.builder.capture(bs, mode, num_draft_tokens=k, tree_shape=tree_shape)
         k = graph_shape(k, tree_shape)
         if kernel is None:
@@ -342,6 +353,7 @@ class MLABackend:
             reason = f"{kernel.value} graph"
         plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
         plan.prologue_pending = self.device_metadata
+        plan.length_sources = lengths_from
         self._graphs.add(mode, bs, k, kernel, _GraphEntry(plan, reason))
         self.graph_kernel = kernel
         self.step_plan = plan
@@ -367,6 +379,9 @@ class MLABackend:
             if kernel not in kernels:
                 kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
         entry = self._graphs.get(mode, bs, k, kernel)
+        if entry.plan.length_sources is not None:
+            raise ValueError(f"the {mode.name} graph of bs {bs} reads its lengths on the device (captured with "
+                             "lengths_from): replay it with init_forward_metadata_replay_device_lengths")
         md = entry.plan.metadata
         self.step_plan = None  # a failed update leaves no stale plan behind
         self.builder.replay(batch, md)
@@ -387,6 +402,62 @@ class MLABackend:
         plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
         self.step_plan = plan
         return md
+
+    @property
+    def reads_lengths_on_device(self) -> bool:
+        """Whether a DECODE capture may take ``lengths_from`` (device metadata over device-derived page tables)."""
+        buf = self.builder.capture_buffers
+        return self.device_metadata and buf is not None and buf.device_tables
+
+    def init_forward_metadata_replay_device_lengths(self, bs: int, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
+                                                    req_pool_indices: torch.Tensor, *,
+                                                    num_requests: int | None = None) -> AttentionMetadata:
+        """The replay update of the DECODE graph of ``bs`` captured with ``lengths_from``: host checks of
+        ``seq_lens_cpu`` ([bs], padding included) and the kernel's choice among those captured for ``bs`` (from the
+        first ``num_requests`` live lengths); nothing is staged, copied or launched when ``seq_lens`` /
+        ``req_pool_indices`` are the tensors the graph was captured with (SGLang's runner). Other tensors (a caller
+        that rebuilds its batch) have their values copied into those, two device copies. Returns the metadata."""
+        mode = ForwardMode.DECODE
+        bs, kernels = self._graphs.kernels_for(mode, 1, bs, bs)
+        kernel, why = kernels[0], None
+        n = bs if num_requests is None else num_requests
+        if len(kernels) > 1 and n:
+            live = seq_lens_cpu[:n]
+            kernel, why = self.planner.kernel_choice.choose_decode_kernel(n, int(live.max()), float(live.sum()) / n)
+            if kernel not in kernels:
+                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
+        entry = self._graphs.get(mode, bs, 1, kernel)
+        sources = entry.plan.length_sources
+        if sources is None:
+            raise ValueError(f"the DECODE graph of bs {bs} was captured without lengths_from: replay it with "
+                             "init_forward_metadata_replay_cuda_graph")
+        self.step_plan = None
+        check_bound_lengths(self.builder.capture_buffers, bs, seq_lens_cpu)
+        if not sources.same_as(seq_lens, req_pool_indices):
+            for name, src, dst in (("seq_lens", seq_lens, sources.seq_lens),
+                                   ("req_pool_indices", req_pool_indices, sources.req_pool_indices)):
+                if src.shape != dst.shape or src.device != dst.device:
+                    raise ValueError(f"{name} must be [{bs}] on {dst.device} (the graph's batch), got "
+                                     f"{tuple(src.shape)} on {src.device}")
+            sources.seq_lens.copy_(seq_lens)
+            sources.req_pool_indices.copy_(req_pool_indices)
+        plan = entry.replay_plan
+        if plan is None or why is not None:
+            plan = self.planner.decode_plan(None, entry.plan.metadata, kernel, f"{why or entry.reason} (replay of bs "
+                                            f"{bs}; lengths read on the device)", graph=True,
+                                            schedule=_captured_schedule(entry.plan))
+            plan.length_sources = sources
+            if why is None:
+                entry.replay_plan = plan
+        self.graph_kernel = kernel
+        plan.prologue_pending = True  # the graph's prologue derives the lengths; an eager run must call it
+        self.step_plan = plan
+        return plan.metadata
+
+
+def _captured_schedule(plan: StepPlan):
+    """The kernel schedule a captured graph's plan holds (re-planned on the device by its prologue), or None."""
+    return next((s for s in (plan.flashmla_schedule, plan.splitkv_schedule, plan.fa3_schedule) if s is not None), None)
 
 
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:

@@ -44,8 +44,8 @@ from mla_fa3.batch_checks import BatchChecks, new_tokens_cpu
 from mla_fa3.host import to_device
 from mla_fa3.kv.req_to_token import ReqToTokenPool
 from mla_fa3.kv.pools import check_page_size, same_device
-from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, capture_views, derive_tables,
-                                   replay_into)
+from mla_fa3.graphs.capture import (DEVICE_TABLES_MAX_ENTRIES, CaptureBuffers, LengthSources, capture_views,
+                                   derive_lengths, derive_tables, replay_into)
 from mla_fa3.graphs.tree_buffers import TreeBuffers
 from mla_fa3.pages import cumsum_padded, gather_page_table, local_layout
 from mla_fa3.tree import DraftTreeError, TreeMetadata, tree_key_slots
@@ -246,13 +246,16 @@ class MetadataBuilder:
             device_tables=device_tables)
         return self.capture_buffers
 
-    def derive_tables(self, metadata: AttentionMetadata) -> None:
+    def derive_tables(self, metadata: AttentionMetadata, sources: LengthSources | None = None) -> None:
         """The device half of a replay with device tables: ``metadata.page_table`` from the staged rows
-        and lengths (tensor ops on fixed shapes; graph-legal). A no-op when the page table is written at
+        and lengths (tensor ops on fixed shapes; graph-legal) — or, with ``sources``, the lengths and rows
+        first derived from them (``graphs.capture.derive_lengths``). A no-op when the page table is written at
         replay (buffers without ``device_tables``)."""
         buf = self._buffers()
         if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
             raise ValueError("metadata must come from MetadataBuilder.capture")
+        if sources is not None:
+            derive_lengths(buf, metadata.batch_size, sources)
         if buf.device_tables:
             derive_tables(buf, metadata.batch_size, self.req_to_token)
 

@@ -45,6 +45,7 @@ import torch
 
 from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch
+from mla_fa3.graphs.capture import LengthSources
 from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
@@ -115,6 +116,7 @@ class StepPlan:
     graph_bs: int | None = None  # a CUDA-graph step: its captured size
     static_batch: ForwardBatch | None = None  # a replayed graph step: the static batch it was captured with
     prologue_pending: bool = False  # device metadata: the graph prologue has not run for this plan yet
+    length_sources: LengthSources | None = None  # a DECODE graph reading its lengths on the device (graphs.capture)
     _seen: list[ForwardBatch] = field(default_factory=list, repr=False)  # batches already matched
 
     def route(self, layer: AttentionLayer) -> tuple[AttentionPath, DecodeKernel]:

@@ -37,6 +37,14 @@ CUDA graph captures: a replay then costs one host->device copy in all (``GraphRu
 every graph, before the layers). The whole-width gather costs ``bs * ceil(max_context / p)`` entries of
 GPU work per replay instead of host launches (:data:`DEVICE_TABLES_MAX_ENTRIES` bounds it).
 
+Lengths read on the device (``LengthSources``; DECODE graphs over device tables): an engine that keeps its own
+static input buffers — SGLang's CUDA-graph runner rewrites ``seq_lens`` and ``req_pool_indices`` of the padded batch
+in place before every replay, padding rows with length 1 at row 0 — hands them over at capture, and the graph's
+prologue derives ``cache_seqlens``, ``cu_seqlens_k``, ``req_rows`` and ``table_lens`` from them
+(:func:`derive_lengths`, five tensor ops on fixed shapes) before the page table. A replay update is then host checks
+alone (:func:`check_bound_lengths`): no staging, no copy, no launch. Padding rows keep the engine's values (one key
+of its row 0: a slot of the pool, read and discarded).
+
 A mismatching batch (mode, ``k``, size, context, encoder presence) raises ValueError before any write.
 """
 
@@ -51,7 +59,8 @@ from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.checks import check_int
 from mla_fa3.pages import gather_page_table, local_layout_np, max_local_rows
 
-__all__ = ["CaptureBuffers", "DEVICE_TABLES_MAX_ENTRIES", "capture_views", "derive_tables", "replay_into"]
+__all__ = ["CaptureBuffers", "DEVICE_TABLES_MAX_ENTRIES", "LengthSources", "capture_views", "check_bound_lengths",
+           "derive_lengths", "derive_tables", "replay_into"]
 
 # a device-derived page table is gathered whole-width at every replay: at most this many entries
 # (max_bs * pages of max_context), 4 MB of int32 — e.g. 128 requests x 512k tokens at page 64
@@ -269,6 +278,58 @@ def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor) -> None:
         raise ValueError("derive_tables needs buffers allocated with device_tables=True")
     gather_page_table(req_to_token, buf.req_rows[:bs], buf.table_lens[:bs], buf.page_table.shape[1], buf.page_size,
                       col_offsets=buf.col_offsets, out=buf.page_table[:bs])
+
+
+@dataclass(frozen=True)
+class LengthSources:
+    """The device tensors a captured DECODE graph reads its lengths from: the engine's static inputs ``[:bs]``,
+    which it rewrites in place before every replay (see the module doc)."""
+
+    seq_lens: Tensor  # [bs] int32 / int64, device: KV tokens of each request after this step (padding: >= 1)
+    req_pool_indices: Tensor  # [bs] int32 / int64, device: its req_to_token row (padding: any held row, e.g. 0)
+
+    def check(self, buf: CaptureBuffers, bs: int) -> None:
+        """ValueError / TypeError naming the field unless both are [bs] integer tensors on the buffers' device and
+        the buffers derive their page table on the device."""
+        if not buf.device_tables:
+            raise ValueError("lengths read on the device need capture buffers with device_tables=True (the page "
+                             "table is then derived in the graph too)")
+        for name in ("seq_lens", "req_pool_indices"):
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be an int32 / int64 tensor, got "
+                                f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+            if tuple(t.shape) != (bs,) or t.device != buf.packed.device:
+                raise ValueError(f"{name} must be [{bs}] on {buf.packed.device} (the graph's batch), got "
+                                 f"{tuple(t.shape)} on {t.device}")
+
+    def same_as(self, seq_lens: Tensor, req_pool_indices: Tensor) -> bool:
+        """Whether the two tensors are these (same storage, offset and shape): what a replay must pass."""
+        return all(a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   for a, b in ((self.seq_lens, seq_lens), (self.req_pool_indices, req_pool_indices)))
+
+
+def derive_lengths(buf: CaptureBuffers, bs: int, sources: LengthSources) -> None:
+    """``cache_seqlens[:bs]``, ``cu_seqlens_k[:bs + 1]``, ``req_rows[:bs]`` and ``table_lens[:bs]`` from
+    ``sources`` (tensor ops on fixed shapes, no host value: what a DECODE graph captured with sources runs first)."""
+    lens = buf.cache_seqlens[:bs]
+    lens.copy_(sources.seq_lens)
+    torch.cumsum(lens, 0, dtype=torch.int32, out=buf.cu_seqlens_k[1: bs + 1])
+    buf.req_rows[:bs].copy_(sources.req_pool_indices)
+    buf.table_lens[:bs].copy_(lens)
+
+
+def check_bound_lengths(buf: CaptureBuffers, bs: int, seq_lens_cpu: Tensor) -> None:
+    """The replay update of a graph reading its lengths on the device: the engine's host copy of them
+    (``seq_lens_cpu`` [bs], padding included) within ``[1, max_context]``; ValueError otherwise, nothing run."""
+    if not isinstance(seq_lens_cpu, Tensor) or seq_lens_cpu.device.type != "cpu" or tuple(seq_lens_cpu.shape) != (bs,):
+        got = (tuple(seq_lens_cpu.shape), str(seq_lens_cpu.device)) if isinstance(seq_lens_cpu, Tensor) else \
+            type(seq_lens_cpu).__name__
+        raise ValueError(f"seq_lens_cpu must be a [{bs}] CPU tensor (the padded batch's host lengths), got {got}")
+    v = seq_lens_cpu.numpy()
+    if v.min() < 1 or v.max() > buf.max_context:
+        raise ValueError(f"seq_lens must be in [1, {buf.max_context}] (the captured max_context), got "
+                         f"{seq_lens_cpu.tolist()}")
 
 
 def _stage_lengths(s: np.ndarray, lens_region: tuple[int, int], cu_region: tuple[int, int],

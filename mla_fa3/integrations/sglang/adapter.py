@@ -20,7 +20,10 @@ The step is planned once, before the first layer: ``init_forward_metadata`` conv
 CUDA graphs follow SGLang's protocol: ``init_cuda_graph_state`` allocates our capture buffers once,
 ``init_forward_metadata_out_graph(fb, in_capture=True)`` plans the graph of ``fb.batch_size`` requests and
 ``init_forward_metadata_out_graph(fb)`` before each replay rewrites them in place (host work and copies only; the
-page table and the kernel's schedule are re-planned on the device from the live lengths).
+page table and the kernel's schedule are re-planned on the device from the live lengths). A DECODE graph reads its
+lengths and request rows on the device from SGLang's own static ``seq_lens`` / ``req_pool_indices`` (the runner
+rewrites them before each replay; ``graphs.capture.LengthSources``), so its replay update is host checks of
+``seq_lens_cpu`` alone: no ForwardBatch conversion, no copy, no launch.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): SGLang's pool stores e4m3 codes as uint8 with scale 1 (its writer ignores
 ``k_scale``), so the adapter reads it with descale 1 on FlashMLA FP8 or split-KV, in place; prefill takes the MHA
@@ -39,7 +42,8 @@ from sglang.srt.speculative.eagle_utils import TreeMaskMode
 from mla_fa3 import absorb, absorb_tree, ops
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
-from mla_fa3.integrations.sglang.convert import UnsupportedStepError, to_mla_batch
+from mla_fa3.graphs.capture import LengthSources
+from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32, to_mla_batch
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
@@ -91,6 +95,8 @@ class SGLangMLABackend(AttentionBackend):
             self._verify_mask = VerifyMask(buffer=torch.ones(rows * k * k, dtype=torch.bool, device=self.device),
                                            mode=TreeMaskMode.QLEN_ONLY, max_bs=rows, is_read=True)
         self._layers: dict[int, AttentionLayer] = {}
+        self._device_lengths: dict[int, ForwardBatch] = {}  # bs -> the converted capture batch of a DECODE graph
+        #   reading its lengths on the device (replayed by _replay_device_lengths)
         self._step: tuple[ForwardBatch, AttentionMetadata | None] | None = None  # (our batch, its metadata)
 
     # ------------------------------------------------------------------------------ per step
@@ -117,6 +123,7 @@ class SGLangMLABackend(AttentionBackend):
         (:meth:`init_forward_metadata_in_graph`), so a replay's host update is one host->device copy and checks."""
         self.backend.init_cuda_graph_state(max_bs, self.max_context,
                                            max_num_draft_tokens=max(self.num_draft_tokens, 1), device_metadata=True)
+        self._device_lengths.clear()
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """The graph-recordable half of a captured step (SGLang runs it inside ``graph.capture()``; each replay
@@ -131,6 +138,8 @@ class SGLangMLABackend(AttentionBackend):
         only replay reaches here otherwise: eager steps call :meth:`init_forward_metadata`): rewrite them for the
         live, padded batch and re-plan the kernel's schedule from its lengths."""
         self._step = None
+        if not in_capture and self._replay_device_lengths(forward_batch):
+            return
         batch = self._convert(forward_batch)
         mode = batch.forward_mode
         if mode.is_idle():  # a data-parallel rank with nothing this step: no kernel reads the metadata
@@ -142,12 +151,35 @@ class SGLangMLABackend(AttentionBackend):
                                        "TARGET_VERIFY and DRAFT_EXTEND_V2's fixed window are); disable prefill CUDA "
                                        "graphs")
         if in_capture:
+            bs = batch.batch_size
+            sources = None
+            if _plain_decode(forward_batch) and self.backend.reads_lengths_on_device:
+                sources = LengthSources(forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs])
             md = self.backend.init_forward_metadata_capture_cuda_graph(
-                batch.batch_size, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
-                tree_shape=None if batch.tree is None else batch.tree.shape)
+                bs, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
+                tree_shape=None if batch.tree is None else batch.tree.shape, lengths_from=sources)
+            self._device_lengths.pop(bs, None)
+            if sources is not None:
+                self._device_lengths[bs] = batch
         else:
             md = self.backend.init_forward_metadata_replay_cuda_graph(batch, bs=batch.batch_size)
         self._step = (batch, md)
+
+    def _replay_device_lengths(self, fb) -> bool:
+        """The replay update of a DECODE graph that reads its lengths on the device (captured so): host checks of
+        ``seq_lens_cpu`` and the kernel's choice; False (nothing done) for every other replay."""
+        bs = int(fb.batch_size)
+        captured = self._device_lengths.get(bs)
+        if captured is None or not _plain_decode(fb):
+            return False
+        seq_cpu = fb.seq_lens_cpu
+        if not isinstance(seq_cpu, torch.Tensor) or seq_cpu.device.type != "cpu":
+            seq_cpu = host_int32(seq_cpu, "seq_lens_cpu", bs)  # a list, or None / a device tensor: a named error
+        padding = int(getattr(fb, "num_padding", 0) or 0)
+        md = self.backend.init_forward_metadata_replay_device_lengths(
+            bs, seq_cpu[:bs], fb.seq_lens[:bs], fb.req_pool_indices[:bs], num_requests=bs - padding)
+        self._step = (captured, md)
+        return True
 
     def _convert(self, forward_batch) -> ForwardBatch:
         return to_mla_batch(forward_batch, device=self.device, num_draft_tokens=self.num_draft_tokens,
@@ -268,6 +300,11 @@ class SGLangMLABackend(AttentionBackend):
                                             sliding_window=_window(layer))
             self._layers[lid] = ours
         return ours
+
+
+def _plain_decode(fb) -> bool:
+    """A target model's DECODE batch (no speculative ``spec_info``): the graphs that read their lengths on the device."""
+    return getattr(fb.forward_mode, "name", None) == "DECODE" and getattr(fb, "spec_info", None) is None
 
 
 def _is_mha_call(fb) -> bool:

@@ -1,0 +1,250 @@
+"""A DECODE graph that reads its lengths on the device from SGLang's static inputs (``graphs.capture.LengthSources``).
+
+SGLang's CUDA-graph runner keeps ``seq_lens`` / ``req_pool_indices`` / ``seq_lens_cpu`` buffers, rewrites them in place
+before every replay (padding rows: length 1, row 0) and hands the backend views ``[:bs]`` of the same buffers at
+capture and at each replay (``decode_cuda_graph_runner.build_replay_fb_view``). Emulated here on the CPU with the
+kit's pools: replays of other lengths and live counts give the fp64 attention over each request's keys, the update
+before each replay runs no tensor op beyond views, and what does not fit is refused by name before anything runs.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.oracle import dense_attention
+from tests.sglang_world import (D_ROPE, R, ForwardContext, SGLangMode, case, check_close, forward_context,
+                                kit_fixture, needs_sglang, prefix_latents)
+
+pytestmark = needs_sglang
+
+BS = 4  # the captured size
+VIEWS = ("aten.slice.", "aten.detach.", "aten.view.", "aten.alias.")  # no data moved, no kernel
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Runner:
+    """SGLang's decode graph runner's static inputs for ``BS`` requests and its replay view of them."""
+
+    def __init__(self, fx):
+        self.fx = fx
+        dev = fx.runner.device
+        self.seq_lens = torch.ones(BS, dtype=torch.int32, device=dev)
+        self.seq_lens_cpu = torch.ones(BS, dtype=torch.int32)
+        self.req_pool_indices = torch.zeros(BS, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(BS, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(BS, dtype=torch.int64, device=dev)
+        # each request's latent rows as the steps leave them (a step stores its new row at column s - 1)
+        rows = fx.forward_batch.req_pool_indices.tolist()
+        width = fx.runner.req_to_token_pool.req_to_token.shape[1]
+        self.latents = {r: tuple(torch.cat([t.cpu(), t.new_zeros(width - t.shape[0], t.shape[1], device="cpu")])
+                                 for t in lat) for r, lat in zip(rows, prefix_latents(fx))}
+
+    def fill(self, rows: list[int], seqs: list[int]) -> None:
+        """``fill_from``: the live rows first, the padded tail reset (length 1, row 0, slot 0)."""
+        n = len(rows)
+        req_to_token = self.fx.runner.req_to_token_pool.req_to_token
+        for buf in (self.seq_lens, self.seq_lens_cpu):
+            buf.fill_(1)
+            buf[:n] = torch.tensor(seqs, dtype=torch.int32)
+        self.req_pool_indices.zero_()
+        self.req_pool_indices[:n] = torch.tensor(rows)
+        self.out_cache_loc.zero_()
+        self.out_cache_loc[:n] = torch.stack([req_to_token[r, s - 1].long() for r, s in zip(rows, seqs)])
+        self.positions.zero_()
+        self.positions[:n] = torch.tensor(seqs) - 1
+        self.num_padding = BS - n
+
+    def view(self, **changes):
+        fb = dict(batch_size=BS, forward_mode=SGLangMode.DECODE, actual_forward_mode=SGLangMode.DECODE,
+                  req_pool_indices=self.req_pool_indices[:BS], seq_lens=self.seq_lens[:BS],
+                  seq_lens_cpu=self.seq_lens_cpu[:BS], seq_lens_sum=int(self.seq_lens_cpu.sum()),
+                  out_cache_loc=self.out_cache_loc[:BS], positions=self.positions[:BS], encoder_lens=None,
+                  num_padding=getattr(self, "num_padding", 0), spec_info=None)
+        return SimpleNamespace(**{**fb, **changes})
+
+
+def _captured(c=None, **kw):
+    fx = kit_fixture(c or case("DECODE", prefix_lens=(40, 17, 64), page_size=16, name="device_lengths"),
+                     runner_batch_size=BS, **kw)
+    runner = _Runner(fx)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_cuda_graph_state(max_bs=BS, max_num_tokens=BS)
+        fx.backend.init_forward_metadata_out_graph(runner.view(), in_capture=True)
+        fx.backend.init_forward_metadata_in_graph(runner.view())
+    return fx, runner
+
+
+def _inputs(fx, seed):
+    """(q_lat [BS, H, r], q_rope [BS, H, d_rope], c_kv [BS, 1, r], k_rope [BS, 1, d_rope]) bf16 on the fixture's device."""
+    g, H = torch.Generator().manual_seed(seed), fx.case.num_heads
+    shapes = ((BS, H, R), (BS, H, D_ROPE), (BS, 1, R), (BS, 1, D_ROPE))
+    return tuple(torch.randn(*s, generator=g).to(fx.runner.device, torch.bfloat16) for s in shapes)
+
+
+def _layer_call(fx, fb, inputs):
+    q_lat, q_rope, c_kv, k_rope = inputs
+    H = fx.case.num_heads
+    return fx.actual_module.attn_mqa(q_lat.reshape(BS, H * R), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
+
+
+def _step(fx, runner, fb, seed):
+    """The graph's step for the runner's current inputs, run eagerly after the replay update (the in-graph half,
+    then the layer); returns (out [BS, H, r], the live rows' fp64 oracle, tolerance)."""
+    inputs = _inputs(fx, seed)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_forward_metadata_in_graph(fb)
+        out = _layer_call(fx, fb, inputs)
+    return (out.reshape(BS, fx.case.num_heads, R)[: BS - runner.num_padding].cpu().double(),
+            *_oracle(fx, runner, inputs))
+
+
+def _oracle(fx, runner, inputs):
+    """The live rows' fp64 attention over their keys as the step leaves them, and its tolerance (bf16 output)."""
+    q_lat, q_rope, c_kv, k_rope = (t.cpu() for t in inputs)
+    layer = fx.actual_module.attn_mqa
+    oracle = []
+    n = BS - runner.num_padding
+    for b in range(n):
+        pc, pr = runner.latents[int(runner.req_pool_indices[b])]
+        s = int(runner.seq_lens_cpu[b])
+        pc[s - 1], pr[s - 1] = c_kv[b, 0], k_rope[b, 0]  # the step stored its new row in the request's column s - 1
+        keys_c, keys_r = pc[:s].double(), pr[:s].double()
+        o, _ = dense_attention(q_rope[b: b + 1], keys_r[:, None], keys_c[:, None], qv=q_lat[b: b + 1],
+                               scale=layer.scaling, causal=True)
+        oracle.append(o)
+    oracle = torch.cat(oracle)
+    rounding = (oracle.to(torch.bfloat16).double() - oracle).abs().max().item()
+    return oracle, 2 * rounding + 1e-5
+
+
+def test_replays_read_the_runners_rewritten_buffers():
+    """Live counts and lengths change between replays; the runner rewrites its buffers in place, the update before
+    each replay runs no tensor op (views only), and the step attends over exactly each live request's keys."""
+    fx, runner = _captured()
+    rows = fx.forward_batch.req_pool_indices.tolist()
+    full = [p + 1 for p in fx.case.prefix_lens]  # each request's prefix, then the new token
+    for i, seqs in enumerate([full, [9, full[1]], [1, 5, 33], [full[2]]]):
+        runner.fill(rows[: len(seqs)] if i != 3 else [rows[2]], seqs)
+        fb = runner.view()
+        with _Ops() as seen:
+            fx.backend.init_forward_metadata_out_graph(fb)
+        assert [op for op in seen.ops if not op.startswith(VIEWS)] == [], seen.ops
+        check_close(*_step(fx, runner, fb, seed=i))
+        assert "lengths read on the device" in fx.backend.explain().reason
+        _check_metadata(fx, runner)
+
+
+def _check_metadata(fx, runner):
+    """The metadata the graph's layers read, against the runner's buffers and SGLang's req_to_token, brute force."""
+    md, p = fx.backend.forward_metadata, fx.runner.page_size
+    req_to_token = fx.runner.req_to_token_pool.req_to_token
+    seqs, rows = runner.seq_lens.tolist(), runner.req_pool_indices.tolist()
+    assert md.cache_seqlens.tolist() == seqs
+    assert md.cu_seqlens_k.tolist() == [sum(seqs[:b]) for b in range(BS + 1)]
+    for b, (row, s) in enumerate(zip(rows, seqs)):
+        pages = -(-s // p)
+        assert md.page_table[b, :pages].tolist() == [int(req_to_token[row, j * p]) // p for j in range(pages)]
+
+
+def test_a_rebuilt_batch_is_copied_into_the_captured_buffers():
+    """A caller that hands other tensors at replay than at capture (the kit's graph runner builds a new batch): their
+    values land in the captured ones, which the graph reads, and the answer is the same."""
+    fx, runner = _captured()
+    rows = fx.forward_batch.req_pool_indices.tolist()
+    runner.fill(rows[:2], [12, 18])
+    fb = runner.view(seq_lens=runner.seq_lens.clone(), req_pool_indices=runner.req_pool_indices.int())
+    captured = runner.seq_lens.clone()
+    runner.seq_lens.fill_(1)  # stale: the copy must bring the replay's values in
+    fx.backend.init_forward_metadata_out_graph(fb)
+    assert torch.equal(runner.seq_lens, captured)
+    check_close(*_step(fx, runner, fb, seed=7))
+
+
+def test_what_does_not_fit_is_refused_before_anything_runs():
+    fx, runner = _captured()
+    rows = fx.forward_batch.req_pool_indices.tolist()
+    runner.fill(rows[:1], [5])
+    runner.seq_lens_cpu[0] = runner.seq_lens[0] = fx.runner.req_to_token_pool.req_to_token.shape[1] + 1
+    with pytest.raises(ValueError, match="max_context"):
+        fx.backend.init_forward_metadata_out_graph(runner.view())
+    runner.fill(rows[:1], [5])
+    runner.seq_lens_cpu[0] = 0
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1"):
+        fx.backend.init_forward_metadata_out_graph(runner.view())
+    runner.fill(rows[:1], [5])
+    with pytest.raises(ValueError, match="seq_lens_cpu is None"):
+        fx.backend.init_forward_metadata_out_graph(runner.view(seq_lens_cpu=None))
+    with pytest.raises(ValueError, match=r"seq_lens must be \[4\]"):
+        fx.backend.init_forward_metadata_out_graph(runner.view(seq_lens=runner.seq_lens[:3].clone()))
+    assert fx.backend.forward_metadata is None  # a refused update leaves no step behind
+    # the graph reads its lengths on the device: the host-staged replay would be ignored by it, so it is refused
+    ours = fx.backend.backend
+    batch = fx.backend._device_lengths[BS]
+    with pytest.raises(ValueError, match="init_forward_metadata_replay_device_lengths"):
+        ours.init_forward_metadata_replay_cuda_graph(batch, bs=BS)
+
+
+def test_only_decode_graphs_over_device_tables_read_lengths_on_the_device():
+    from mla_fa3.batch import ForwardMode
+    from mla_fa3.graphs.capture import LengthSources
+
+    fx, runner = _captured()
+    ours = fx.backend.backend
+    assert ours.reads_lengths_on_device
+    src = LengthSources(runner.seq_lens[:2], runner.req_pool_indices[:2])
+    with pytest.raises(ValueError, match="DECODE graphs"):
+        ours.init_forward_metadata_capture_cuda_graph(2, ForwardMode.TARGET_VERIFY, num_draft_tokens=1,
+                                                      lengths_from=src)
+    with pytest.raises(ValueError, match=r"seq_lens must be \[3\]"):
+        ours.init_forward_metadata_capture_cuda_graph(3, ForwardMode.DECODE, lengths_from=src)
+    with pytest.raises(TypeError, match="req_pool_indices must be an int32 / int64"):
+        ours.init_forward_metadata_capture_cuda_graph(
+            2, ForwardMode.DECODE, lengths_from=LengthSources(runner.seq_lens[:2], runner.seq_lens[:2].float()))
+    ours.init_forward_metadata_capture_cuda_graph(2, ForwardMode.DECODE)  # captured without: host replays only
+    with pytest.raises(ValueError, match="captured without lengths_from"):
+        ours.init_forward_metadata_replay_device_lengths(2, runner.seq_lens_cpu[:2], runner.seq_lens[:2],
+                                                         runner.req_pool_indices[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_real_cuda_graph_reads_the_runners_buffers(page):
+    """The same under a real torch.cuda.graph (FA3 / FlashMLA / split-KV, as the adapter picks): one capture at bs 4
+    over the runner's buffers, replays of other live counts and lengths rewritten in place, nothing else done."""
+    c = case("DECODE", prefix_lens=(100, 37, 64), page_size=page, num_heads=16, name=f"device_lengths_{page}")
+    fx, runner = _captured(c, device="cuda", max_context_len=256)
+    rows = fx.forward_batch.req_pool_indices.tolist()
+    full = [p + 1 for p in c.prefix_lens]
+    static = _inputs(fx, seed=0)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_forward_metadata_in_graph(runner.view())
+        _layer_call(fx, runner.view(), static)  # warm-up (Triton compiles, FA3 loads); writes the padding slot 0
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fx.backend.init_forward_metadata_in_graph(runner.view())
+            out = _layer_call(fx, runner.view(), static)
+        for i, (live, seqs) in enumerate([(rows, full), (rows[:2], [9, full[1]]), ([rows[2]], [full[2]]),
+                                          (rows, [1, 20, 65])]):
+            runner.fill(live, seqs)
+            fx.backend.init_forward_metadata_out_graph(runner.view())
+            step = _inputs(fx, seed=i + 1)
+            for dst, src in zip(static, step):
+                dst.copy_(src)
+            graph.replay()
+            got = out.reshape(BS, c.num_heads, R)[: len(live)].cpu().double()
+            check_close(got, *_oracle(fx, runner, step))
