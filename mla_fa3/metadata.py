@@ -248,8 +248,8 @@ class MetadataBuilder:
 
     def derive_tables(self, metadata: AttentionMetadata, sources: LengthSources | None = None) -> None:
         """The device half of a replay with device tables: ``metadata.page_table`` from the staged rows
-        and lengths (tensor ops on fixed shapes; graph-legal) — or, with ``sources``, the lengths and rows
-        first derived from them (``graphs.capture.derive_lengths``). A no-op when the page table is written at
+        and lengths (tensor ops on fixed shapes; graph-legal) — or, with ``sources``, the lengths first derived
+        from them (``graphs.capture.derive_lengths``) and the rows read from them. A no-op when the page table is written at
         replay (buffers without ``device_tables``)."""
         buf = self._buffers()
         if not isinstance(metadata, AttentionMetadata) or not metadata.is_capture:
@@ -257,7 +257,7 @@ class MetadataBuilder:
         if sources is not None:
             derive_lengths(buf, metadata.batch_size, sources)
         if buf.device_tables:
-            derive_tables(buf, metadata.batch_size, self.req_to_token)
+            derive_tables(buf, metadata.batch_size, self.req_to_token, sources)
 
     def capture(self, bs: int, mode: ForwardMode, *, num_draft_tokens: int = 1,
                 tree_shape: tuple[int, int] | None = None) -> AttentionMetadata:

@@ -40,8 +40,8 @@ GPU work per replay instead of host launches (:data:`DEVICE_TABLES_MAX_ENTRIES` 
 Lengths read on the device (``LengthSources``; DECODE graphs over device tables): an engine that keeps its own
 static input buffers — SGLang's CUDA-graph runner rewrites ``seq_lens`` and ``req_pool_indices`` of the padded batch
 in place before every replay, padding rows with length 1 at row 0 — hands them over at capture, and the graph's
-prologue derives ``cache_seqlens``, ``cu_seqlens_k``, ``req_rows`` and ``table_lens`` from them
-(:func:`derive_lengths`, five tensor ops on fixed shapes) before the page table. A replay update is then host checks
+prologue derives ``cache_seqlens`` and ``cu_seqlens_k`` from them (:func:`derive_lengths`, two kernels on fixed shapes)
+and the page table from their rows. A replay update is then host checks
 alone (:func:`check_bound_lengths`): no staging, no copy, no launch. Padding rows keep the engine's values (one key
 of its row 0: a slot of the pool, read and discarded).
 
@@ -269,15 +269,18 @@ def _write(buf: CaptureBuffers, bs: int, q: int, batch: ForwardBatch | None, req
                      req_to_token, local_rows, buf.local_cache_seqlens[:live], buf.local_col0[:live])
 
 
-def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor) -> None:
+def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor, sources: LengthSources | None = None) -> None:
     """``page_table[:bs]`` over its whole width from the staged ``req_rows`` and ``table_lens``
-    (``device_tables`` buffers). Tensor ops on fixed shapes, no host value: graph-legal, and what a
+    (``device_tables`` buffers) — or, with ``sources``, from their request rows and ``cache_seqlens`` (which
+    :func:`derive_lengths` wrote first). Tensor ops on fixed shapes, no host value: graph-legal, and what a
     captured graph re-runs at each replay: one launch on CUDA (``ops.gather_page_ids``), four torch kernels
-    elsewhere. Padding rows (length 0) get page 0 throughout."""
+    elsewhere. Staged padding rows (length 0) get page 0 throughout."""
     if not buf.device_tables:
         raise ValueError("derive_tables needs buffers allocated with device_tables=True")
-    gather_page_table(req_to_token, buf.req_rows[:bs], buf.table_lens[:bs], buf.page_table.shape[1], buf.page_size,
-                      col_offsets=buf.col_offsets, out=buf.page_table[:bs])
+    rows, lens = (buf.req_rows[:bs], buf.table_lens[:bs]) if sources is None else \
+        (sources.req_pool_indices, buf.cache_seqlens[:bs])
+    gather_page_table(req_to_token, rows, lens, buf.page_table.shape[1], buf.page_size, col_offsets=buf.col_offsets,
+                      out=buf.page_table[:bs])
 
 
 @dataclass(frozen=True)
@@ -310,13 +313,12 @@ class LengthSources:
 
 
 def derive_lengths(buf: CaptureBuffers, bs: int, sources: LengthSources) -> None:
-    """``cache_seqlens[:bs]``, ``cu_seqlens_k[:bs + 1]``, ``req_rows[:bs]`` and ``table_lens[:bs]`` from
-    ``sources`` (tensor ops on fixed shapes, no host value: what a DECODE graph captured with sources runs first)."""
+    """``cache_seqlens[:bs]`` and ``cu_seqlens_k[:bs + 1]`` from ``sources`` (two kernels on fixed shapes, no host
+    value: what a DECODE graph captured with sources runs first; :func:`derive_tables` then reads the rows from
+    ``sources`` itself)."""
     lens = buf.cache_seqlens[:bs]
     lens.copy_(sources.seq_lens)
     torch.cumsum(lens, 0, dtype=torch.int32, out=buf.cu_seqlens_k[1: bs + 1])
-    buf.req_rows[:bs].copy_(sources.req_pool_indices)
-    buf.table_lens[:bs].copy_(lens)
 
 
 def check_bound_lengths(buf: CaptureBuffers, bs: int, seq_lens_cpu: Tensor) -> None:
