@@ -21,6 +21,9 @@ from tests.sglang_world import (D_ROPE, R, ForwardContext, SGLangMode, case, che
 
 pytestmark = needs_sglang
 
+if SGLangMode is not None:
+    from mla_fa3.integrations.sglang.adapter import GRAPH_LENGTHS_ENV
+
 BS = 4  # the captured size
 VIEWS = ("aten.slice.", "aten.detach.", "aten.view.", "aten.alias.")  # no data moved, no kernel
 
@@ -132,10 +135,14 @@ def _oracle(fx, runner, inputs):
     return oracle, 2 * rounding + 1e-5
 
 
-def test_replays_read_the_runners_rewritten_buffers():
+@pytest.mark.parametrize("setting", ["device", "host"])
+def test_replays_read_the_runners_rewritten_buffers(monkeypatch, setting):
     """Live counts and lengths change between replays; the runner rewrites its buffers in place, the update before
-    each replay runs no tensor op (views only), and the step attends over exactly each live request's keys."""
+    each replay runs no tensor op (views only), and the step attends over exactly each live request's keys.
+    ``MLA_FA3_GRAPH_LENGTHS=host``: the same answers, every replay staging the lengths instead."""
+    monkeypatch.setenv(GRAPH_LENGTHS_ENV, setting)
     fx, runner = _captured()
+    device = setting == "device"
     rows = fx.forward_batch.req_pool_indices.tolist()
     full = [p + 1 for p in fx.case.prefix_lens]  # each request's prefix, then the new token
     for i, seqs in enumerate([full, [9, full[1]], [1, 5, 33], [full[2]]]):
@@ -143,9 +150,9 @@ def test_replays_read_the_runners_rewritten_buffers():
         fb = runner.view()
         with _Ops() as seen:
             fx.backend.init_forward_metadata_out_graph(fb)
-        assert [op for op in seen.ops if not op.startswith(VIEWS)] == [], seen.ops
+        assert ([op for op in seen.ops if not op.startswith(VIEWS)] == []) == device, seen.ops
         check_close(*_step(fx, runner, fb, seed=i))
-        assert "lengths read on the device" in fx.backend.explain().reason
+        assert ("lengths read on the device" in fx.backend.explain().reason) == device
         _check_metadata(fx, runner)
 
 
@@ -173,6 +180,12 @@ def test_a_rebuilt_batch_is_copied_into_the_captured_buffers():
     fx.backend.init_forward_metadata_out_graph(fb)
     assert torch.equal(runner.seq_lens, captured)
     check_close(*_step(fx, runner, fb, seed=7))
+
+
+def test_graph_lengths_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(GRAPH_LENGTHS_ENV, "staged")
+    with pytest.raises(ValueError, match="MLA_FA3_GRAPH_LENGTHS must be device or host"):
+        kit_fixture(case("DECODE", prefix_lens=(3,), name="lengths_setting"))
 
 
 def test_what_does_not_fit_is_refused_before_anything_runs():

@@ -51,9 +51,11 @@ from mla_fa3.ops.fp8 import FP8_DTYPE
 from mla_fa3.policy.paths import AttentionPath
 from mla_fa3.tree import MAX_TREE_TOKENS
 
-__all__ = ["SGLangMLABackend", "DECODE_KERNEL_ENV"]
+__all__ = ["SGLangMLABackend", "DECODE_KERNEL_ENV", "GRAPH_LENGTHS_ENV"]
 
 DECODE_KERNEL_ENV = "MLA_FA3_DECODE_KERNEL"  # 'auto' (default) | 'fa3' | 'flashmla' | 'splitkv'
+# 'device' (default): a DECODE graph reads its lengths from SGLang's static buffers; 'host': every replay stages them
+GRAPH_LENGTHS_ENV = "MLA_FA3_GRAPH_LENGTHS"
 
 
 class SGLangMLABackend(AttentionBackend):
@@ -97,6 +99,7 @@ class SGLangMLABackend(AttentionBackend):
         self._layers: dict[int, AttentionLayer] = {}
         self._device_lengths: dict[int, ForwardBatch] = {}  # bs -> the converted capture batch of a DECODE graph
         #   reading its lengths on the device (replayed by _replay_device_lengths)
+        self.graph_lengths = _graph_lengths_setting()
         self._step: tuple[ForwardBatch, AttentionMetadata | None] | None = None  # (our batch, its metadata)
 
     # ------------------------------------------------------------------------------ per step
@@ -153,7 +156,7 @@ class SGLangMLABackend(AttentionBackend):
         if in_capture:
             bs = batch.batch_size
             sources = None
-            if _plain_decode(forward_batch) and self.backend.reads_lengths_on_device:
+            if self.graph_lengths == "device" and _plain_decode(forward_batch) and self.backend.reads_lengths_on_device:
                 sources = LengthSources(forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs])
             md = self.backend.init_forward_metadata_capture_cuda_graph(
                 bs, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
@@ -336,6 +339,16 @@ def _decode_kernel_setting(kv_fp8: bool) -> str | None:
         raise ValueError(f"{DECODE_KERNEL_ENV}=fa3 cannot read the FP8 latent cache (FA3 refuses an e4m3 latent): "
                          "use auto, flashmla or splitkv")
     return None if kv_fp8 and value == "auto" else value
+
+
+def _graph_lengths_setting() -> str:
+    """``MLA_FA3_GRAPH_LENGTHS``: 'device' (default: SGLang's DECODE graphs read their lengths from SGLang's static
+    buffers, the replay update is host checks alone) or 'host' (every replay stages them: one copy and the batch's
+    conversion, for a runner that does not rewrite its buffers in place)."""
+    value = os.environ.get(GRAPH_LENGTHS_ENV, "device").strip().lower()
+    if value not in ("device", "host"):
+        raise ValueError(f"{GRAPH_LENGTHS_ENV} must be device or host, got {value!r}")
+    return value
 
 
 def _view_pool(pool, page_size: int, dtype: torch.dtype, device: torch.device) -> MLATokenPool:

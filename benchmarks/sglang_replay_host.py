@@ -1,0 +1,126 @@
+"""The host time of the update SGLang runs before each replay of a decode CUDA graph (``init_forward_metadata_out_graph``).
+
+For each shape: SGLang's pools (the attention kit's ``MockMLAModelRunner``, page 64) holding ``bs`` requests of ``ctx``
+tokens, a decode graph state captured at ``bs`` as SGLang's runner captures it (its static ``seq_lens`` /
+``req_pool_indices`` views handed over at capture and at every replay), then ``--iters`` replay updates timed one by
+one (``time.perf_counter``, median). Variants: ``mla_fa3`` (the graph reads its lengths on the device: the update is
+host checks), ``mla_fa3 host`` (``MLA_FA3_GRAPH_LENGTHS=host``: the batch converted and its lengths staged each
+replay), and on a GPU SGLang's ``fa3`` and ``flashmla`` (their own replay updates).
+
+    python benchmarks/sglang_replay_host.py --device cpu --out out/replay_host_cpu.csv
+    python benchmarks/sglang_replay_host.py --device cuda --out out/replay_host.csv
+
+On the CPU the staged path would also check every new token's slot against ``req_to_token`` (values a GPU run never
+reads: that would sync); the benchmark skips that check there, so both devices time the same host work.
+Columns: device, heads, bs, ctx, backend, host_us (median), p90_us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+if os.path.isdir(os.path.join(ROOT, ".sglang-cpu")):  # SGLang's CPU import set (make test installs it), else installed
+    sys.path.append(os.path.join(ROOT, ".sglang-cpu"))
+
+import torch  # noqa: E402
+
+SHAPES = [(16, 1, 65536), (16, 4, 32768), (16, 64, 16384), (128, 1, 32768), (128, 64, 16384)]
+PAGE = 64
+
+
+def _world(kit, heads, bs, ctx, device):
+    """SGLang's runner with ``bs`` requests of ``ctx`` tokens on shuffled pages, and the decode batch over them."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    case = kit.MLAAttentionCase(name="host", backend="mla_fa3", forward_mode=ForwardMode.DECODE, num_heads=heads,
+                                page_size=PAGE, prefix_lens=(ctx - 1,) * bs)
+    cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,
+                                 context_len=ctx)
+    runner = kit.MockMLAModelRunner(case=case, model_config=cfg, dtype=torch.bfloat16, device=device,
+                                    max_context_len=ctx, kv_lora_rank=512, qk_rope_head_dim=64,
+                                    disable_cuda_graph=False, fp8_kv_cache=False)
+    pages = (torch.randperm(bs * (ctx // PAGE)) + 1).view(bs, -1)
+    slots = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).view(bs, ctx)
+    runner.req_to_token_pool.req_to_token[:bs, :ctx] = slots.to(device, torch.int32)
+    seq = torch.full((bs,), ctx, dtype=torch.int32)
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, dtype=torch.int32, device=device), seq_lens=seq.to(device),
+                      seq_lens_cpu=seq, out_cache_loc=slots[:, -1].contiguous().to(device), seq_lens_sum=bs * ctx,
+                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=device))
+    return runner, fb
+
+
+def _time(registry, name, runner, fb, bs, iters):
+    backend = registry[name](runner)
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    backend.init_forward_metadata_in_graph(fb)
+    for _ in range(20):
+        backend.init_forward_metadata_out_graph(fb)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        backend.init_forward_metadata_out_graph(fb)
+        times.append(time.perf_counter() - t0)
+    if fb.seq_lens.is_cuda:
+        torch.cuda.synchronize()
+    times.sort()
+    return statistics.median(times) * 1e6, times[int(0.9 * (len(times) - 1))] * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="CSV path")
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--iters", type=int, default=500)
+    args = p.parse_args(argv)
+    from tests.sglang_cpu_shim import prepare_sglang_import
+
+    prepare_sglang_import()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
+
+    from mla_fa3.batch_checks import BatchChecks
+    from mla_fa3.integrations.sglang import plugin
+    from mla_fa3.integrations.sglang.adapter import GRAPH_LENGTHS_ENV
+
+    plugin.register()
+    if args.device == "cpu":  # a GPU run never reads the slots' values (see the module doc)
+        BatchChecks.check_out_cache_loc = lambda self, batch, rows: None
+    variants = [("mla_fa3", "mla_fa3", "device"), ("mla_fa3 host", "mla_fa3", "host")]
+    if args.device == "cuda":
+        variants += [("fa3", "fa3", None), ("flashmla", "flashmla", None)]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+    for heads, bs, ctx in SHAPES:
+        runner, fb = _world(kit, heads, bs, ctx, args.device)
+        for label, name, lengths in variants:
+            if lengths is not None:
+                os.environ[GRAPH_LENGTHS_ENV] = lengths
+            try:
+                med, p90 = _time(ATTENTION_BACKENDS, name, runner, fb, bs, args.iters)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot run here: say so
+                med = p90 = float("nan")
+                print(f"{label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            finally:
+                os.environ.pop(GRAPH_LENGTHS_ENV, None)
+            rows.append(dict(device=args.device, heads=heads, bs=bs, ctx=ctx, backend=label, host_us=round(med, 1),
+                             p90_us=round(p90, 1)))
+            print(",".join(str(v) for v in rows[-1].values()), flush=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
