@@ -61,8 +61,9 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 # the whole context in a graph): our topk-2 page-1 case differed in 2 of 15 values on an H100 (2026-12-07), SGLang's
 # fa3 its page-16 case (above). test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split asserts the same case exactly
 # with FA3's splits pinned; tests/test_tree_steps_gpu.py holds the graph replay to the fp64 oracle.
-_ROUNDING = pytest.mark.xfail(strict=False, reason="eager and graph round differently (FA3's splits); the kit's "
-                              "near-uniform draft model turns one bf16 ulp into another token")
+_ROUNDING = pytest.mark.xfail(strict=False, reason="not explained yet: graph and eager draft tokens differ (2 of 15); "
+                              "suspected rounding (FA3's split count, a near-uniform draft model), unconfirmed: "
+                              "test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split decides")
 
 
 @pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16), pytest.param("mla_fa3", 2, 1, marks=_ROUNDING),
@@ -83,14 +84,17 @@ def test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split(monkeypatch):
     random vocab-64 draft model can turn into another token."""
     import sgl_kernel.flash_attn as fa
 
-    unpinned = fa.flash_attn_with_kvcache
-
-    def one_split(*args, **kwargs):
-        if kwargs.get("scheduler_metadata") is None:
+    def pinned(unpinned):
+        def one_split(*args, **kwargs):
             kwargs["num_splits"] = 1
-        return unpinned(*args, **kwargs)
+            return unpinned(*args, **kwargs)
+        return one_split
 
-    monkeypatch.setattr(fa, "flash_attn_with_kvcache", one_split)
+    # both FA3 entry points: a call planning its own splits, and the tile schedule our planner computes once per
+    # step for the layers' calls (get_scheduler_metadata; the call then passes the schedule's split count) —
+    # pinning the first alone (2026-12-07, fifth run) left the mismatch as it was
+    for name in ("flash_attn_with_kvcache", "get_scheduler_metadata"):
+        monkeypatch.setattr(fa, name, pinned(getattr(fa, name)))
     _run_kit_draft("mla_fa3", 2, 1)
 
 

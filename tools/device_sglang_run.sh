@@ -28,6 +28,9 @@ done
 mkdir -p /tmp/site/mla_fa3_plugin-0.dist-info
 printf 'Metadata-Version: 2.1\nName: mla-fa3-plugin\nVersion: 0\n' > /tmp/site/mla_fa3_plugin-0.dist-info/METADATA
 printf '[sglang.srt.plugins]\nmla_fa3 = mla_fa3.integrations.sglang.plugin:register\n' > /tmp/site/mla_fa3_plugin-0.dist-info/entry_points.txt
+# with deep_gemm a placeholder, SGLang must not take it for the real one: no JIT DeepGEMM, no deep_gemm.set_pdl at
+# ModelRunner start (seen 2026-12-07, fifth run: the placeholder's set_pdl stopped every Engine / bench_one_batch)
+export SGLANG_ENABLE_JIT_DEEPGEMM=0 SGLANG_DEEPGEMM_PDL=0
 # this image's transformers is newer than SGLang's pin: the shim (tests/sglang_cpu_shim.py) in every process;
 # flashinfer: the carried one (MLA_FA3_FLASHINFER=real) or the placeholder
 if [ "${MLA_FA3_FLASHINFER:-placeholder}" = real ]; then export PYTHONPATH=$PYTHONPATH:/tmp/fi; fi

@@ -138,9 +138,11 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, P
         tl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=pair_ok[:, None] & col_ok[None, :])
 
 
-# the grid's programs below which the output columns are split (``out_splits_for``); 0: never. Not yet measured
-# against the single group on a GPU (``benchmarks/tree_attention.py --out-splits 1,2,4``): off until it is
-SPLIT_BELOW_PROGRAMS = 0
+# the grid's programs below which the output columns are split (``out_splits_for``); 0: never. Measured (H100,
+# 2026-12-07, docs/PERFORMANCE.md "Inside SGLang"): SGLang's tree verify at 16 heads, bs 1 / 8, 8 / 64 draft tokens,
+# 1.10-1.20x SGLang's fa3 below 256 programs against 0.96-1.19x unsplit (1024: the same); the kernel alone gains
+# up to 1.6x on grids of 2-128 programs and loses from 512 (bs 32 x 64 draft tokens: 50 -> 67 us at 2 groups)
+SPLIT_BELOW_PROGRAMS = 256
 
 
 def out_splits_for(programs: int, r: int, block_r: int) -> int:
