@@ -175,6 +175,14 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
     return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)
 
 
+def write_rows(path: str, rows: list[dict]) -> None:
+    """``rows`` (dicts with the same keys, in column order) as a CSV file with a header."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="CSV path")
@@ -222,10 +230,7 @@ def main(argv=None) -> int:
                 print(",".join(str(v) for v in row.values()), flush=True)
             del fx
             torch.cuda.empty_cache()
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(args.out, rows)
     return 0
 
 

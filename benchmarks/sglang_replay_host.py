@@ -18,7 +18,6 @@ Columns: device, heads, bs, ctx, backend, host_us (median), p90_us.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -30,6 +29,8 @@ if os.path.isdir(os.path.join(ROOT, ".sglang-cpu")):  # SGLang's CPU import set 
     sys.path.append(os.path.join(ROOT, ".sglang-cpu"))
 
 import torch  # noqa: E402
+
+from benchmarks.sglang_backends import write_rows  # noqa: E402
 
 SHAPES = [(16, 1, 65536), (16, 4, 32768), (16, 64, 16384), (128, 1, 32768), (128, 64, 16384)]
 PAGE = 64
@@ -115,10 +116,7 @@ def main(argv=None) -> int:
             rows.append(dict(device=args.device, heads=heads, bs=bs, ctx=ctx, backend=label, host_us=round(med, 1),
                              p90_us=round(p90, 1)))
             print(",".join(str(v) for v in rows[-1].values()), flush=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(args.out, rows)
     return 0
 
 

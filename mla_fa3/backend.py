@@ -41,44 +41,35 @@ latent dequantized chunk by chunk (MHA prefill); the pool is never dequantized w
 layers' ``num_heads`` / ``mla_dims``, and off page 64 a split-KV kernel that runs here (checked here, before
 any kernel runs); layers with softcap, a window, local attention or another head count cannot read it.
 
-CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE): ``init_cuda_graph_state`` allocates the builder's
-capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of them and
-records the kernel baked into the graph; ``init_forward_metadata_replay_cuda_graph`` rewrites the
+CUDA graphs (DECODE, TARGET_VERIFY, DRAFT_DECODE; ``decode_graphs.DecodeGraphs``): ``init_cuda_graph_state``
+allocates the builder's capture buffers once; ``init_forward_metadata_capture_cuda_graph`` plans a step over views of
+them and records the kernel baked into the graph; ``init_forward_metadata_replay_cuda_graph`` rewrites the
 buffers in place (``MetadataBuilder.replay``) and re-plans the FlashMLA, split-KV or FA3 schedule into the
 captured schedule tensors from the live device lengths — in the replay update, or inside the graph itself
-(``graph_prologue``) when ``init_cuda_graph_state(device_metadata=True)``.
+(``graph_prologue``) when ``init_cuda_graph_state(device_metadata=True)``; a DECODE graph captured with
+``lengths_from`` reads its lengths from the engine's own buffers and is replayed by
+``init_forward_metadata_replay_device_lengths`` (host checks alone).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from mla_fa3 import absorb, absorb_tree, chunked_prefix, mha_fallback, ops
 from mla_fa3.backend_config import resolve_config
-from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
+from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.checks import check_int
-from mla_fa3.graphs.capture import LengthSources, check_bound_lengths
-from mla_fa3.graphs.captured import CapturedGraphs, graph_shape
+from mla_fa3.decode_graphs import DecodeGraphs
+from mla_fa3.graphs.capture import LengthSources
 from mla_fa3.layer import AttentionLayer, LayerKind, MLADims
 from mla_fa3.metadata import AttentionMetadata, MetadataBuilder
-from mla_fa3.plan import PathRecord, StepPlan, StepPlanner, mean_seqlen
+from mla_fa3.plan import PathRecord, StepPlan, StepPlanner
 from mla_fa3.policy.paths import AttentionPath, DecodeKernel, PrefillOverride
 from mla_fa3.prefill_graph import PrefillGraphs
 from mla_fa3.prefill_plan import PREFILL_WORKSPACE_BYTES, workspace_tokens_for_bytes
 from mla_fa3.tree import DraftTreeError
 
 __all__ = ["MLABackend"]
-
-
-@dataclass
-class _GraphEntry:
-    """One captured (mode, bs, k, kernel): the plan over the capture buffers' views."""
-
-    plan: StepPlan
-    reason: str
-    replay_plan: StepPlan | None = None  # lengths read on the device: the one plan every replay reuses
 
 
 class MLABackend:
@@ -155,11 +146,8 @@ class MLABackend:
             other_paths=frozenset({AttentionPath.MHA_FALLBACK}) if self.mha_pool is not None else frozenset(),
             weight_dtype=None if pool is None else pool.dtype, whole_row_kernels=self.whole_row_kernels_fit)
         self.step_plan: StepPlan | None = None  # the current step's plan (eager, captured or replayed)
-        self.device_metadata = False  # graphs derive their page table / FlashMLA schedule (graph_prologue)
-        # captured graphs: (mode, bs, k, kernel) -> entry; with decode_kernel='auto' on page 64 both
-        # kernels are captured per size and each replay picks one from the live lengths (host ints)
-        self._graphs: CapturedGraphs[_GraphEntry] = CapturedGraphs(tuple(DecodeKernel))
-        self.graph_kernel: DecodeKernel | None = None  # kernel of the graph the last replay update chose
+        self.graphs = DecodeGraphs(self.builder, self.planner)  # the captured decode-like steps
+        self.graph_kernel: DecodeKernel | None = None  # kernel of the graph the last capture / replay update chose
 
     @property
     def forward_metadata(self) -> AttentionMetadata | None:
@@ -278,7 +266,17 @@ class MLABackend:
         else:
             self.mla_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
 
-    # ------------------------------------------------------------------------------ CUDA graphs
+    # ------------------------------------------------------------------------------ CUDA graphs (decode_graphs.py)
+    @property
+    def device_metadata(self) -> bool:
+        """Whether captured graphs derive their page table and schedule themselves (:meth:`graph_prologue`)."""
+        return self.graphs.device_metadata
+
+    @property
+    def reads_lengths_on_device(self) -> bool:
+        """Whether a DECODE capture may take ``lengths_from`` (device metadata over device-derived page tables)."""
+        return self.graphs.reads_lengths_on_device
+
     def init_cuda_graph_state(self, max_bs: int, max_context: int, *, max_num_draft_tokens: int = 1,
                               with_encoder: bool = False, device_metadata: bool = False) -> None:
         """Allocate the capture buffers once (through the builder); call before any capture.
@@ -286,32 +284,17 @@ class MLABackend:
         ``device_metadata``: the caller runs :meth:`graph_prologue` inside every captured graph, before
         its layers (``graphs.runner.GraphRunner`` does): the page table (where the buffers allow it) and
         the FlashMLA schedule are then derived on the device by the graph itself, and a replay update
-        is one host->device copy plus host checks. Without it (SGLang's protocol) the replay update
-        writes them."""
-        self.builder.init_capture_buffers(max_bs, max_context, max_num_draft_tokens=max_num_draft_tokens,
-                                          with_encoder=with_encoder, pad_seqlen=self.get_cuda_graph_seq_len_fill_value(),
-                                          device_tables=device_metadata)
-        self.device_metadata = bool(device_metadata)
-        self._graphs.clear()
+        is one host->device copy plus host checks. Without it the replay update writes them."""
+        self.graphs.init_state(max_bs, max_context, max_num_draft_tokens=max_num_draft_tokens,
+                               with_encoder=with_encoder, device_metadata=device_metadata,
+                               pad_seqlen=self.get_cuda_graph_seq_len_fill_value())
 
     def graph_prologue(self) -> None:
         """Device work of the captured / replayed step that runs inside its CUDA graph, before the layers
-        (with ``init_cuda_graph_state(device_metadata=True)``): the page table from ``req_to_token`` and
-        the FlashMLA, split-KV or FA3 schedule from the live lengths. Fixed shapes, no host value read."""
-        plan = self.step_plan
-        if plan is None or plan.graph_bs is None:
-            raise RuntimeError("graph_prologue runs on a captured or replayed step (init_forward_metadata_"
-                               "capture_cuda_graph / _replay_cuda_graph first)")
-        if not self.device_metadata:
-            raise RuntimeError("graph_prologue needs init_cuda_graph_state(..., device_metadata=True)")
-        self.builder.derive_tables(plan.metadata, plan.length_sources)
-        if plan.flashmla_schedule is not None:
-            self.planner.schedules.replan_flashmla(plan.metadata, plan.flashmla_schedule)
-        if plan.splitkv_schedule is not None:
-            self.planner.schedules.replan_splitkv(plan.metadata, plan.splitkv_schedule)
-        if plan.fa3_schedule is not None:
-            self.planner.schedules.replan_fa3(plan.metadata, plan.fa3_schedule)
-        plan.prologue_pending = False
+        (with ``init_cuda_graph_state(device_metadata=True)``): the lengths when the graph reads them on the
+        device, the page table from ``req_to_token`` and the FlashMLA, split-KV or FA3 schedule from the live
+        lengths. Fixed shapes, no host value read."""
+        self.graphs.prologue(self.step_plan)
 
     def init_forward_metadata_capture_cuda_graph(self, bs, mode: ForwardMode | None = None, *,
                                                  num_draft_tokens: int = 1, kernel: DecodeKernel | None = None,
@@ -323,41 +306,16 @@ class MLABackend:
         ``bs`` at ``max_context``. Capture once per kernel to let each replay pick the faster one.
         ``bs`` may also be the graph's static ``ForwardBatch`` (mode, size and draft tokens are read from
         it; how ``graphs.runner.GraphRunner`` calls it). ``tree_shape`` (m, n): a tree step's graph (a static batch
-        with a tree gives its shape), replayed only by batches whose tree has that shape. Call OUTSIDE ``torch.cuda.graph(...)``: it plans
-        on the host (the kernel choice, the split-KV schedule) and allocates the captured FlashMLA schedule.
-        ``lengths_from``: a DECODE graph that reads its lengths and rows from these device tensors (the engine's
-        static inputs, rewritten before each replay: ``graphs.capture``), replayed by
+        with a tree gives its shape), replayed only by batches whose tree has that shape. Call OUTSIDE
+        ``torch.cuda.graph(...)``: it plans on the host (the kernel choice, the split-KV schedule) and allocates the
+        captured FlashMLA schedule. ``lengths_from``: a DECODE graph that reads its lengths and rows from these
+        device tensors (the engine's static inputs, rewritten before each replay: ``graphs.capture``), replayed by
         :meth:`init_forward_metadata_replay_device_lengths` (needs :attr:`reads_lengths_on_device`).
         """
-        batch = None
-        if isinstance(bs, ForwardBatch):
-            batch = bs
-            bs, mode, num_draft_tokens = batch.batch_size, batch.forward_mode, max(batch.num_draft_tokens, 1)
-            tree_shape = None if batch.tree is None else batch.tree.shape
-        if not isinstance(mode, ForwardMode) or not mode.is_graph_capturable():
-            raise ValueError(f"mode must be DECODE, TARGET_VERIFY or DRAFT_DECODE for a CUDA graph, got {mode!r}")
-        check_int(bs, "bs")
-        if kernel is not None and kernel not in self.graph_kernels():
-            raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {self.graph_kernels()}")
-        k = queries_per_request(mode, num_draft_tokens)
-        if lengths_from is not None:
-            if mode is not ForwardMode.DECODE or tree_shape is not None or not self.device_metadata:
-                raise ValueError("lengths_from: DECODE graphs with device metadata (init_cuda_graph_state("
-                                 f"device_metadata=True)) only, got {mode.name}")
-            lengths_from.check(self.builder.capture_buffers, bs)
-        md = self.builder.capture(bs, mode, num_draft_tokens=k, tree_shape=tree_shape)
-        k = graph_shape(k, tree_shape)
-        if kernel is None:
-            kernel, reason = self.planner.kernel_choice.choose_decode_kernel(bs, md.max_seqlen_k)
-        else:
-            reason = f"{kernel.value} graph"
-        plan = self.planner.decode_plan(batch, md, kernel, f"{reason} (captured for bs {bs})", graph=True)
-        plan.prologue_pending = self.device_metadata
-        plan.length_sources = lengths_from
-        self._graphs.add(mode, bs, k, kernel, _GraphEntry(plan, reason))
-        self.graph_kernel = kernel
-        self.step_plan = plan
-        return md
+        plan = self.graphs.capture(bs, mode, num_draft_tokens=num_draft_tokens, kernel=kernel, tree_shape=tree_shape,
+                                   lengths_from=lengths_from)
+        self.graph_kernel, self.step_plan = plan.kernel, plan
+        return plan.metadata
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_lens of CUDA-graph padding rows: 1 (one key, on the padding page in the builder's tail rows;
@@ -369,45 +327,10 @@ class MLABackend:
 
         ``bs``: the captured batch size to replay (default: the smallest captured one that fits).
         """
-        mode = batch.forward_mode
-        k = graph_shape(queries_per_request(mode, batch.num_draft_tokens), None if batch.tree is None else batch.tree.shape)
-        bs, kernels = self._graphs.kernels_for(mode, k, batch.batch_size, bs)
-        kernel, why = kernels[0], None
-        if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync), among the captured ones
-            kernel, why = self.planner.kernel_choice.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
-                                                            mean_seqlen(batch))
-            if kernel not in kernels:
-                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
-        entry = self._graphs.get(mode, bs, k, kernel)
-        if entry.plan.length_sources is not None:
-            raise ValueError(f"the {mode.name} graph of bs {bs} reads its lengths on the device (captured with "
-                             "lengths_from): replay it with init_forward_metadata_replay_device_lengths")
-        md = entry.plan.metadata
         self.step_plan = None  # a failed update leaves no stale plan behind
-        self.builder.replay(batch, md)
-        schedule = entry.plan.flashmla_schedule
-        if schedule is not None and not self.device_metadata:  # else: re-planned in the graph (graph_prologue)
-            self.planner.schedules.replan_flashmla(md, schedule)
-        if entry.plan.splitkv_schedule is not None:  # re-planned on the device from the live lengths
-            schedule = entry.plan.splitkv_schedule
-            if not self.device_metadata:  # else in the graph (graph_prologue)
-                self.planner.schedules.replan_splitkv(md, schedule)
-        if entry.plan.fa3_schedule is not None:  # FA3's tile schedule from the live lengths
-            schedule = entry.plan.fa3_schedule
-            if not self.device_metadata:  # else in the graph (graph_prologue)
-                self.planner.schedules.replan_fa3(md, schedule)
-        self.graph_kernel = kernel
-        plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
-                                        graph=True, schedule=schedule, static_batch=entry.plan.batch)
-        plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
-        self.step_plan = plan
-        return md
-
-    @property
-    def reads_lengths_on_device(self) -> bool:
-        """Whether a DECODE capture may take ``lengths_from`` (device metadata over device-derived page tables)."""
-        buf = self.builder.capture_buffers
-        return self.device_metadata and buf is not None and buf.device_tables
+        plan = self.graphs.replay(batch, bs)
+        self.graph_kernel, self.step_plan = plan.kernel, plan
+        return plan.metadata
 
     def init_forward_metadata_replay_device_lengths(self, bs: int, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                                                     req_pool_indices: torch.Tensor, *,
@@ -417,47 +340,10 @@ class MLABackend:
         first ``num_requests`` live lengths); nothing is staged, copied or launched when ``seq_lens`` /
         ``req_pool_indices`` are the tensors the graph was captured with (SGLang's runner). Other tensors (a caller
         that rebuilds its batch) have their values copied into those, two device copies. Returns the metadata."""
-        mode = ForwardMode.DECODE
-        bs, kernels = self._graphs.kernels_for(mode, 1, bs, bs)
-        kernel, why = kernels[0], None
-        n = bs if num_requests is None else num_requests
-        if len(kernels) > 1 and n:
-            live = seq_lens_cpu[:n]
-            kernel, why = self.planner.kernel_choice.choose_decode_kernel(n, int(live.max()), float(live.sum()) / n)
-            if kernel not in kernels:
-                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
-        entry = self._graphs.get(mode, bs, 1, kernel)
-        sources = entry.plan.length_sources
-        if sources is None:
-            raise ValueError(f"the DECODE graph of bs {bs} was captured without lengths_from: replay it with "
-                             "init_forward_metadata_replay_cuda_graph")
         self.step_plan = None
-        check_bound_lengths(self.builder.capture_buffers, bs, seq_lens_cpu)
-        if not sources.same_as(seq_lens, req_pool_indices):
-            for name, src, dst in (("seq_lens", seq_lens, sources.seq_lens),
-                                   ("req_pool_indices", req_pool_indices, sources.req_pool_indices)):
-                if src.shape != dst.shape or src.device != dst.device:
-                    raise ValueError(f"{name} must be [{bs}] on {dst.device} (the graph's batch), got "
-                                     f"{tuple(src.shape)} on {src.device}")
-            sources.seq_lens.copy_(seq_lens)
-            sources.req_pool_indices.copy_(req_pool_indices)
-        plan = entry.replay_plan
-        if plan is None or why is not None:
-            plan = self.planner.decode_plan(None, entry.plan.metadata, kernel, f"{why or entry.reason} (replay of bs "
-                                            f"{bs}; lengths read on the device)", graph=True,
-                                            schedule=_captured_schedule(entry.plan))
-            plan.length_sources = sources
-            if why is None:
-                entry.replay_plan = plan
-        self.graph_kernel = kernel
-        plan.prologue_pending = True  # the graph's prologue derives the lengths; an eager run must call it
-        self.step_plan = plan
+        plan = self.graphs.replay_device_lengths(bs, seq_lens_cpu, seq_lens, req_pool_indices, num_requests)
+        self.graph_kernel, self.step_plan = plan.kernel, plan
         return plan.metadata
-
-
-def _captured_schedule(plan: StepPlan):
-    """The kernel schedule a captured graph's plan holds (re-planned on the device by its prologue), or None."""
-    return next((s for s in (plan.flashmla_schedule, plan.splitkv_schedule, plan.fa3_schedule) if s is not None), None)
 
 
 def _check_fp8_layer(layer: AttentionLayer, plan: StepPlan) -> None:

@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("prefill_plan", "prefill_graph"),  # the MHA prefill's per-step chunks and row split; its CUDA graphs
     ("schedules",),  # the decode kernels' schedules (FlashMLA, split-KV, FA3): planned per step, re-planned per replay
     ("plan",),  # the typed per-step plan
-    ("backend_config",),  # the backend's pools, decode kernel and FP8 rules, checked at construction
+    ("backend_config", "decode_graphs"),  # the backend's pools, decode kernel and FP8 rules, checked at
+    #   construction; its CUDA-graph steps (capture, replay updates, the in-graph prologue)
     ("lse", "absorb", "absorb_tree", "chunked_prefix", "mha_fallback"),  # the compute paths
     ("backend",),  # plan once per step, route each layer
     ("draft_backend",),  # one backend per draft step
