@@ -7,11 +7,15 @@ kv_lora 512, qk_nope 128, qk_rope 64, v 128, 16 or 128 heads (16 = DeepSeek-V3's
 MLP of ``--intermediate`` (default 2048, one routed expert's width), vocab 32768. Page 64.
 
     python benchmarks/sglang_one_batch.py --out out/one_batch.csv [--quick] [--heads 16 128] [--layers 4]
+    python benchmarks/sglang_one_batch.py --out out/h128.csv --quick --heads 128 --kv auto --repeat 3
 
 One process per (heads, KV dtype, backend): SGLang's ``load_model`` once (CUDA graphs captured for the batch sizes
 used), then SGLang's ``latency_test_run_once`` per (bs, ctx) — prefill of the batch, then ``--output-len`` decode
 steps; the first shape runs once more first as the warm-up, as ``bench_one_batch`` does. Its median decode latency
-goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one: > 1 is faster than fa3). SGLang's benchmark
+goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one in the same round: > 1 is faster than fa3).
+``--repeat N`` runs every backend's process N times, the backends alternating within each round (column ``round``):
+one process's step can sit 10-20 % away from the next one's on the same machine, so a ratio is read within a round
+and its spread across rounds says how far to trust it. SGLang's benchmark
 prefills the whole batch in one forward, so shapes stop where that prefill fits (``SHAPES``). GPU only; needs
 SGLang 0.5.17 and sgl-kernel.
 """
@@ -134,15 +138,18 @@ def failure_line(out: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-COLUMNS = ["heads", "kv", "backend", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s", "error"]
+COLUMNS = ["heads", "kv", "backend", "round", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s",
+           "error"]
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:
-    """The rows with ``ratio_vs_fa3``: fa3's decode latency at the same (heads, kv, bs, ctx) / this row's."""
-    base = {(r["heads"], r["kv"], r["bs"], r["ctx"]): r["decode_ms"] for r in rows
-            if r.get("backend") == "fa3" and "decode_ms" in r}
+    """The rows with ``ratio_vs_fa3``: fa3's decode latency at the same (heads, kv, round, bs, ctx) / this row's."""
+    def key(r):
+        return r["heads"], r["kv"], r.get("round", 0), r["bs"], r["ctx"]
+
+    base = {key(r): r["decode_ms"] for r in rows if r.get("backend") == "fa3" and "decode_ms" in r}
     for r in rows:
-        ref = base.get((r["heads"], r["kv"], r["bs"], r["ctx"]))
+        ref = base.get(key(r))
         r["ratio_vs_fa3"] = round(ref / r["decode_ms"], 3) if ref and "decode_ms" in r else ""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -165,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv", nargs="+", default=["auto", "fp8_e4m3"])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--flashmla-fp8", action="store_true", help="also SGLang's flashmla backend on an FP8 cache")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every backend's process, alternating")
     p.add_argument("--mem-fraction-static", type=float, default=0.8,
                    help="SGLang's share of GPU memory for weights and the KV pool (the pool fills the rest of it: "
                         "SGLang's fa3 converts a whole layer's FP8 pool to bf16 per layer, which at 0.8 on an 80 GB "
@@ -182,14 +190,15 @@ def main(argv=None) -> int:
         for heads in args.heads:
             model = write_model(os.path.join(tmp, f"h{heads}"), heads, args.layers, args.intermediate)
             for kv in args.kv:
-                for backend in args.backends:
-                    if kv != "auto" and backend == "flashmla" and not args.flashmla_fp8:
-                        continue
-                    for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len, log,
-                                  args.mem_fraction_static):
-                        rows.append(dict(heads=heads, kv=kv, backend=backend, **r))
-                        print(json.dumps(rows[-1]), flush=True)
-                    _write_csv(args.out, rows)  # after every process: a run cut short keeps what it measured
+                for rnd in range(args.repeat):
+                    for backend in args.backends:
+                        if kv != "auto" and backend == "flashmla" and not args.flashmla_fp8:
+                            continue
+                        for r in _run(model, backend, kv, (QUICK if args.quick else SHAPES)[heads], args.output_len,
+                                      log, args.mem_fraction_static):
+                            rows.append(dict(heads=heads, kv=kv, backend=backend, round=rnd, **r))
+                            print(json.dumps(rows[-1]), flush=True)
+                        _write_csv(args.out, rows)  # after every process: a run cut short keeps what it measured
     for r in rows:
         print(",".join(str(r.get(c, "")) for c in COLUMNS))
     return 0
