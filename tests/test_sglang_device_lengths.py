@@ -182,6 +182,22 @@ def test_a_rebuilt_batch_is_copied_into_the_captured_buffers():
     check_close(*_step(fx, runner, fb, seed=7))
 
 
+def test_a_verify_graph_of_the_same_size_leaves_the_decode_graph_alone():
+    """EAGLE's target model captures TARGET_VERIFY graphs beside the DECODE ones, at the same sizes: the DECODE graph
+    of bs 4 still reads its lengths on the device afterwards."""
+    fx, runner = _captured()
+    verify = runner.view(forward_mode=SGLangMode.TARGET_VERIFY, actual_forward_mode=SGLangMode.TARGET_VERIFY,
+                         spec_info=SimpleNamespace(draft_token_num=1, topk=1))
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_forward_metadata_out_graph(verify, in_capture=True)
+    assert fx.backend.explain().mode == "TARGET_VERIFY"
+    rows = fx.forward_batch.req_pool_indices.tolist()
+    runner.fill(rows, [p + 1 for p in fx.case.prefix_lens])
+    fx.backend.init_forward_metadata_out_graph(runner.view())
+    assert "lengths read on the device" in fx.backend.explain().reason
+    check_close(*_step(fx, runner, runner.view(), seed=3))
+
+
 def test_graph_lengths_setting_is_checked(monkeypatch):
     monkeypatch.setenv(GRAPH_LENGTHS_ENV, "staged")
     with pytest.raises(ValueError, match="MLA_FA3_GRAPH_LENGTHS must be device or host"):

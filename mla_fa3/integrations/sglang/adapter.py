@@ -161,7 +161,8 @@ class SGLangMLABackend(AttentionBackend):
             md = self.backend.init_forward_metadata_capture_cuda_graph(
                 bs, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
                 tree_shape=None if batch.tree is None else batch.tree.shape, lengths_from=sources)
-            self._device_lengths.pop(bs, None)
+            if mode is ForwardMode.DECODE:  # this size's DECODE graph, captured again (a verify graph leaves it)
+                self._device_lengths.pop(bs, None)
             if sources is not None:
                 self._device_lengths[bs] = batch
         else:
