@@ -308,8 +308,9 @@ class MLABackend:
         it; how ``graphs.runner.GraphRunner`` calls it). ``tree_shape`` (m, n): a tree step's graph (a static batch
         with a tree gives its shape), replayed only by batches whose tree has that shape. Call OUTSIDE
         ``torch.cuda.graph(...)``: it plans on the host (the kernel choice, the split-KV schedule) and allocates the
-        captured FlashMLA schedule. ``lengths_from``: a DECODE graph that reads its lengths and rows from these
-        device tensors (the engine's static inputs, rewritten before each replay: ``graphs.capture``), replayed by
+        captured FlashMLA schedule. ``lengths_from``: a DECODE or chain TARGET_VERIFY graph that reads its lengths
+        and rows from these device tensors (the engine's static inputs, rewritten before each replay:
+        ``graphs.capture``), replayed by
         :meth:`init_forward_metadata_replay_device_lengths` (needs :attr:`reads_lengths_on_device`).
         """
         plan = self.graphs.capture(bs, mode, num_draft_tokens=num_draft_tokens, kernel=kernel, tree_shape=tree_shape,
@@ -334,14 +335,18 @@ class MLABackend:
 
     def init_forward_metadata_replay_device_lengths(self, bs: int, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
                                                     req_pool_indices: torch.Tensor, *,
-                                                    num_requests: int | None = None) -> AttentionMetadata:
-        """The replay update of the DECODE graph of ``bs`` captured with ``lengths_from``: host checks of
-        ``seq_lens_cpu`` ([bs], padding included) and the kernel's choice among those captured for ``bs`` (from the
-        first ``num_requests`` live lengths); nothing is staged, copied or launched when ``seq_lens`` /
+                                                    num_requests: int | None = None,
+                                                    mode: ForwardMode = ForwardMode.DECODE,
+                                                    num_draft_tokens: int = 1) -> AttentionMetadata:
+        """The replay update of the ``mode`` graph of ``bs`` (DECODE, or TARGET_VERIFY of ``num_draft_tokens`` as a
+        chain) captured with ``lengths_from``: host checks of ``seq_lens_cpu`` ([bs], padding included, as the
+        sources count them) and the kernel's choice among those captured for ``bs`` (from the first
+        ``num_requests`` live lengths); nothing is staged, copied or launched when ``seq_lens`` /
         ``req_pool_indices`` are the tensors the graph was captured with (SGLang's runner). Other tensors (a caller
         that rebuilds its batch) have their values copied into those, two device copies. Returns the metadata."""
         self.step_plan = None
-        plan = self.graphs.replay_device_lengths(bs, seq_lens_cpu, seq_lens, req_pool_indices, num_requests)
+        plan = self.graphs.replay_device_lengths(bs, seq_lens_cpu, seq_lens, req_pool_indices, num_requests, mode,
+                                                 num_draft_tokens)
         self.graph_kernel, self.step_plan = plan.kernel, plan
         return plan.metadata
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mla_fa3.batch import ForwardBatch, queries_per_request
+from mla_fa3.batch import ForwardBatch, ForwardMode, queries_per_request
 from mla_fa3.host import to_device
 from mla_fa3.kv.pools import same_device
 from mla_fa3.kv.req_to_token import ReqToTokenPool
@@ -139,7 +139,8 @@ class BatchChecks:
         """Host values (CPU tensors, or a GPU under debug_checks): every new token's slot is in the pool,
         is the slot ``req_to_token`` gives that token of its request (so the request owns it and the
         kernels read it back), and no two tokens share one. A CUDA-graph padding request (every new
-        token to slot 0, no cached keys — a tree step's: one) is exempt: it writes and reads only the padding page."""
+        token to slot 0, no cached keys — a verify or tree step's: one, SGLang's fill value) is exempt: it writes and
+        reads only the padding page."""
         loc = batch.out_cache_loc.cpu()
         if not loc.numel():
             return
@@ -151,8 +152,10 @@ class BatchChecks:
         new = new_tokens_cpu(batch).to(torch.int64)
         seq = batch.seq_lens_cpu.to(torch.int64)
         req = torch.repeat_interleave(torch.arange(batch.batch_size), new)  # request of each new token
-        pad_seq = new if batch.tree is None else new + 1  # a tree's padding request keeps a prefix of 1
-        pad_req = (seq == pad_seq) & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
+        # a verify / tree padding request may keep a prefix of 1 (SGLang's verify fill value excludes the drafts)
+        one_key = batch.tree is not None or batch.forward_mode is ForwardMode.TARGET_VERIFY
+        pad_len = (seq == new) | ((seq == new + 1) & one_key)
+        pad_req = pad_len & (torch.zeros_like(new).index_add_(0, req, loc.ne(0).long()) == 0)
         live = ~pad_req[req]
         loc_live = loc[live]
         if loc_live.unique().numel() != loc_live.numel():

@@ -8,8 +8,9 @@ the in-graph prologue of decode-like steps (DECODE, TARGET_VERIFY, DRAFT_DECODE)
                                                        rewritten in place (MetadataBuilder.replay: one host->device
                                                        copy), the kernel's schedule re-planned — here, or in the
                                                        graph (prologue) with device metadata
-    replay_device_lengths(bs, seq_lens_cpu, ...)       a DECODE graph that reads its lengths from the engine's own
-                                                       static buffers (graphs.capture.LengthSources): host checks
+    replay_device_lengths(bs, seq_lens_cpu, ...)       a DECODE or chain TARGET_VERIFY graph that reads its lengths
+                                                       from the engine's own static buffers
+                                                       (graphs.capture.LengthSources): host checks
     prologue(plan)                                     inside the graph, before the layers: lengths (device
                                                        lengths), page table, the kernel's schedule
 
@@ -102,10 +103,14 @@ class DecodeGraphs:
             raise ValueError(f"kernel {kernel} is not one of this backend's graph kernels {kernels}")
         k = queries_per_request(mode, num_draft_tokens)
         if lengths_from is not None:
-            if mode is not ForwardMode.DECODE or tree_shape is not None or not self.device_metadata:
-                raise ValueError("lengths_from: DECODE graphs with device metadata (init_cuda_graph_state("
-                                 f"device_metadata=True)) only, got {mode.name}")
+            if mode not in _DEVICE_LENGTH_MODES or tree_shape is not None or not self.device_metadata:
+                raise ValueError("lengths_from: DECODE and chain TARGET_VERIFY graphs with device metadata "
+                                 f"(init_cuda_graph_state(device_metadata=True)) only, got {mode.name}"
+                                 f"{' with a tree' if tree_shape is not None else ''}")
             lengths_from.check(self.builder.capture_buffers, bs)
+            if mode is ForwardMode.DECODE and lengths_from.extra:
+                raise ValueError(f"lengths_from.extra must be 0 for DECODE (one new token, in seq_lens), got "
+                                 f"{lengths_from.extra}")
         md = self.builder.capture(bs, mode, num_draft_tokens=k, tree_shape=tree_shape)
         k = graph_shape(k, tree_shape)
         if kernel is None:
@@ -153,24 +158,30 @@ class DecodeGraphs:
         return plan
 
     def replay_device_lengths(self, bs: int, seq_lens_cpu: torch.Tensor, seq_lens: torch.Tensor,
-                              req_pool_indices: torch.Tensor, num_requests: int | None) -> StepPlan:
-        """The replay update of the DECODE graph of ``bs`` captured with ``lengths_from``
+                              req_pool_indices: torch.Tensor, num_requests: int | None, mode: ForwardMode,
+                              num_draft_tokens: int) -> StepPlan:
+        """The replay update of the DECODE / chain TARGET_VERIFY graph of ``bs`` captured with ``lengths_from``
         (``MLABackend.init_forward_metadata_replay_device_lengths``)."""
-        mode = ForwardMode.DECODE
-        bs, kernels = self._captured.kernels_for(mode, 1, bs, bs)
+        if mode not in _DEVICE_LENGTH_MODES:
+            raise ValueError(f"lengths read on the device: DECODE and TARGET_VERIFY graphs only, got {mode!r}")
+        k = queries_per_request(mode, num_draft_tokens)
+        bs, kernels = self._captured.kernels_for(mode, k, bs, bs)
         kernel, why = kernels[0], None
         n = bs if num_requests is None else num_requests
         if len(kernels) > 1 and n:
+            extra = self._captured.get(mode, bs, k, kernels[0]).plan.length_sources
+            extra = 0 if extra is None else extra.extra
             live = seq_lens_cpu[:n]
-            kernel, why = self.planner.kernel_choice.choose_decode_kernel(n, int(live.max()), float(live.sum()) / n)
+            kernel, why = self.planner.kernel_choice.choose_decode_kernel(n, int(live.max()) + extra,
+                                                                         float(live.sum()) / n + extra)
             if kernel not in kernels:
                 kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
-        entry = self._captured.get(mode, bs, 1, kernel)
+        entry = self._captured.get(mode, bs, k, kernel)
         sources = entry.plan.length_sources
         if sources is None:
-            raise ValueError(f"the DECODE graph of bs {bs} was captured without lengths_from: replay it with "
+            raise ValueError(f"the {mode.name} graph of bs {bs} was captured without lengths_from: replay it with "
                              "init_forward_metadata_replay_cuda_graph")
-        check_bound_lengths(self.builder.capture_buffers, bs, seq_lens_cpu)
+        check_bound_lengths(self.builder.capture_buffers, bs, seq_lens_cpu, sources.extra)
         if not sources.same_as(seq_lens, req_pool_indices):
             for name, src, dst in (("seq_lens", seq_lens, sources.seq_lens),
                                    ("req_pool_indices", req_pool_indices, sources.req_pool_indices)):
@@ -189,6 +200,9 @@ class DecodeGraphs:
                 entry.replay_plan = plan
         plan.prologue_pending = True  # the graph's prologue derives the lengths; an eager run must call it
         return plan
+
+
+_DEVICE_LENGTH_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)  # the graphs lengths_from serves (no tree)
 
 
 def _captured_schedule(plan: StepPlan):

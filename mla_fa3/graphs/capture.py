@@ -37,11 +37,12 @@ CUDA graph captures: a replay then costs one host->device copy in all (``GraphRu
 every graph, before the layers). The whole-width gather costs ``bs * ceil(max_context / p)`` entries of
 GPU work per replay instead of host launches (:data:`DEVICE_TABLES_MAX_ENTRIES` bounds it).
 
-Lengths read on the device (``LengthSources``; DECODE graphs over device tables): an engine that keeps its own
-static input buffers — SGLang's CUDA-graph runner rewrites ``seq_lens`` and ``req_pool_indices`` of the padded batch
-in place before every replay, padding rows with length 1 at row 0 — hands them over at capture, and the graph's
-prologue derives ``cache_seqlens`` and ``cu_seqlens_k`` from them (:func:`derive_lengths`, two kernels on fixed shapes)
-and the page table from their rows. A replay update is then host checks
+Lengths read on the device (``LengthSources``; DECODE and chain TARGET_VERIFY graphs over device tables): an engine
+that keeps its own static input buffers — SGLang's CUDA-graph runner rewrites ``seq_lens`` and ``req_pool_indices`` of
+the padded batch in place before every replay, padding rows with length 1 at row 0 — hands them over at capture, and
+the graph's prologue derives ``cache_seqlens`` (plus ``extra`` tokens each: SGLang's verify lengths exclude the k
+draft tokens) and ``cu_seqlens_k`` from them (:func:`derive_lengths`, two or three kernels on fixed shapes) and the
+page table from their rows. A replay update is then host checks
 alone (:func:`check_bound_lengths`): no staging, no copy, no launch. Padding rows keep the engine's values (one key
 of its row 0: a slot of the pool, read and discarded).
 
@@ -288,8 +289,9 @@ class LengthSources:
     """The device tensors a captured DECODE graph reads its lengths from: the engine's static inputs ``[:bs]``,
     which it rewrites in place before every replay (see the module doc)."""
 
-    seq_lens: Tensor  # [bs] int32 / int64, device: KV tokens of each request after this step (padding: >= 1)
+    seq_lens: Tensor  # [bs] int32 / int64, device: KV tokens of each request after this step, less ``extra``
     req_pool_indices: Tensor  # [bs] int32 / int64, device: its req_to_token row (padding: any held row, e.g. 0)
+    extra: int = 0  # tokens added to each length on the device (SGLang's TARGET_VERIFY: the k draft tokens)
 
     def check(self, buf: CaptureBuffers, bs: int) -> None:
         """ValueError / TypeError naming the field unless both are [bs] integer tensors on the buffers' device and
@@ -297,6 +299,7 @@ class LengthSources:
         if not buf.device_tables:
             raise ValueError("lengths read on the device need capture buffers with device_tables=True (the page "
                              "table is then derived in the graph too)")
+        check_int(self.extra, "extra", minimum=0)
         for name in ("seq_lens", "req_pool_indices"):
             t = getattr(self, name)
             if not isinstance(t, Tensor) or t.dtype not in (torch.int32, torch.int64):
@@ -318,20 +321,24 @@ def derive_lengths(buf: CaptureBuffers, bs: int, sources: LengthSources) -> None
     ``sources`` itself)."""
     lens = buf.cache_seqlens[:bs]
     lens.copy_(sources.seq_lens)
+    if sources.extra:
+        lens.add_(sources.extra)
     torch.cumsum(lens, 0, dtype=torch.int32, out=buf.cu_seqlens_k[1: bs + 1])
 
 
-def check_bound_lengths(buf: CaptureBuffers, bs: int, seq_lens_cpu: Tensor) -> None:
+def check_bound_lengths(buf: CaptureBuffers, bs: int, seq_lens_cpu: Tensor, extra: int = 0) -> None:
     """The replay update of a graph reading its lengths on the device: the engine's host copy of them
-    (``seq_lens_cpu`` [bs], padding included) within ``[1, max_context]``; ValueError otherwise, nothing run."""
+    (``seq_lens_cpu`` [bs], padding included), plus ``extra``, within ``[1, max_context]``; ValueError otherwise,
+    nothing run."""
     if not isinstance(seq_lens_cpu, Tensor) or seq_lens_cpu.device.type != "cpu" or tuple(seq_lens_cpu.shape) != (bs,):
         got = (tuple(seq_lens_cpu.shape), str(seq_lens_cpu.device)) if isinstance(seq_lens_cpu, Tensor) else \
             type(seq_lens_cpu).__name__
         raise ValueError(f"seq_lens_cpu must be a [{bs}] CPU tensor (the padded batch's host lengths), got {got}")
     v = seq_lens_cpu.numpy()
-    if v.min() < 1 or v.max() > buf.max_context:
-        raise ValueError(f"seq_lens must be in [1, {buf.max_context}] (the captured max_context), got "
-                         f"{seq_lens_cpu.tolist()}")
+    if v.min() + extra < 1 or v.max() + extra > buf.max_context:
+        plus = f" + {extra} draft tokens" if extra else ""
+        raise ValueError(f"seq_lens{plus} must be in [1, {buf.max_context}] (the captured max_context), got "
+                         f"{seq_lens_cpu.tolist()}{plus}")
 
 
 def _stage_lengths(s: np.ndarray, lens_region: tuple[int, int], cu_region: tuple[int, int],

@@ -20,10 +20,11 @@ The step is planned once, before the first layer: ``init_forward_metadata`` conv
 CUDA graphs follow SGLang's protocol: ``init_cuda_graph_state`` allocates our capture buffers once,
 ``init_forward_metadata_out_graph(fb, in_capture=True)`` plans the graph of ``fb.batch_size`` requests and
 ``init_forward_metadata_out_graph(fb)`` before each replay rewrites them in place (host work and copies only; the
-page table and the kernel's schedule are re-planned on the device from the live lengths). A DECODE graph reads its
-lengths and request rows on the device from SGLang's own static ``seq_lens`` / ``req_pool_indices`` (the runner
-rewrites them before each replay; ``graphs.capture.LengthSources``), so its replay update is host checks of
-``seq_lens_cpu`` alone: no ForwardBatch conversion, no copy, no launch.
+page table and the kernel's schedule are re-planned on the device from the live lengths). A DECODE graph, and a
+TARGET_VERIFY graph of a chain (EAGLE topk 1), reads its lengths and request rows on the device from SGLang's own
+static ``seq_lens`` / ``req_pool_indices`` (the runner rewrites them before each replay; the verify graph adds the k
+draft tokens itself; ``graphs.capture.LengthSources``), so its replay update is host checks of ``seq_lens_cpu``
+alone: no ForwardBatch conversion, no copy, no launch.
 
 FP8 KV (``--kv-cache-dtype fp8_e4m3``): SGLang's pool stores e4m3 codes as uint8 with scale 1 (its writer ignores
 ``k_scale``), so the adapter reads it with descale 1 on FlashMLA FP8 or split-KV, in place; prefill takes the MHA
@@ -43,7 +44,7 @@ from mla_fa3 import absorb, absorb_tree, ops
 from mla_fa3.backend import MLABackend
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.graphs.capture import LengthSources
-from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32, to_mla_batch
+from mla_fa3.integrations.sglang.convert import UnsupportedStepError, host_int32, num_draft_tokens_of, to_mla_batch
 from mla_fa3.kv.pools import MLATokenPool
 from mla_fa3.layer import AttentionLayer, MLADims
 from mla_fa3.metadata import AttentionMetadata
@@ -97,8 +98,8 @@ class SGLangMLABackend(AttentionBackend):
             self._verify_mask = VerifyMask(buffer=torch.ones(rows * k * k, dtype=torch.bool, device=self.device),
                                            mode=TreeMaskMode.QLEN_ONLY, max_bs=rows, is_read=True)
         self._layers: dict[int, AttentionLayer] = {}
-        self._device_lengths: dict[int, ForwardBatch] = {}  # bs -> the converted capture batch of a DECODE graph
-        #   reading its lengths on the device (replayed by _replay_device_lengths)
+        # (SGLang's mode name, bs) -> the converted capture batch of a graph reading its lengths on the device
+        self._device_lengths: dict[tuple[str, int], ForwardBatch] = {}
         self.graph_lengths = _graph_lengths_setting()
         self._step: tuple[ForwardBatch, AttentionMetadata | None] | None = None  # (our batch, its metadata)
 
@@ -155,33 +156,51 @@ class SGLangMLABackend(AttentionBackend):
                                        "graphs")
         if in_capture:
             bs = batch.batch_size
+            extra = self._lengths_extra(forward_batch)
             sources = None
-            if self.graph_lengths == "device" and _plain_decode(forward_batch) and self.backend.reads_lengths_on_device:
-                sources = LengthSources(forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs])
+            if extra is not None and self.graph_lengths == "device" and self.backend.reads_lengths_on_device:
+                sources = LengthSources(forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs], extra)
             md = self.backend.init_forward_metadata_capture_cuda_graph(
                 bs, mode, num_draft_tokens=max(batch.num_draft_tokens, 1),
                 tree_shape=None if batch.tree is None else batch.tree.shape, lengths_from=sources)
-            if mode is ForwardMode.DECODE:  # this size's DECODE graph, captured again (a verify graph leaves it)
-                self._device_lengths.pop(bs, None)
+            key = (forward_batch.forward_mode.name, bs)  # this size's graph of this mode, captured again
+            self._device_lengths.pop(key, None)
             if sources is not None:
-                self._device_lengths[bs] = batch
+                self._device_lengths[key] = batch
         else:
             md = self.backend.init_forward_metadata_replay_cuda_graph(batch, bs=batch.batch_size)
         self._step = (batch, md)
 
+    def _lengths_extra(self, fb) -> int | None:
+        """What a graph of ``fb``'s kind adds to SGLang's ``seq_lens`` when it reads them on the device: 0 for a target
+        DECODE, k for a chain TARGET_VERIFY (SGLang's verify lengths exclude the k draft tokens); None for the
+        graphs that stage their lengths at every replay (trees, the draft model's steps)."""
+        name = getattr(fb.forward_mode, "name", None)
+        spec = getattr(fb, "spec_info", None)
+        if name == "DECODE":
+            return 0 if spec is None else None
+        if name == "TARGET_VERIFY" and int(getattr(spec, "topk", 1) or 1) <= 1:
+            return num_draft_tokens_of(fb, self.num_draft_tokens)
+        return None
+
     def _replay_device_lengths(self, fb) -> bool:
-        """The replay update of a DECODE graph that reads its lengths on the device (captured so): host checks of
+        """The replay update of a graph that reads its lengths on the device (captured so): host checks of
         ``seq_lens_cpu`` and the kernel's choice; False (nothing done) for every other replay."""
         bs = int(fb.batch_size)
-        captured = self._device_lengths.get(bs)
-        if captured is None or not _plain_decode(fb):
+        captured = self._device_lengths.get((getattr(fb.forward_mode, "name", None), bs))
+        if captured is None:
             return False
+        extra = self._lengths_extra(fb)
+        k = max(captured.num_draft_tokens, 1)
+        if extra is None or (captured.forward_mode is ForwardMode.TARGET_VERIFY and extra != k):
+            return False  # not the captured kind: the staged replay names what does not fit
         seq_cpu = fb.seq_lens_cpu
         if not isinstance(seq_cpu, torch.Tensor) or seq_cpu.device.type != "cpu":
             seq_cpu = host_int32(seq_cpu, "seq_lens_cpu", bs)  # a list, or None / a device tensor: a named error
         padding = int(getattr(fb, "num_padding", 0) or 0)
         md = self.backend.init_forward_metadata_replay_device_lengths(
-            bs, seq_cpu[:bs], fb.seq_lens[:bs], fb.req_pool_indices[:bs], num_requests=bs - padding)
+            bs, seq_cpu[:bs], fb.seq_lens[:bs], fb.req_pool_indices[:bs], num_requests=bs - padding,
+            mode=captured.forward_mode, num_draft_tokens=k)
         self._step = (captured, md)
         return True
 
@@ -304,11 +323,6 @@ class SGLangMLABackend(AttentionBackend):
                                             sliding_window=_window(layer))
             self._layers[lid] = ours
         return ours
-
-
-def _plain_decode(fb) -> bool:
-    """A target model's DECODE batch (no speculative ``spec_info``): the graphs that read their lengths on the device."""
-    return getattr(fb.forward_mode, "name", None) == "DECODE" and getattr(fb, "spec_info", None) is None
 
 
 def _is_mha_call(fb) -> bool:

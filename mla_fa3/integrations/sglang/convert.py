@@ -21,7 +21,9 @@ Modes (SGLang 0.5.17 ``model_executor/forward_batch_info.py:ForwardMode``):
     others          -> UnsupportedStepError, naming the mode, before anything runs
 
 A CUDA-graph replay passes a batch padded to the captured size: its tail rows (``seq_lens`` = the fill value 1,
-``req_pool_indices`` 0) convert like any row and read the padding slot.
+``req_pool_indices`` 0) convert like any row and read the padding slot. SGLang's replay view keeps the live rows'
+``out_cache_loc`` only (its runner pads its own static buffer, which the captured graph writes): the tail rows' new
+tokens are given SGLang's padding slot 0 here, in DECODE and TARGET_VERIFY as in DRAFT_EXTEND_V2.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ def to_mla_batch(fb, *, device: torch.device, num_draft_tokens: int,
     seq_cpu = host_int32(fb.seq_lens_cpu, "seq_lens_cpu", bs)
     seq = fb.seq_lens[:bs].to(torch.int32)
     loc = fb.out_cache_loc.to(torch.int64)
+    if mode is ForwardMode.DECODE:
+        loc = _window_slots(loc, bs, 1, name)
+    elif mode is ForwardMode.TARGET_VERIFY:
+        loc = _window_slots(loc, bs, num_draft_tokens_of(fb, num_draft_tokens), name)
     positions = getattr(fb, "positions", None)
     positions = None if positions is None or positions.shape[0] != loc.shape[0] else positions.to(torch.int64)
     common = dict(forward_mode=mode, batch_size=bs, req_pool_indices=rows, out_cache_loc=loc, positions=positions)
@@ -141,7 +147,7 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
     if bool((widths == n).all()):
         return ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, seq_lens=seq.clamp(min=n),
                             seq_lens_cpu=seq_cpu.clamp(min=n), num_draft_tokens=n,
-                            out_cache_loc=_window_slots(loc, bs, n), **common)
+                            out_cache_loc=_window_slots(loc, bs, n, "DRAFT_EXTEND_V2"), **common)
     if bool((seq_cpu < widths).any()):
         raise UnsupportedStepError(f"DRAFT_EXTEND_V2: a window wider than its sequence (seq_lens_cpu "
                                    f"{seq_cpu.tolist()}, widths {widths.tolist()})")
@@ -152,12 +158,12 @@ def _draft_extend(fb, configured: int) -> ForwardBatch:
                         extend_seq_lens_cpu=widths, out_cache_loc=loc, **common)
 
 
-def _window_slots(loc: torch.Tensor, bs: int, n: int) -> torch.Tensor:
-    """The ``bs x n`` slots of a fixed-window step: ``loc`` itself, or — the graph runner's replay view, which holds
-    the live rows' slots only — ``loc`` followed by SGLang's padding slot 0 for the padding rows."""
+def _window_slots(loc: torch.Tensor, bs: int, n: int, mode: str) -> torch.Tensor:
+    """The ``bs x n`` slots of a step of ``n`` new tokens per request: ``loc`` itself, or — the graph runner's replay
+    view, which holds the live rows' slots only — ``loc`` followed by SGLang's padding slot 0 for the padding rows."""
     live = loc.numel()
     if live > bs * n or live % n:
-        raise UnsupportedStepError(f"DRAFT_EXTEND_V2: out_cache_loc holds {live} slots, not the live rows' windows "
+        raise UnsupportedStepError(f"{mode}: out_cache_loc holds {live} slots, not the live rows' windows "
                                    f"of a batch of {bs} x {n} tokens")
     return loc if live == bs * n else torch.cat([loc, loc.new_zeros(bs * n - live)])
 
