@@ -175,6 +175,18 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
     return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)
 
 
+class With:
+    """``obj`` with some attributes replaced (SGLang's resolved server args are read-only): the backends read the
+    runner's server args when they are built."""
+
+    def __init__(self, obj, **changes):
+        self.__dict__.update(changes)
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
 def write_rows(path: str, rows: list[dict]) -> None:
     """``rows`` (dicts with the same keys, in column order) as a CSV file with a header."""
     with open(path, "w", newline="") as f:

@@ -3,7 +3,8 @@
 For each shape: SGLang's pools (the attention kit's ``MockMLAModelRunner``, page 64) holding ``bs`` requests of ``ctx``
 tokens, a decode graph state captured at ``bs`` as SGLang's runner captures it (its static ``seq_lens`` /
 ``req_pool_indices`` views handed over at capture and at every replay), then ``--iters`` replay updates timed one by
-one (``time.perf_counter``, median). Variants: ``mla_fa3`` (the graph reads its lengths on the device: the update is
+one (``time.perf_counter``, median). ``--verify K``: also EAGLE's topk-1 verify graph of K draft tokens per request
+(SGLang's TARGET_VERIFY; ``seq_lens`` without the drafts) over the same pools. Variants: ``mla_fa3`` (the graph reads its lengths on the device: the update is
 host checks), ``mla_fa3 host`` (``MLA_FA3_GRAPH_LENGTHS=host``: the batch converted and its lengths staged each
 replay), and on a GPU SGLang's ``fa3`` and ``flashmla`` (their own replay updates).
 
@@ -12,7 +13,7 @@ replay), and on a GPU SGLang's ``fa3`` and ``flashmla`` (their own replay update
 
 On the CPU the staged path would also check every new token's slot against ``req_to_token`` (values a GPU run never
 reads: that would sync); the benchmark skips that check there, so both devices time the same host work.
-Columns: device, heads, bs, ctx, backend, host_us (median), p90_us.
+Columns: device, mode, heads, bs, ctx, backend, host_us (median), p90_us.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ if os.path.isdir(os.path.join(ROOT, ".sglang-cpu")):  # SGLang's CPU import set 
 
 import torch  # noqa: E402
 
-from benchmarks.sglang_backends import write_rows  # noqa: E402
+from benchmarks.sglang_backends import With, write_rows  # noqa: E402
 
 SHAPES = [(16, 1, 65536), (16, 4, 32768), (16, 64, 16384), (128, 1, 32768), (128, 64, 16384)]
 PAGE = 64
 
 
-def _world(kit, heads, bs, ctx, device):
-    """SGLang's runner with ``bs`` requests of ``ctx`` tokens on shuffled pages, and the decode batch over them."""
+def _world(kit, heads, bs, ctx, device, k=0):
+    """SGLang's runner with ``bs`` requests of ``ctx`` tokens on shuffled pages, and the decode batch over them — or,
+    ``k`` > 0, the topk-1 verify batch of their last ``k`` tokens."""
+    from types import SimpleNamespace
+
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     case = kit.MLAAttentionCase(name="host", backend="mla_fa3", forward_mode=ForwardMode.DECODE, num_heads=heads,
@@ -50,18 +54,26 @@ def _world(kit, heads, bs, ctx, device):
     pages = (torch.randperm(bs * (ctx // PAGE)) + 1).view(bs, -1)
     slots = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).view(bs, ctx)
     runner.req_to_token_pool.req_to_token[:bs, :ctx] = slots.to(device, torch.int32)
-    seq = torch.full((bs,), ctx, dtype=torch.int32)
-    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs,
-                      input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+    n = max(k, 1)  # new tokens per request
+    seq = torch.full((bs,), ctx - k, dtype=torch.int32)  # a verify step's seq_lens leave the drafts out
+    fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY if k else ForwardMode.DECODE, batch_size=bs,
+                      input_ids=torch.zeros(bs * n, dtype=torch.int64, device=device),
                       req_pool_indices=torch.arange(bs, dtype=torch.int32, device=device), seq_lens=seq.to(device),
-                      seq_lens_cpu=seq, out_cache_loc=slots[:, -1].contiguous().to(device), seq_lens_sum=bs * ctx,
-                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=device))
+                      seq_lens_cpu=seq, out_cache_loc=slots[:, ctx - n:].reshape(-1).contiguous().to(device),
+                      seq_lens_sum=int(seq.sum()),
+                      positions=(torch.arange(ctx - n, ctx).repeat(bs)).to(device, torch.int64))
+    if k:
+        fb.spec_info = SimpleNamespace(draft_token_num=k, topk=1, custom_mask=None,
+                                       positions=fb.positions, spec_steps=k - 1)
+        runner = With(runner, server_args=With(runner.server_args, speculative_eagle_topk=1,
+                                               speculative_algorithm="EAGLE", speculative_num_draft_tokens=k,
+                                               speculative_num_steps=k - 1))
     return runner, fb
 
 
 def _time(registry, name, runner, fb, bs, iters):
     backend = registry[name](runner)
-    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=fb.out_cache_loc.numel())
     backend.init_forward_metadata_out_graph(fb, in_capture=True)
     backend.init_forward_metadata_in_graph(fb)
     for _ in range(20):
@@ -82,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="CSV path")
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--verify", type=int, default=0, help="also the topk-1 verify graph of this many draft tokens")
     args = p.parse_args(argv)
     from tests.sglang_cpu_shim import prepare_sglang_import
 
@@ -101,8 +114,8 @@ def main(argv=None) -> int:
         variants += [("fa3", "fa3", None), ("flashmla", "flashmla", None)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
-    for heads, bs, ctx in SHAPES:
-        runner, fb = _world(kit, heads, bs, ctx, args.device)
+    for (heads, bs, ctx), k in [(shape, k) for k in sorted({0, args.verify}) for shape in SHAPES]:
+        runner, fb = _world(kit, heads, bs, ctx, args.device, k)
         for label, name, lengths in variants:
             if lengths is not None:
                 os.environ[GRAPH_LENGTHS_ENV] = lengths
@@ -113,8 +126,8 @@ def main(argv=None) -> int:
                 print(f"{label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             finally:
                 os.environ.pop(GRAPH_LENGTHS_ENV, None)
-            rows.append(dict(device=args.device, heads=heads, bs=bs, ctx=ctx, backend=label, host_us=round(med, 1),
-                             p90_us=round(p90, 1)))
+            rows.append(dict(device=args.device, mode=f"verify k{k}" if k else "decode", heads=heads, bs=bs, ctx=ctx,
+                             backend=label, host_us=round(med, 1), p90_us=round(p90, 1)))
             print(",".join(str(v) for v in rows[-1].values()), flush=True)
     write_rows(args.out, rows)
     return 0

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.sglang_backends import sglang_ready  # noqa: E402
+from benchmarks.sglang_backends import With, sglang_ready  # noqa: E402
 from mla_fa3.bench.timing import time_graph  # noqa: E402
 from mla_fa3.ops import tree_attention_triton as tree_triton  # noqa: E402
 from tree_cases import ancestors_mask, random_tree  # noqa: E402
@@ -77,24 +77,12 @@ def _fixture(kit, heads, bs, ctx, k, seed, dev="cuda"):
                            positions=fb.positions, dev=dev)
 
 
-class _With:
-    """``obj`` with some attributes replaced (SGLang's resolved server args are read-only): the backends read the
-    runner's server args when they are built."""
-
-    def __init__(self, obj, **changes):
-        self.__dict__.update(changes)
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-
 def _time(name, topk, fx, registry, iters):
     """(µs per replay, out [bs·k, H·r], kernel) of backend ``name`` with EAGLE topk ``topk`` on the fixture's
     step."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    runner = _With(fx.runner, server_args=_With(fx.runner.server_args, speculative_eagle_topk=topk,
+    runner = With(fx.runner, server_args=With(fx.runner.server_args, speculative_eagle_topk=topk,
                                                 speculative_algorithm="EAGLE", speculative_num_draft_tokens=fx.k,
                                                 speculative_num_steps=fx.k - 1))
     backend = registry[name](runner)
