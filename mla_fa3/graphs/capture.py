@@ -286,8 +286,8 @@ def derive_tables(buf: CaptureBuffers, bs: int, req_to_token: Tensor, sources: L
 
 @dataclass(frozen=True)
 class LengthSources:
-    """The device tensors a captured DECODE graph reads its lengths from: the engine's static inputs ``[:bs]``,
-    which it rewrites in place before every replay (see the module doc)."""
+    """The device tensors a captured DECODE or chain TARGET_VERIFY graph reads its lengths from: the engine's static
+    inputs ``[:bs]``, which it rewrites in place before every replay (see the module doc)."""
 
     seq_lens: Tensor  # [bs] int32 / int64, device: KV tokens of each request after this step, less ``extra``
     req_pool_indices: Tensor  # [bs] int32 / int64, device: its req_to_token row (padding: any held row, e.g. 0)
