@@ -46,6 +46,13 @@ What the adapter reads of SGLang (``adapter.py``, ``convert.py``), by file:
     srt/speculative/eagle_draft_extend_cuda_     DRAFT_EXTEND_V2's replay view (convert.draft_extend_widths: no
       graph_runner.py                            extend_seq_lens_cpu on the batch; spec_info.extend_seq_lens_cpu,
                                                  spec_info.num_tokens_per_req)
+    srt/model_executor/runner/decode_cuda_       the capture batch's seq_lens / req_pool_indices are views of the
+      graph_runner.py (capture_one_shape,        runner's static buffers, rewritten in place (fill_from: padding rows
+      build_replay_fb_view),                     length 1, row 0, slot 0) before every replay, and the replay view
+      srt/model_executor/cuda_graph_buffer_      hands the same views, seq_lens_cpu padded alike, out_cache_loc of
+      registry.py (fill_from)                    the live rows only: the DECODE and chain TARGET_VERIFY graphs read
+                                                 their lengths there (adapter: LengthSources; MLA_FA3_GRAPH_LENGTHS=
+                                                 host stages them instead); convert pads out_cache_loc with slot 0
 """
 
 from __future__ import annotations
