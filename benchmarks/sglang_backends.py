@@ -37,7 +37,7 @@ SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 163
 QUICK = [(1, 65536), (4, 32768), (64, 16384)]
 
 
-def _fixture(kit, mode, heads, bs, ctx, fp8):
+def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda"):
     """SGLang's pools (the kit's MockMLAModelRunner) for ``bs`` requests of ``ctx`` tokens on shuffled pages of 64,
     filled with random latent rows, and the decode batch writing token ``ctx - 1`` of each (vectorized: the kit's
     own fixture fills tables element by element)."""
@@ -51,24 +51,24 @@ def _fixture(kit, mode, heads, bs, ctx, fp8):
                              num_heads=heads, page_size=page, prefix_lens=(ctx - 1,) * bs)
     cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,
                                  context_len=ctx)
-    runner = kit.MockMLAModelRunner(case=c, model_config=cfg, dtype=torch.bfloat16, device="cuda",
+    runner = kit.MockMLAModelRunner(case=c, model_config=cfg, dtype=torch.bfloat16, device=device,
                                     max_context_len=ctx, kv_lora_rank=512, qk_rope_head_dim=64,
                                     disable_cuda_graph=False, fp8_kv_cache=fp8)
     pages_per_req = ctx // page
-    g = torch.Generator(device="cuda").manual_seed(bs * 7 + ctx)
-    perm = torch.randperm(bs * pages_per_req, device="cuda", generator=g) + 1  # page 0: padding
+    g = torch.Generator(device=device).manual_seed(bs * 7 + ctx)
+    perm = torch.randperm(bs * pages_per_req, device=device, generator=g) + 1  # page 0: padding
     pages = perm.view(bs, pages_per_req).to(torch.int64)
-    slots = (pages.unsqueeze(-1) * page + torch.arange(page, device="cuda")).view(bs, ctx)
+    slots = (pages.unsqueeze(-1) * page + torch.arange(page, device=device)).view(bs, ctx)
     runner.req_to_token_pool.req_to_token[:bs, :ctx] = slots.to(torch.int32)
     buf = runner.token_to_kv_pool.kv_buffer[0]
-    rows = torch.randn(buf.shape[0], 1, 576, device="cuda", generator=g, dtype=torch.bfloat16)
+    rows = torch.randn(buf.shape[0], 1, 576, device=device, generator=g, dtype=torch.bfloat16)
     buf.copy_(rows.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else rows)
     del rows
     seq = torch.full((bs,), ctx, dtype=torch.int32)
-    fb = ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64, device="cuda"),
-                      req_pool_indices=torch.arange(bs, dtype=torch.int32, device="cuda"), seq_lens=seq.cuda(),
+    fb = ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                      req_pool_indices=torch.arange(bs, dtype=torch.int32, device=device), seq_lens=seq.to(device),
                       seq_lens_cpu=seq, out_cache_loc=slots[:, -1].contiguous(), seq_lens_sum=bs * ctx,
-                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device="cuda"))
+                      positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=device))
     layer = RadixAttention(num_heads=heads, head_dim=576, scaling=192 ** -0.5, num_kv_heads=1, layer_id=0,
                            v_head_dim=512)
     return SimpleNamespace(runner=runner, layer=layer, fb=fb, bs=bs, heads=heads)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
-            fx = _fixture(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
+            fx = decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
             res = {}
             for name in ("fa3", "flashmla", "mla_fa3"):
                 try:

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, default=32768)
     p.add_argument("--iters", type=int, default=50)
     args = p.parse_args(argv)
-    from benchmarks.sglang_backends import _fixture, sglang_ready, step_inputs
+    from benchmarks.sglang_backends import decode_world, sglang_ready, step_inputs
 
     if not sglang_ready("sglang_fa3_gap"):
         return 2
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit
 
-    fx = _fixture(kit, ForwardMode.DECODE, args.heads, args.bs, args.ctx, False)
+    fx = decode_world(kit, ForwardMode.DECODE, args.heads, args.bs, args.ctx, False)
     bs, H, layer, fb = fx.bs, fx.heads, fx.layer, fx.fb
     q_lat, q_rope, c_kv, k_rope = step_inputs(bs, H)
     kv = fx.runner.token_to_kv_pool.kv_buffer[0].view(-1, 64, 1, 576)

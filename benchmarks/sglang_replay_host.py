@@ -31,43 +31,33 @@ if os.path.isdir(os.path.join(ROOT, ".sglang-cpu")):  # SGLang's CPU import set 
 
 import torch  # noqa: E402
 
-from benchmarks.sglang_backends import With, write_rows  # noqa: E402
+from benchmarks.sglang_backends import With, decode_world, write_rows  # noqa: E402
 
 SHAPES = [(16, 1, 65536), (16, 4, 32768), (16, 64, 16384), (128, 1, 32768), (128, 64, 16384)]
-PAGE = 64
 
 
 def _world(kit, heads, bs, ctx, device, k=0):
-    """SGLang's runner with ``bs`` requests of ``ctx`` tokens on shuffled pages, and the decode batch over them — or,
-    ``k`` > 0, the topk-1 verify batch of their last ``k`` tokens."""
+    """SGLang's runner with ``bs`` requests of ``ctx`` tokens on shuffled pages and the decode batch over them
+    (``sglang_backends.decode_world``) — or, ``k`` > 0, the topk-1 verify batch of their last ``k`` tokens."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-    case = kit.MLAAttentionCase(name="host", backend="mla_fa3", forward_mode=ForwardMode.DECODE, num_heads=heads,
-                                page_size=PAGE, prefix_lens=(ctx - 1,) * bs)
-    cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,
-                                 context_len=ctx)
-    runner = kit.MockMLAModelRunner(case=case, model_config=cfg, dtype=torch.bfloat16, device=device,
-                                    max_context_len=ctx, kv_lora_rank=512, qk_rope_head_dim=64,
-                                    disable_cuda_graph=False, fp8_kv_cache=False)
-    pages = (torch.randperm(bs * (ctx // PAGE)) + 1).view(bs, -1)
-    slots = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).view(bs, ctx)
-    runner.req_to_token_pool.req_to_token[:bs, :ctx] = slots.to(device, torch.int32)
-    n = max(k, 1)  # new tokens per request
+    fx = decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, False, device)
+    if not k:
+        return fx.runner, fx.fb
+    slots = fx.runner.req_to_token_pool.req_to_token[:bs, ctx - k: ctx].to(torch.int64)
     seq = torch.full((bs,), ctx - k, dtype=torch.int32)  # a verify step's seq_lens leave the drafts out
-    fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY if k else ForwardMode.DECODE, batch_size=bs,
-                      input_ids=torch.zeros(bs * n, dtype=torch.int64, device=device),
-                      req_pool_indices=torch.arange(bs, dtype=torch.int32, device=device), seq_lens=seq.to(device),
-                      seq_lens_cpu=seq, out_cache_loc=slots[:, ctx - n:].reshape(-1).contiguous().to(device),
-                      seq_lens_sum=int(seq.sum()),
-                      positions=(torch.arange(ctx - n, ctx).repeat(bs)).to(device, torch.int64))
-    if k:
-        fb.spec_info = SimpleNamespace(draft_token_num=k, topk=1, custom_mask=None,
-                                       positions=fb.positions, spec_steps=k - 1)
-        runner = With(runner, server_args=With(runner.server_args, speculative_eagle_topk=1,
-                                               speculative_algorithm="EAGLE", speculative_num_draft_tokens=k,
-                                               speculative_num_steps=k - 1))
+    fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs,
+                      input_ids=torch.zeros(bs * k, dtype=torch.int64, device=device),
+                      req_pool_indices=fx.fb.req_pool_indices, seq_lens=seq.to(device), seq_lens_cpu=seq,
+                      out_cache_loc=slots.reshape(-1).contiguous(), seq_lens_sum=int(seq.sum()),
+                      positions=torch.arange(ctx - k, ctx).repeat(bs).to(device, torch.int64))
+    fb.spec_info = SimpleNamespace(draft_token_num=k, topk=1, custom_mask=None, positions=fb.positions,
+                                   spec_steps=k - 1)
+    runner = With(fx.runner, server_args=With(fx.runner.server_args, speculative_eagle_topk=1,
+                                              speculative_algorithm="EAGLE", speculative_num_draft_tokens=k,
+                                              speculative_num_steps=k - 1))
     return runner, fb
 
 

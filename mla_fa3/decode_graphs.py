@@ -78,13 +78,29 @@ class DecodeGraphs:
         if not self.device_metadata:
             raise RuntimeError("graph_prologue needs init_cuda_graph_state(..., device_metadata=True)")
         self.builder.derive_tables(plan.metadata, plan.length_sources)
-        if plan.flashmla_schedule is not None:
-            self.planner.schedules.replan_flashmla(plan.metadata, plan.flashmla_schedule)
-        if plan.splitkv_schedule is not None:
-            self.planner.schedules.replan_splitkv(plan.metadata, plan.splitkv_schedule)
-        if plan.fa3_schedule is not None:
-            self.planner.schedules.replan_fa3(plan.metadata, plan.fa3_schedule)
+        self._replan(plan)
         plan.prologue_pending = False
+
+    def _replan(self, plan: StepPlan) -> None:
+        """The kernel's schedule of a captured ``plan`` re-planned in place from the lengths in its metadata."""
+        schedules, md = self.planner.schedules, plan.metadata
+        if plan.flashmla_schedule is not None:
+            schedules.replan_flashmla(md, plan.flashmla_schedule)
+        if plan.splitkv_schedule is not None:
+            schedules.replan_splitkv(md, plan.splitkv_schedule)
+        if plan.fa3_schedule is not None:
+            schedules.replan_fa3(md, plan.fa3_schedule)
+
+    def _kernel(self, bs: int, kernels: list, num_requests: int, max_len: int,
+                mean_len: float | None) -> tuple[DecodeKernel, str | None]:
+        """(kernel, why) among the ``kernels`` captured for ``bs``: the first, or — several captured — the one the
+        live lengths choose (host values: no sync); ``why`` None for the first without a choice."""
+        if len(kernels) == 1:
+            return kernels[0], None
+        kernel, why = self.planner.kernel_choice.choose_decode_kernel(num_requests, max_len, mean_len)
+        if kernel not in kernels:
+            kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
+        return kernel, why
 
     def capture(self, bs, mode: ForwardMode | None, *, num_draft_tokens: int, kernel: DecodeKernel | None,
                 tree_shape: tuple[int, int] | None, lengths_from: LengthSources | None) -> StepPlan:
@@ -129,31 +145,18 @@ class DecodeGraphs:
         mode = batch.forward_mode
         k = graph_shape(queries_per_request(mode, batch.num_draft_tokens), None if batch.tree is None else batch.tree.shape)
         bs, kernels = self._captured.kernels_for(mode, k, batch.batch_size, bs)
-        kernel, why = kernels[0], None
-        if len(kernels) > 1:  # choose from the live lengths (CPU copies: no sync), among the captured ones
-            kernel, why = self.planner.kernel_choice.choose_decode_kernel(batch.batch_size, batch.seq_lens_max,
-                                                                         mean_seqlen(batch))
-            if kernel not in kernels:
-                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
+        kernel, why = self._kernel(bs, kernels, batch.batch_size, batch.seq_lens_max, mean_seqlen(batch))
         entry = self._captured.get(mode, bs, k, kernel)
         if entry.plan.length_sources is not None:
             raise ValueError(f"the {mode.name} graph of bs {bs} reads its lengths on the device (captured with "
                              "lengths_from): replay it with init_forward_metadata_replay_device_lengths")
         md = entry.plan.metadata
         self.builder.replay(batch, md)
-        schedule = entry.plan.flashmla_schedule
-        if schedule is not None and not self.device_metadata:  # else: re-planned in the graph (prologue)
-            self.planner.schedules.replan_flashmla(md, schedule)
-        if entry.plan.splitkv_schedule is not None:  # re-planned on the device from the live lengths
-            schedule = entry.plan.splitkv_schedule
-            if not self.device_metadata:  # else in the graph (prologue)
-                self.planner.schedules.replan_splitkv(md, schedule)
-        if entry.plan.fa3_schedule is not None:  # FA3's tile schedule from the live lengths
-            schedule = entry.plan.fa3_schedule
-            if not self.device_metadata:  # else in the graph (prologue)
-                self.planner.schedules.replan_fa3(md, schedule)
+        if not self.device_metadata:  # else re-planned in the graph (prologue), from the live device lengths
+            self._replan(entry.plan)
         plan = self.planner.decode_plan(batch, md, kernel, f"{why or entry.reason} (replay of bs {bs})",
-                                        graph=True, schedule=schedule, static_batch=entry.plan.batch)
+                                        graph=True, schedule=_captured_schedule(entry.plan),
+                                        static_batch=entry.plan.batch)
         plan.prologue_pending = self.device_metadata  # the graph's prologue runs it; an eager run must call it
         return plan
 
@@ -168,14 +171,11 @@ class DecodeGraphs:
         bs, kernels = self._captured.kernels_for(mode, k, bs, bs)
         kernel, why = kernels[0], None
         n = bs if num_requests is None else num_requests
-        if len(kernels) > 1 and n:
+        if len(kernels) > 1 and n:  # the lengths the graph will run with: the sources' plus their extra
             extra = self._captured.get(mode, bs, k, kernels[0]).plan.length_sources
             extra = 0 if extra is None else extra.extra
             live = seq_lens_cpu[:n]
-            kernel, why = self.planner.kernel_choice.choose_decode_kernel(n, int(live.max()) + extra,
-                                                                         float(live.sum()) / n + extra)
-            if kernel not in kernels:
-                kernel, why = kernels[0], f"{why}; {kernel.value} not captured for bs {bs} -> {kernels[0].value}"
+            kernel, why = self._kernel(bs, kernels, n, int(live.max()) + extra, float(live.sum()) / n + extra)
         entry = self._captured.get(mode, bs, k, kernel)
         sources = entry.plan.length_sources
         if sources is None:
