@@ -11,13 +11,15 @@ MLP of ``--intermediate`` (default 2048, one routed expert's width), vocab 32768
 
 One process per (heads, KV dtype, backend): SGLang's ``load_model`` once (CUDA graphs captured for the batch sizes
 used), then SGLang's ``latency_test_run_once`` per (bs, ctx) — prefill of the batch, then ``--output-len`` decode
-steps; the first shape runs once more first as the warm-up, as ``bench_one_batch`` does. Its median decode latency
+steps; the first shape runs once more first as the warm-up, as ``bench_one_batch`` does. SGLang's benchmark prefills
+the whole batch in one forward, whose activations outgrow the card past a few hundred thousand tokens: a batch of
+more than ``PREFILL_TOKENS`` tokens is prefilled in groups of requests (:class:`GroupedPrefill`: each group SGLang's
+own ``extend``, the groups merged into one batch by ``ScheduleBatch.merge_batch`` as SGLang's scheduler merges a
+prefilled batch into its running one); the timed decode steps are SGLang's, untouched. Its median decode latency
 goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one in the same round: > 1 is faster than fa3).
 ``--repeat N`` runs every backend's process N times, the backends alternating within each round (column ``round``):
 one process's step can sit 10-20 % away from the next one's on the same machine, so a ratio is read within a round
-and its spread across rounds says how far to trust it. SGLang's benchmark
-prefills the whole batch in one forward, so shapes stop where that prefill fits (``SHAPES``). GPU only; needs
-SGLang 0.5.17 and sgl-kernel.
+and its spread across rounds says how far to trust it. GPU only; needs SGLang 0.5.17 and sgl-kernel.
 """
 
 from __future__ import annotations
@@ -35,11 +37,60 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.sglang_engine_check import SGLANG_CONFIG_KEYS  # noqa: E402
 
-# (bs, ctx) per head count: SGLang's benchmark prefills bs x ctx tokens in one forward
-SHAPES = {16: [(1, 32768), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 8192)],
-          128: [(1, 32768), (4, 32768), (16, 16384)]}
+# (bs, ctx) per head count, the largest batches last (a failure there leaves the others measured)
+SHAPES = {16: [(1, 32768), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (16, 32768), (64, 16384)],
+          128: [(1, 32768), (1, 131072), (4, 32768), (16, 16384), (64, 16384)]}
 QUICK = {16: [(1, 65536), (4, 32768)], 128: [(1, 32768)]}
 BACKENDS = ("mla_fa3", "fa3", "flashmla")
+# the most tokens one prefill forward takes here (bs 1 x 128k, the largest single request, fits one forward)
+PREFILL_TOKENS = 131072
+
+
+class GroupedPrefill:
+    """SGLang's bench runner (``one_batch._TorchBenchRunner``) with its ``extend`` taken in groups of requests of at
+    most ``max_tokens`` prompt tokens each (one group when the batch fits): ``extend_fn(group, model_runner)`` is
+    SGLang's ``one_batch.extend`` (-> next token ids, next-token logits, the group's ``ScheduleBatch``); the groups'
+    batches are merged, in order, into the first one (``ScheduleBatch.merge_batch``), and their token ids and logits
+    concatenated in the same order, so the batch ``decode`` then steps is the one a single extend would return."""
+
+    def __init__(self, runner, extend_fn, max_tokens: int):
+        self.runner, self.extend_fn, self.max_tokens = runner, extend_fn, int(max_tokens)
+
+    def groups(self, reqs) -> list:
+        """Consecutive groups of ``reqs``, each of at most ``max_tokens`` prompt tokens (a longer request alone)."""
+        out, group, tokens = [], [], 0
+        for r in reqs:
+            n = len(r.origin_input_ids)
+            if group and tokens + n > self.max_tokens:
+                out.append(group)
+                group, tokens = [], 0
+            group.append(r)
+            tokens += n
+        return out + [group] if group else out
+
+    def extend(self, reqs):
+        import torch
+
+        parts = [self.extend_fn(group, self.runner.torch_runner) for group in self.groups(reqs)]
+        batch = parts[0][2]
+        for _, _, other in parts[1:]:
+            batch.merge_batch(other)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), batch
+
+    def decode(self, next_token_ids, batch):
+        return self.runner.decode(next_token_ids, batch)
+
+    def clear(self):
+        self.runner.clear()
+
+    def cleanup(self, batch):
+        self.runner.cleanup(batch)
+
+    def synchronize(self):
+        self.runner.synchronize()
+
+    def max_batch_size(self, input_len, output_len):
+        return self.runner.max_batch_size(input_len, output_len)
 
 
 def write_model(path: str, heads: int, layers: int, intermediate: int) -> str:
@@ -91,6 +142,7 @@ def _worker(argv) -> int:
     ob.initialize_fp4_gemm_config(server_args)
     ob.configure_logger(server_args, prefix=" TP0")
     runner, _ = ob.load_model(server_args, port_args, 0, 0)
+    runner = GroupedPrefill(runner, ob.extend, PREFILL_TOKENS)
     for i, (bs, ctx) in enumerate([shapes[0]] + shapes):
         reqs = ob.prepare_synthetic_inputs_for_latency_test(bs, ctx)
         ret = ob.latency_test_run_once("one_batch", runner, print, reqs, bs, ctx, mine.output_len, 0, False, False,
