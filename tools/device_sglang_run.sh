@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the checkout root, after the pieces of tools/device_pack.sh were copied to /tmp/up:
 # assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
-#   $@ = one or more of tests bench engine onebatch tree gap, or all  (results under $OUT)
+#   $@ = one or more of tests bench replay engine onebatch tree gap, or all  (results under $OUT)
 # MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
 # otherwise flashinfer is answered by a placeholder (tools/import_placeholders.py: its names raise if called);
 # deep_gemm (never carried; SGLang's EAGLE draft worker imports it through the DSA backend) always is.
@@ -50,6 +50,11 @@ if want bench; then
   env $engine_env timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/sglang_backends.py --out $OUT/sglang_backends.csv ${BENCH_ARGS:-} \
     > $OUT/sglang_backends.txt 2>&1
   tail -60 $OUT/sglang_backends.txt
+fi
+if want replay; then  # the host update before each replay of a decode (and chain verify) graph, per backend
+  env $engine_env timeout ${REPLAY_TIMEOUT:-200} python3 benchmarks/sglang_replay_host.py --device cuda \
+    --out $OUT/replay_host.csv ${REPLAY_ARGS:---verify 2} > $OUT/replay_host.txt 2>&1
+  grep -v Warning $OUT/replay_host.txt | tail -30 | cut -c1-300
 fi
 if want engine; then
   env $engine_env timeout ${ENGINE_TIMEOUT:-300} python3 benchmarks/sglang_engine_check.py --out $OUT/engine_check.json \
