@@ -15,8 +15,11 @@ steps; the first shape runs once more first as the warm-up, as ``bench_one_batch
 the whole batch in one forward, whose activations outgrow the card past a few hundred thousand tokens: a batch of
 more than ``PREFILL_TOKENS`` tokens is prefilled in groups of requests (:class:`GroupedPrefill`: each group SGLang's
 own ``extend``, the groups merged into one batch by ``ScheduleBatch.merge_batch`` as SGLang's scheduler merges a
-prefilled batch into its running one); the timed decode steps are SGLang's, untouched. Its median decode latency
-goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one in the same round: > 1 is faster than fa3).
+prefilled batch into its running one); the timed decode steps are SGLang's, untouched. Beside the step's wall time,
+``forward_ms`` is the median CUDA-event time of the decode ``ModelRunner.forward`` alone (:class:`DecodeForwardTimes`:
+the backend's replay update plus the graph on the GPU), the part of a step an attention backend changes. The median
+decode latency goes to the CSV with ``ratio_vs_fa3`` (fa3's latency / this one in the same round: > 1 is faster
+than fa3), ``forward_ms`` with ``forward_ratio_vs_fa3``.
 ``--repeat N`` runs every backend's process N times, the backends alternating within each round (column ``round``):
 one process's step can sit 10-20 % away from the next one's on the same machine, so a ratio is read within a round
 and its spread across rounds says how far to trust it. GPU only; needs SGLang 0.5.17 and sgl-kernel.
@@ -93,6 +96,38 @@ class GroupedPrefill:
         return self.runner.max_batch_size(input_len, output_len)
 
 
+class DecodeForwardTimes:
+    """The CUDA-event time of every decode ``ModelRunner.forward`` (installed over the runner's own): from the host
+    entering ``forward`` — the GPU idles there, bench_one_batch synchronizes after each step — to the last kernel of
+    the step's graph, i.e. the backend's replay update plus the graph's GPU time, without the batch preparation and
+    the sampling around it that every backend shares (on a 4-layer model those are most of a step's wall time)."""
+
+    def __init__(self, model_runner):
+        import torch
+
+        self._torch, self._pairs = torch, []
+        inner = model_runner.forward
+
+        def forward(forward_batch, *args, **kwargs):
+            if not forward_batch.forward_mode.is_decode():
+                return inner(forward_batch, *args, **kwargs)
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            out = inner(forward_batch, *args, **kwargs)
+            end.record()
+            self._pairs.append((start, end))
+            return out
+
+        model_runner.forward = forward
+
+    def take_median_ms(self) -> float | None:
+        """Median over the decode forwards since the last call (the first one left out, as a warm-up); None if none."""
+        self._torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in self._pairs[1:])
+        self._pairs = []
+        return times[len(times) // 2] if times else None
+
+
 def write_model(path: str, heads: int, layers: int, intermediate: int) -> str:
     """config.json of a DeepSeek-V3-shaped model (all layers dense) and a word-level tokenizer; no weights."""
     from mla_fa3.models.tiny import tiny_tokenizer
@@ -142,13 +177,15 @@ def _worker(argv) -> int:
     ob.initialize_fp4_gemm_config(server_args)
     ob.configure_logger(server_args, prefix=" TP0")
     runner, _ = ob.load_model(server_args, port_args, 0, 0)
+    forwards = DecodeForwardTimes(runner.torch_runner)
     runner = GroupedPrefill(runner, ob.extend, PREFILL_TOKENS)
     for i, (bs, ctx) in enumerate([shapes[0]] + shapes):
         reqs = ob.prepare_synthetic_inputs_for_latency_test(bs, ctx)
         ret = ob.latency_test_run_once("one_batch", runner, print, reqs, bs, ctx, mine.output_len, 0, False, False,
                                        ("CPU", "GPU"), "", "all", 0)
+        forward_ms = forwards.take_median_ms()
         if i and ret is not None:
-            print("RESULT " + json.dumps(ret), flush=True)
+            print("RESULT " + json.dumps(dict(ret, median_decode_forward_ms=forward_ms)), flush=True)
     return 0
 
 
@@ -171,7 +208,8 @@ def _run(model: str, backend: str, kv: str, shapes, out_len: int, log, mem_fract
     log.flush()
     got = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
     rows = [dict(bs=r["batch_size"], ctx=r["input_len"], decode_ms=round(r["median_decode_latency"] * 1e3, 4),
-                 tok_s=round(r["median_decode_throughput"], 1), prefill_s=round(r["prefill_latency"], 3))
+                 tok_s=round(r["median_decode_throughput"], 1), prefill_s=round(r["prefill_latency"], 3),
+                 forward_ms=round(r["median_decode_forward_ms"], 4) if r.get("median_decode_forward_ms") else "")
             for r in got]
     done = {(r["bs"], r["ctx"]) for r in rows}
     rows += [dict(bs=b, ctx=c, error=failure_line(out)) for b, c in shapes if (b, c) not in done]
@@ -190,19 +228,21 @@ def failure_line(out: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-COLUMNS = ["heads", "kv", "backend", "round", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "prefill_s",
-           "error"]
+COLUMNS = ["heads", "kv", "backend", "round", "bs", "ctx", "decode_ms", "tok_s", "ratio_vs_fa3", "forward_ms",
+           "forward_ratio_vs_fa3", "prefill_s", "error"]
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:
-    """The rows with ``ratio_vs_fa3``: fa3's decode latency at the same (heads, kv, round, bs, ctx) / this row's."""
+    """The rows with ``ratio_vs_fa3`` (fa3's decode latency at the same (heads, kv, round, bs, ctx) / this row's) and
+    ``forward_ratio_vs_fa3`` (the same of the decode forwards' CUDA-event time, :class:`DecodeForwardTimes`)."""
     def key(r):
         return r["heads"], r["kv"], r.get("round", 0), r["bs"], r["ctx"]
 
-    base = {key(r): r["decode_ms"] for r in rows if r.get("backend") == "fa3" and "decode_ms" in r}
-    for r in rows:
-        ref = base.get(key(r))
-        r["ratio_vs_fa3"] = round(ref / r["decode_ms"], 3) if ref and "decode_ms" in r else ""
+    for col, ratio in (("decode_ms", "ratio_vs_fa3"), ("forward_ms", "forward_ratio_vs_fa3")):
+        base = {key(r): r[col] for r in rows if r.get("backend") == "fa3" and r.get(col)}
+        for r in rows:
+            ref = base.get(key(r))
+            r[ratio] = round(ref / r[col], 3) if ref and r.get(col) else ""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -220,7 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=12)
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv", nargs="+", default=["auto", "fp8_e4m3"])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--flashmla-fp8", action="store_true", help="also SGLang's flashmla backend on an FP8 cache")

@@ -32,14 +32,15 @@ def test_timeout_then_last_line_then_nothing():
 
 
 def test_ratios_are_read_within_a_round(tmp_path):
-    rows = [dict(heads=128, kv="auto", backend=b, round=r, bs=1, ctx=32768, decode_ms=ms)
-            for r, b, ms in ((0, "fa3", 2.0), (0, "mla_fa3", 1.6), (1, "fa3", 1.5), (1, "mla_fa3", 2.0))]
+    rows = [dict(heads=128, kv="auto", backend=b, round=r, bs=1, ctx=32768, decode_ms=ms, forward_ms=fw)
+            for r, b, ms, fw in ((0, "fa3", 2.0, 0.9), (0, "mla_fa3", 1.6, 0.6), (1, "fa3", 1.5, 1.0),
+                                 (1, "mla_fa3", 2.0, 0.8))]
     rows.append(dict(heads=128, kv="auto", backend="mla_fa3", round=2, bs=1, ctx=32768, error="TIMEOUT"))
     path = tmp_path / "one_batch.csv"
     _write_csv(str(path), rows)
-    got = [(r["backend"], r["round"], r["ratio_vs_fa3"]) for r in csv.DictReader(open(path))]
-    assert got == [("fa3", "0", "1.0"), ("mla_fa3", "0", "1.25"), ("fa3", "1", "1.0"), ("mla_fa3", "1", "0.75"),
-                   ("mla_fa3", "2", "")]
+    got = [(r["backend"], r["round"], r["ratio_vs_fa3"], r["forward_ratio_vs_fa3"]) for r in csv.DictReader(open(path))]
+    assert got == [("fa3", "0", "1.0", "1.0"), ("mla_fa3", "0", "1.25", "1.5"), ("fa3", "1", "1.0", "1.0"),
+                   ("mla_fa3", "1", "0.75", "1.25"), ("mla_fa3", "2", "", "")]
 
 
 class _Batch:
