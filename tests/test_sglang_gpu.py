@@ -54,20 +54,20 @@ def test_kit_target_verify_gpu(backend, graph, topk):
     run(TESTCASE, c, topk=topk, kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
 
 
-# The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. Its draft model
-# (hidden 64, vocab 64, random) is near-uniform: on the CPU its top-4 draft probabilities are one bf16 ulp apart
-# (relative gaps from 3.9e-3 = 2^-8), so a last-bit change of the attention output can reorder them. Eager and graph
-# steps round differently wherever FA3 plans its own splits (by the page table's width: the batch's in an eager step,
-# the whole context in a graph): our topk-2 page-1 case differed in 2 of 15 values on an H100 (2026-12-07), SGLang's
-# fa3 its page-16 case (above). test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split asserts the same case exactly
-# with FA3's splits pinned and the prefix part's kernel fixed (auto, fa3, splitkv); tests/test_tree_steps_gpu.py
-# holds the graph replay to the fp64 oracle.
-_ROUNDING = pytest.mark.xfail(strict=False, reason="not explained yet: graph and eager draft tokens differ (2 of 15); "
-                              "suspected rounding (FA3's split count, a near-uniform draft model), unconfirmed: "
-                              "test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split decides")
+# The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. At topk 2, page 1
+# ours differ in 2 of 15 values, for the one request (of 3) whose prefix (5 tokens) is shorter than its 6 draft tokens
+# (H100, 2026-12-07, fourth to sixth runs). Not FA3's split count: pinned to one split in both FA3 entry points and
+# with the prefix part's kernel fixed to auto, fa3 or splitkv, the three runs fail with the same values bit for bit
+# (sixth run). Our GPU tree-step graphs (tests/test_tree_steps_gpu.py) and the CPU stand-in of SGLang's draft runner
+# (tests/test_sglang_draft.py) match the fp64 oracle, so the difference lies in what SGLang's draft graph runner does
+# that neither reproduces; test_kit_eagle_draft_attention_eager_vs_graph localizes it (the first step, layer and row
+# whose attention output differs).
+_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: graph and eager draft tokens differ (2 of 15) for the "
+                                 "request whose prefix is shorter than its draft tokens; not FA3's split count")
 
 
-@pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16), pytest.param("mla_fa3", 2, 1, marks=_ROUNDING),
+@pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16),
+                                                    pytest.param("mla_fa3", 2, 1, marks=_DRAFT_GRAPH),
                                                     ("fa3", 2, 1), pytest.param("fa3", 1, 16, marks=_FA3_FAILS)])
 def test_kit_eagle_draft_gpu(backend, topk, page_size):
     """The kit's EAGLE multi-step draft under its CUDA-graph runner: the draft backend SGLang's DraftBackendFactory
@@ -77,14 +77,13 @@ def test_kit_eagle_draft_gpu(backend, topk, page_size):
     _run_kit_draft(backend, topk, page_size)
 
 
+@_DRAFT_GRAPH
 @pytest.mark.parametrize("kernel", ["auto", "fa3", "splitkv"])
 def test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split(monkeypatch, kernel):
-    """The topk-2, page-1 draft with FA3 pinned to one split wherever it plans its own (the tree's prefix part): the
-    graph replay then repeats the eager step's arithmetic, and the kit's draft tokens must match exactly — a stale
-    slot, page table or tree in the replay would still change them. Unpinned, FA3 sizes its splits by the page
-    table's width (the batch's in an eager step, the whole context in a graph), a last-bit difference that the kit's
-    random vocab-64 draft model can turn into another token. The prefix part's kernel is also fixed (``kernel``:
-    ``MLA_FA3_DECODE_KERNEL``), so that eager and graph steps cannot choose two kernels either."""
+    """The topk-2, page-1 draft with FA3 pinned to one split wherever it plans its own (the tree's prefix part) and
+    the prefix part's kernel fixed (``kernel``: ``MLA_FA3_DECODE_KERNEL``): the graph replay then repeats the eager
+    step's arithmetic kernel for kernel, and the kit's draft tokens must match exactly. Unpinned, FA3 sizes its splits
+    by the page table's width (the batch's in an eager step, the whole context in a graph)."""
     import sgl_kernel.flash_attn as fa
 
     from mla_fa3.integrations.sglang.adapter import DECODE_KERNEL_ENV
@@ -97,12 +96,60 @@ def test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split(monkeypatch, kernel):
             return unpinned(*args, **kwargs)
         return one_split
 
-    # both FA3 entry points: a call planning its own splits, and the tile schedule our planner computes once per
-    # step for the layers' calls (get_scheduler_metadata; the call then passes the schedule's split count) —
-    # pinning the first alone (2026-12-07, fifth run) left the mismatch as it was
     for name in ("flash_attn_with_kvcache", "get_scheduler_metadata"):
         monkeypatch.setattr(fa, name, pinned(getattr(fa, name)))
     _run_kit_draft("mla_fa3", 2, 1)
+
+
+def test_kit_eagle_draft_attention_eager_vs_graph(monkeypatch):
+    """The kit's topk-2, page-1 draft case with every draft step's attention inputs (the queries) and output (ours,
+    per step and layer) copied into buffers of their own — in the graph run those copies are captured, so each replay
+    rewrites them. Wherever the live rows' queries of the eager run and of the graph replay are equal (step 0 always:
+    both runs start from the same inputs; a later step while the draft tokens before it agree), their attention
+    outputs must agree to bf16 rounding. A failure names the first step, layer and row that differ."""
+    from mla_fa3.integrations.sglang import draft
+
+    runs: list[dict] = []  # one dict per draft pool (the kit's eager fixture first, then the graph one)
+    seen: dict[int, dict] = {}
+    absorbed = draft.SGLangDraftStepBackend._forward_absorbed
+
+    def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
+        out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
+        store = seen.setdefault(id(self.req_to_token_pool), {})
+        if not store:
+            runs.append(store)
+        key = (self.step, int(layer.layer_id))
+        parts = (q, out) if q_rope is None else (torch.cat([q.flatten(1), q_rope.flatten(1)], dim=1), out)
+        if key not in store:  # allocated at the first call (a warm-up, before any capture)
+            store[key] = tuple(torch.empty_like(t) for t in parts)
+        for buf, t in zip(store[key], parts):
+            buf.copy_(t)
+        return out
+
+    monkeypatch.setattr(draft.SGLangDraftStepBackend, "_forward_absorbed", recording)
+    try:
+        _run_kit_draft("mla_fa3", 2, 1)
+    except AssertionError:
+        pass  # the kit's own token comparison (test_kit_eagle_draft_gpu); here the attention is compared
+    torch.cuda.synchronize()
+    assert len(runs) == 2, f"expected the kit's eager and graph fixtures, saw {len(runs)} pools"
+    eager, graph = runs
+    live = 3 * 2  # the case's 3 requests x topk 2 branches (the graph's padding rows follow)
+    compared = []
+    for key in sorted(eager):
+        (qa, oa), (qb, ob) = eager[key], graph[key]
+        same_q = torch.equal(qa[:live], qb[:live])
+        assert same_q or key[0] > 0, f"draft step 0, layer {key[1]}: the two runs' queries differ (the kit's inputs?)"
+        if not same_q:
+            continue
+        a, b = oa[:live].float(), ob[:live].float()
+        diff = (a - b).abs().amax(dim=-1)
+        row = int(diff.argmax())
+        assert diff.max().item() <= 2e-2 * max(a.abs().max().item(), 1.0), (
+            f"draft step {key[0]}, layer {key[1]}, same queries: eager and graph attention differ, most at row {row} "
+            f"(request {row // 2}, branch {row % 2}) by {diff.max().item():.4g}")
+        compared.append(key)
+    assert any(step == 0 for step, _ in compared)
 
 
 def _run_kit_draft(backend, topk, page_size):
