@@ -11,6 +11,7 @@ of each branch query over the prefix keys (recomputed by the kit's module) plus 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from types import SimpleNamespace
 
@@ -247,3 +248,71 @@ def test_hook_applied_by_sglang_routes_the_factory():
     HookRegistry.apply_hooks()
     made = _factory("mla_fa3", runner=runner).create_decode_backend()
     assert isinstance(made, draft.SGLangMLAMultiStepDraftBackend)
+
+
+class _ReplayAsEagerRun:
+    """SGLang's decode graph backend for a CPU run (``runner_backend``'s interface): ``capture_one`` runs the step once
+    and keeps it, ``replay`` runs it again — each replay re-runs the step's Python, so values baked into a real graph
+    at capture are not modelled; everything SGLang's draft graph runner does around the graph (padding to the captured
+    size, its static buffers, the out-of-graph update it calls on our backend) is SGLang's own code."""
+
+    def __init__(self, runner):
+        self.steps = {}
+
+    @contextlib.contextmanager
+    def capture_session(self, stream=None):
+        yield
+
+    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None, **kwargs):
+        forward_fn()
+        self.steps[shape_key] = forward_fn
+
+    def can_run(self, forward_batch, shape_key):
+        return shape_key in self.steps
+
+    @contextlib.contextmanager
+    def replay_session(self):
+        yield
+
+    def replay(self, shape_key, forward_batch, *args, **kwargs):
+        return self.steps[shape_key]()
+
+    def cleanup(self):
+        pass
+
+
+@pytest.mark.parametrize("topk,page_size", [(2, 1), (1, 16)])
+def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
+    """SGLang's attention kit's EAGLE draft case through SGLang's own EAGLEDraftCudaGraphRunner on our backend (the
+    GPU test's case: prefixes 14, 5, 30, captured for 4 requests, replayed for 3), the graph replay run eagerly
+    (:class:`_ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal its eager run's.
+    Our own reference kernels on the CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
+    from tools.import_placeholders import install
+
+    install(("setproctitle", "uvicorn", "fastapi"))  # imported by SGLang's scheduler module, never called here
+    import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
+
+    from tests.sglang_world import TESTCASE
+
+    @contextlib.contextmanager
+    def seeded_rng(seed, *, device):  # the kit's, without its CUDA generator
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(seed)
+            yield
+        finally:
+            torch.random.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def one_rank_capture():
+        yield SimpleNamespace(stream=None)
+
+    monkeypatch.setattr(graph_runner, "resolve_decode_backend", _ReplayAsEagerRun)
+    monkeypatch.setattr(dr, "_seeded_rng", seeded_rng)
+    monkeypatch.setattr(dr, "_single_rank_graph_capture", one_rank_capture)
+    c = case("DECODE", prefix_lens=PREFIXES, page_size=page_size, name=f"draft_mla_fa3_{topk}_{page_size}")
+    dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=3,
+                                                  speculative_num_draft_tokens=4 if topk > 1 else 3,
+                                                  kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cpu",
+                                                  dtype=torch.bfloat16)

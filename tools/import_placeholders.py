@@ -6,8 +6,9 @@ calls them, and its EAGLE draft worker imports the DSA backend, which imports ``
 (``speculative/eagle_worker_v2.py``: ``_capture_cuda_graphs``; ``layers/attention/dsa_backend.py``), whatever the
 attention backend. ``install(packages)`` adds an import hook that answers each package and every ``package.*``
 module with a placeholder whose names are classes that raise when instantiated or called. It sits after the real
-finders: a package that is installed wins. Used by ``tools/device_sglang_run.sh`` (through ``sitecustomize``) only;
-never by the library or CI.
+finders: a package that is installed wins. Used by ``tools/device_sglang_run.sh`` (through ``sitecustomize``) and by
+one CPU test (``tests/test_sglang_draft.py``: SGLang's scheduler module imports setproctitle, uvicorn and fastapi,
+which the CPU import set does not carry); never by the library.
 """
 
 from __future__ import annotations
