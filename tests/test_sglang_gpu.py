@@ -58,10 +58,10 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 # ours differ in 2 of 15 values, for the one request (of 3) whose prefix (5 tokens) is shorter than its 6 draft tokens
 # (H100, 2026-12-07, fourth to sixth runs). Not FA3's split count: pinned to one split in both FA3 entry points and
 # with the prefix part's kernel fixed to auto, fa3 or splitkv, the three runs fail with the same values bit for bit
-# (sixth run). Our GPU tree-step graphs (tests/test_tree_steps_gpu.py) and the CPU stand-in of SGLang's draft runner
-# (tests/test_sglang_draft.py) match the fp64 oracle, so the difference lies in what SGLang's draft graph runner does
-# that neither reproduces; test_kit_eagle_draft_attention_eager_vs_graph localizes it (the first step, layer and row
-# whose attention output differs).
+# (sixth run). Our GPU tree-step graphs (tests/test_tree_steps_gpu.py) match the fp64 oracle, and SGLang's own draft
+# graph runner passes this case on the CPU with its replay run eagerly (tests/test_sglang_draft.py), so the difference
+# lies in what a real graph fixes at capture or in a GPU kernel; test_kit_eagle_draft_attention_eager_vs_graph
+# localizes it (the first step, layer and row whose attention output differs).
 _DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: graph and eager draft tokens differ (2 of 15) for the "
                                  "request whose prefix is shorter than its draft tokens; not FA3's split count")
 
