@@ -36,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks.sglang_engine_check import SGLANG_CONFIG_KEYS  # noqa: E402
@@ -72,8 +74,6 @@ class GroupedPrefill:
         return out + [group] if group else out
 
     def extend(self, reqs):
-        import torch
-
         parts = [self.extend_fn(group, self.runner.torch_runner) for group in self.groups(reqs)]
         batch = parts[0][2]
         for _, _, other in parts[1:]:
@@ -103,9 +103,7 @@ class DecodeForwardTimes:
     the sampling around it that every backend shares (on a 4-layer model those are most of a step's wall time)."""
 
     def __init__(self, model_runner):
-        import torch
-
-        self._torch, self._pairs = torch, []
+        self._pairs = []
         inner = model_runner.forward
 
         def forward(forward_batch, *args, **kwargs):
@@ -122,7 +120,7 @@ class DecodeForwardTimes:
 
     def take_median_ms(self) -> float | None:
         """Median over the decode forwards since the last call (the first one left out, as a warm-up); None if none."""
-        self._torch.cuda.synchronize()
+        torch.cuda.synchronize()
         times = sorted(s.elapsed_time(e) for s, e in self._pairs[1:])
         self._pairs = []
         return times[len(times) // 2] if times else None
