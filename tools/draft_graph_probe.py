@@ -1,0 +1,207 @@
+"""GPU probe of the kit's topk-2, page-1 EAGLE draft mismatch (tests/test_sglang_gpu.py, ``_DRAFT_GRAPH``): the kit
+case run under variants that each remove one suspect, one line per variant, pass or the kit's first message.
+
+    python3 tools/draft_graph_probe.py          (on the GPU machine, after tools/device_sglang_run.sh set up /tmp/site)
+
+Variants: the failing case itself; the prefixes reordered or lengthened (is it the request whose prefix is shorter
+than its draft tokens?); a capture size equal to the batch (no padding rows); the replay update writing the page
+table and schedule itself (no in-graph prologue); the tree part on the torch reference instead of Triton."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+
+import torch
+
+from tests.sglang_world import D_ROPE, R, TESTCASE, case
+
+
+def run(prefixes=(14, 5, 30), capture_bs=4, topk=2, page_size=1, steps=3, backend="mla_fa3"):
+    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
+
+    c = case("DECODE", prefix_lens=prefixes, page_size=page_size, backend=backend,
+             name=f"draft_probe_{'_'.join(map(str, prefixes))}")
+    dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=steps,
+                                                  speculative_num_draft_tokens=4 if topk > 1 else 3,
+                                                  cuda_graph_capture_batch_size=capture_bs, kv_lora_rank=R,
+                                                  qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def no_device_metadata():
+    from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        self.backend.init_cuda_graph_state(max_bs, self.max_context, max_num_draft_tokens=max(self.num_draft_tokens, 1),
+                                           device_metadata=False)
+        self._device_lengths.clear()
+
+    with patched(SGLangMLABackend, "init_cuda_graph_state", init_cuda_graph_state):
+        yield
+
+
+@contextlib.contextmanager
+def tree_part_reference():
+    from mla_fa3 import absorb_tree
+
+    real = absorb_tree.ops.tree_attention
+
+    def reference(*args, **kwargs):
+        kwargs["impl"] = "reference"
+        return real(*args, **kwargs)
+
+    with patched(absorb_tree.ops, "tree_attention", reference):
+        yield
+
+
+@contextlib.contextmanager
+def nothing():
+    yield
+
+
+class _EagerReplay:
+    """SGLang's decode graph backend with no graph (``runner_backend``'s interface): capture runs the draft forward
+    once and keeps it, a replay runs it again on the replay's metadata (tests/test_sglang_draft.py's CPU form)."""
+
+    def __init__(self, runner):
+        self.steps = {}
+
+    @contextlib.contextmanager
+    def capture_session(self, stream=None):
+        yield
+
+    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None, **kwargs):
+        forward_fn()
+        self.steps[shape_key] = forward_fn
+
+    def can_run(self, forward_batch, shape_key):
+        return shape_key in self.steps
+
+    @contextlib.contextmanager
+    def replay_session(self):
+        yield
+
+    def replay(self, shape_key, forward_batch, *args, **kwargs):
+        return self.steps[shape_key]()
+
+    def cleanup(self):
+        pass
+
+
+@contextlib.contextmanager
+def no_graph():
+    import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner
+
+    with patched(graph_runner, "resolve_decode_backend", _EagerReplay):
+        yield
+
+
+VARIANTS = [
+    ("base (14, 5, 30), capture 4", nothing, {}),
+    ("fa3, the same case", nothing, dict(backend="fa3")),
+    ("graph runner, replay run eagerly", no_graph, {}),
+    ("prefixes (14, 7, 30)", nothing, dict(prefixes=(14, 7, 30))),
+    ("prefixes (14, 6, 30)", nothing, dict(prefixes=(14, 6, 30))),
+    ("prefixes (5, 14, 30)", nothing, dict(prefixes=(5, 14, 30))),
+    ("prefixes (14, 30, 5)", nothing, dict(prefixes=(14, 30, 5))),
+    ("prefixes (3, 4, 5)", nothing, dict(prefixes=(3, 4, 5))),
+    ("capture 3 (no padding row)", nothing, dict(capture_bs=3)),
+    ("no in-graph prologue", no_device_metadata, {}),
+    ("tree part on torch", tree_part_reference, {}),
+    ("steps 2", nothing, dict(steps=2)),
+    ("steps 4", nothing, dict(steps=4)),
+]
+
+
+def dump() -> None:
+    """The base case with the replay run eagerly: at every draft step and layer, each live row's attention output
+    against an fp64 oracle over the pool rows the kit laid out (request b's prefix columns and its branch's draft
+    columns of steps 0 .. i, read through ``req_to_token``), and what our kernels were handed for it (the prefix
+    length, its page-table entries, the tree key slots and mask) — for the eager run and the padded replay."""
+    from mla_fa3.integrations.sglang import draft
+    from mla_fa3.integrations.sglang.draft import draft_columns
+
+    absorbed = draft.SGLangDraftStepBackend._forward_absorbed
+    pools: dict[int, int] = {}
+
+    def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
+        out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
+        run = pools.setdefault(id(self.req_to_token_pool), len(pools))
+        r, H = self.kv_lora_rank, int(layer.tp_q_head_num)
+        T = batch.num_tokens
+        if q_rope is None:
+            q3 = q.reshape(T, H, -1)
+            ql, qr = q3[..., :r], q3[..., r:]
+        else:
+            ql, qr = q.reshape(T, H, r), q_rope.reshape(T, H, -1)
+        md = self.backend.step_plan.metadata
+        bs, topk, S, i = batch.batch_size, self.topk, self.num_steps, self.step
+        rows = fb.req_pool_indices[:bs].long()
+        prefix = fb.seq_lens[:bs].long()
+        cols = draft_columns(prefix, topk, S, self.page_size)
+        table = self.req_to_token_pool.req_to_token
+        kv = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, r + qr.shape[-1]).double()
+        o = out.reshape(T, H, r).double()
+        live = min(bs, 3)
+        for b in range(live):
+            for j in range(topk):
+                t = b * topk + j
+                slots = torch.cat([table[rows[b], : int(prefix[b])].long(),
+                                   table[rows[b], cols[b, j * S: j * S + i + 1]].long()])
+                keys = kv[slots]
+                s_ = (torch.einsum("hr,nr->hn", ql[t].double(), keys[:, :r]) +
+                      torch.einsum("hd,nd->hn", qr[t].double(), keys[:, r:])) * float(layer.scaling)
+                ref = torch.softmax(s_, dim=-1) @ keys[:, :r]
+                err = (o[t] - ref).abs().max().item()
+                if err > 2e-2 * max(ref.abs().max().item(), 1.0) or b == 1:
+                    print(f"run {run} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
+                          f"{err:.4g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
+        if i == 0 and int(layer.layer_id) == 0:
+            print(f"run {run} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
+                  f"{md.page_table[:, :8].tolist()} key_slots {md.tree.key_slots.tolist()} "
+                  f"mask[:, :, :] {md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}",
+                  flush=True)
+        return out
+
+    with patched(draft.SGLangDraftStepBackend, "_forward_absorbed", recording), no_graph():
+        try:
+            run()
+            print("dump: the kit passed")
+        except AssertionError as e:
+            print("dump: the kit failed:", " ".join(str(e).split())[:600])
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--dump"]:
+        dump()
+        return 0
+    only = set(sys.argv[1:])
+    for name, ctx, kwargs in VARIANTS:
+        if only and name not in only:
+            continue
+        try:
+            with ctx():
+                run(**kwargs)
+            print(f"PASS  {name}", flush=True)
+        except Exception as e:  # the kit's assertion, or anything else: name it and go on
+            msg = " ".join(str(e).split())[:2000]
+            print(f"FAIL  {name}: {type(e).__name__}: {msg}", flush=True)
+            if not isinstance(e, AssertionError):
+                traceback.print_exc(limit=6)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
