@@ -135,10 +135,14 @@ def dump() -> None:
 
     absorbed = draft.SGLangDraftStepBackend._forward_absorbed
     pools: dict[int, int] = {}
+    seen: dict[tuple[int, int, int], tuple] = {}  # (run, step, layer) -> the live rows' (q, k, out), the last call's
 
     def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
         out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
         run = pools.setdefault(id(self.req_to_token_pool), len(pools))
+        written = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
+        parts = [q, out, written[fb.out_cache_loc[:6].long()]] + [t for t in (q_rope,) if t is not None]
+        seen[(run, self.step, int(layer.layer_id))] = tuple(t[:6].reshape(6, -1).double().cpu() for t in parts)
         r, H = self.kv_lora_rank, int(layer.tp_q_head_num)
         T = batch.num_tokens
         if q_rope is None:
@@ -165,10 +169,17 @@ def dump() -> None:
                       torch.einsum("hd,nd->hn", qr[t].double(), keys[:, r:])) * float(layer.scaling)
                 ref = torch.softmax(s_, dim=-1) @ keys[:, :r]
                 err = (o[t] - ref).abs().max().item()
+                top2 = s_.topk(2, dim=-1).values
+                gap = (top2[:, 0] - top2[:, 1]).min().item()
                 if err > 2e-2 * max(ref.abs().max().item(), 1.0) or b == 1:
                     print(f"run {run} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
-                          f"{err:.4g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
+                          f"{err:.4g}; smallest top-2 score gap {gap:.3g}, largest |score| {s_.abs().max().item():.3g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
         if i == 0 and int(layer.layer_id) == 0:
+            for b in range(live):
+                pre = set(table[rows[b], : int(prefix[b])].tolist())
+                dra = set(table[rows[b], cols[b]].tolist())
+                print(f"run {run} request {b}: prefix slots that are also draft slots {sorted(pre & dra)}; draft slots "
+                      f"{table[rows[b], cols[b]].tolist()}", flush=True)
             print(f"run {run} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
                   f"{md.page_table[:, :8].tolist()} key_slots {md.tree.key_slots.tolist()} "
                   f"mask[:, :, :] {md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}",
@@ -181,6 +192,12 @@ def dump() -> None:
             print("dump: the kit passed")
         except AssertionError as e:
             print("dump: the kit failed:", " ".join(str(e).split())[:600])
+    for (which, step, lid), parts in sorted(seen.items()):
+        other = seen.get((1 - which, step, lid))
+        if which == 0 and other is not None:
+            deltas = [f"{(a - b).abs().max().item():.4g}" for a, b in zip(parts, other)]
+            print(f"eager vs padded replay, step {step} layer {lid}: max |delta| of the live rows' q, out, their "
+                  f"latent rows at out_cache_loc (, q_rope): {deltas}", flush=True)
 
 
 def main() -> int:
