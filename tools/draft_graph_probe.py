@@ -108,7 +108,19 @@ def no_graph():
         yield
 
 
+@contextlib.contextmanager
+def store_without_pdl():
+    """SGLang's MLA KV store (``sglang/kernels/ops/kvcache/mla_buffer.py``) launched without programmatic dependent
+    launch: on sm_90 it waits for its predecessor and lets its dependents start early (``gdc_launch_dependents``)."""
+    from sglang.kernels.ops.kvcache import mla_buffer
+
+    with patched(mla_buffer, "is_arch_support_pdl", lambda *args, **kwargs: False):
+        yield
+
+
 VARIANTS = [
+    ("SGLang's KV store without PDL", store_without_pdl, {}),
+    ("fa3, SGLang's KV store without PDL", store_without_pdl, dict(backend="fa3")),
     ("base (14, 5, 30), capture 4", nothing, {}),
     ("fa3, the same case", nothing, dict(backend="fa3")),
     ("graph runner, replay run eagerly", no_graph, {}),
