@@ -8,6 +8,7 @@ registry) at DeepSeek's latent dims by default.
 
 from __future__ import annotations
 
+import contextlib
 import unittest
 
 import pytest
@@ -153,3 +154,35 @@ def runner_like(fx, **changes):
     sa = dict(speculative_eagle_topk=0, speculative_algorithm=None, speculative_num_draft_tokens=0, dcp_size=1)
     sa = SimpleNamespace(**{**sa, **changes.pop("server_args", {})})
     return SimpleNamespace(**{**{n: getattr(r, n) for n in names}, **changes}, server_args=sa)
+
+
+class ReplayAsEagerRun:
+    """SGLang's decode graph backend without a graph (``runner_backend``'s interface; tests/test_sglang_draft.py on the
+    CPU, tools/draft_graph_probe.py on the GPU): ``capture_one`` runs the step once and keeps it, ``replay`` runs it
+    again — each replay re-runs the step's Python, so values baked into a real graph at capture are not modelled;
+    everything SGLang's draft graph runner does around the graph (padding to the captured
+    size, its static buffers, the out-of-graph update it calls on our backend) is SGLang's own code."""
+
+    def __init__(self, runner):
+        self.steps = {}
+
+    @contextlib.contextmanager
+    def capture_session(self, stream=None):
+        yield
+
+    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None, **kwargs):
+        forward_fn()
+        self.steps[shape_key] = forward_fn
+
+    def can_run(self, forward_batch, shape_key):
+        return shape_key in self.steps
+
+    @contextlib.contextmanager
+    def replay_session(self):
+        yield
+
+    def replay(self, shape_key, forward_batch, *args, **kwargs):
+        return self.steps[shape_key]()
+
+    def cleanup(self):
+        pass

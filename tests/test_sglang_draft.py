@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.oracle import dense_attention
-from tests.sglang_world import D_ROPE, R, case, check_close, kit, kit_fixture, needs_sglang, prefix_latents, runner_like
+from tests.sglang_world import (D_ROPE, R, ReplayAsEagerRun, case, check_close, kit, kit_fixture, needs_sglang,
+                                prefix_latents, runner_like)
 
 pytestmark = needs_sglang
 
@@ -250,42 +251,11 @@ def test_hook_applied_by_sglang_routes_the_factory():
     assert isinstance(made, draft.SGLangMLAMultiStepDraftBackend)
 
 
-class _ReplayAsEagerRun:
-    """SGLang's decode graph backend for a CPU run (``runner_backend``'s interface): ``capture_one`` runs the step once
-    and keeps it, ``replay`` runs it again — each replay re-runs the step's Python, so values baked into a real graph
-    at capture are not modelled; everything SGLang's draft graph runner does around the graph (padding to the captured
-    size, its static buffers, the out-of-graph update it calls on our backend) is SGLang's own code."""
-
-    def __init__(self, runner):
-        self.steps = {}
-
-    @contextlib.contextmanager
-    def capture_session(self, stream=None):
-        yield
-
-    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None, **kwargs):
-        forward_fn()
-        self.steps[shape_key] = forward_fn
-
-    def can_run(self, forward_batch, shape_key):
-        return shape_key in self.steps
-
-    @contextlib.contextmanager
-    def replay_session(self):
-        yield
-
-    def replay(self, shape_key, forward_batch, *args, **kwargs):
-        return self.steps[shape_key]()
-
-    def cleanup(self):
-        pass
-
-
 @pytest.mark.parametrize("topk,page_size", [(2, 1), (1, 16)])
 def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
     """SGLang's attention kit's EAGLE draft case through SGLang's own EAGLEDraftCudaGraphRunner on our backend (the
     GPU test's case: prefixes 14, 5, 30, captured for 4 requests, replayed for 3), the graph replay run eagerly
-    (:class:`_ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal its eager run's.
+    (:class:`tests.sglang_world.ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal its eager run's.
     Our own reference kernels on the CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
     from tools.import_placeholders import install
 
@@ -308,7 +278,7 @@ def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
     def one_rank_capture():
         yield SimpleNamespace(stream=None)
 
-    monkeypatch.setattr(graph_runner, "resolve_decode_backend", _ReplayAsEagerRun)
+    monkeypatch.setattr(graph_runner, "resolve_decode_backend", ReplayAsEagerRun)
     monkeypatch.setattr(dr, "_seeded_rng", seeded_rng)
     monkeypatch.setattr(dr, "_single_rank_graph_capture", one_rank_capture)
     c = case("DECODE", prefix_lens=PREFIXES, page_size=page_size, name=f"draft_mla_fa3_{topk}_{page_size}")

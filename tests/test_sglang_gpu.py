@@ -55,15 +55,18 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 
 
 # The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. At topk 2, page 1
-# ours differ in 2 of 15 values, for the one request (of 3) whose prefix (5 tokens) is shorter than its 6 draft tokens
-# (H100, 2026-12-07, fourth to sixth runs). Not FA3's split count: pinned to one split in both FA3 entry points and
-# with the prefix part's kernel fixed to auto, fa3 or splitkv, the three runs fail with the same values bit for bit
-# (sixth run). Our GPU tree-step graphs (tests/test_tree_steps_gpu.py) match the fp64 oracle, and SGLang's own draft
-# graph runner passes this case on the CPU with its replay run eagerly (tests/test_sglang_draft.py), so the difference
-# lies in what a real graph fixes at capture or in a GPU kernel; test_kit_eagle_draft_attention_eager_vs_graph
-# localizes it (the first step, layer and row whose attention output differs).
-_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: graph and eager draft tokens differ (2 of 15) for the "
-                                 "request whose prefix is shorter than its draft tokens; not FA3's split count")
+# they differ in 1-2 of 15 values, always for the second of the three requests (H100, 2026-12-07, fourth to seventh
+# runs), on ours and — with other data (another case name seeds the kit) — on SGLang's own fa3; also with the graph
+# runner's replay run eagerly (no CUDA graph), and not without the runner's padding row (a capture of 3 requests
+# passes). Not FA3's split count or one kernel's rounding: with FA3 pinned to one split and the prefix part's kernel
+# fixed to auto, fa3 or splitkv the same values differ bit for bit (sixth run). On the CPU the same runner passes at 28
+# data seeds with and without padding (tests/test_sglang_draft.py). tools/draft_graph_probe.py has the variants and a
+# --dump against an fp64 oracle over the pool; docs/PERFORMANCE.md "Inside SGLang" the seventh run's table.
+_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: the kit's topk-2 draft replay with a padding row differs "
+                                 "from its eager run in 1-2 of 15 draft values (SGLang's fa3 too, with other data)")
+_DRAFT_ATTENTION = pytest.mark.xfail(strict=True, reason="open (seventh run): draft step 0, layer 0, equal queries, "
+                                     "request 1's attention output differs between the eager run and the padded "
+                                     "replay (2.17 of 2.89)")
 
 
 @pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16),
@@ -101,6 +104,7 @@ def test_kit_eagle_draft_gpu_with_fa3_pinned_to_one_split(monkeypatch, kernel):
     _run_kit_draft("mla_fa3", 2, 1)
 
 
+@_DRAFT_ATTENTION
 def test_kit_eagle_draft_attention_eager_vs_graph(monkeypatch):
     """The kit's topk-2, page-1 draft case with every draft step's attention inputs (the queries) and output (ours,
     per step and layer) copied into buffers of their own — in the graph run those copies are captured, so each replay

@@ -1,11 +1,15 @@
-"""GPU probe of the kit's topk-2, page-1 EAGLE draft mismatch (tests/test_sglang_gpu.py, ``_DRAFT_GRAPH``): the kit
-case run under variants that each remove one suspect, one line per variant, pass or the kit's first message.
+"""The kit's topk-2, page-1 EAGLE draft case on the GPU (tests/test_sglang_gpu.py, ``_DRAFT_GRAPH``): its eager run and
+its draft graph runner's replay differ in 1-2 of 15 draft values. One line per variant (pass, or the kit's message),
+each variant removing one suspect; ``--dump`` prints each live row's attention against an fp64 oracle over the pool
+and the eager run against the padded replay row by row (queries, outputs, the latent rows each step wrote).
 
-    python3 tools/draft_graph_probe.py          (on the GPU machine, after tools/device_sglang_run.sh set up /tmp/site)
+    python3 tools/draft_graph_probe.py [VARIANT ...]   (on the GPU machine, with PYTHONPATH=$PWD:/tmp/site after one
+    python3 tools/draft_graph_probe.py --dump            tools/device_sglang_run.sh call has set up /tmp/site)
 
-Variants: the failing case itself; the prefixes reordered or lengthened (is it the request whose prefix is shorter
-than its draft tokens?); a capture size equal to the batch (no padding rows); the replay update writing the page
-table and schedule itself (no in-graph prologue); the tree part on the torch reference instead of Triton."""
+Variants: the case; SGLang's fa3 on it; the runner's replay run eagerly (no CUDA graph); other prefixes; a capture of
+3 requests (no padding row); no in-graph prologue; the tree part on the torch reference; 2 and 4 draft steps; SGLang's
+MLA KV store launched without programmatic dependent launch (ours and fa3). Findings: docs/PERFORMANCE.md, "Inside
+SGLang", the seventh run."""
 
 from __future__ import annotations
 
@@ -15,12 +19,19 @@ import traceback
 
 import torch
 
-from tests.sglang_world import D_ROPE, R, TESTCASE, case
+from tests.sglang_world import D_ROPE, R, TESTCASE, ReplayAsEagerRun, case  # noqa: I001 - SGLang's import shim first
+
+import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner  # noqa: E402
+from sglang.kernels.ops.kvcache import mla_buffer  # noqa: E402
+from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr  # noqa: E402
+
+from mla_fa3 import absorb_tree  # noqa: E402
+from mla_fa3.integrations.sglang import draft  # noqa: E402
+from mla_fa3.integrations.sglang.adapter import SGLangMLABackend  # noqa: E402
+from mla_fa3.integrations.sglang.draft import draft_columns  # noqa: E402
 
 
 def run(prefixes=(14, 5, 30), capture_bs=4, topk=2, page_size=1, steps=3, backend="mla_fa3"):
-    from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
-
     c = case("DECODE", prefix_lens=prefixes, page_size=page_size, backend=backend,
              name=f"draft_probe_{'_'.join(map(str, prefixes))}")
     dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=steps,
@@ -41,8 +52,6 @@ def patched(obj, name, value):
 
 @contextlib.contextmanager
 def no_device_metadata():
-    from mla_fa3.integrations.sglang.adapter import SGLangMLABackend
-
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         self.backend.init_cuda_graph_state(max_bs, self.max_context, max_num_draft_tokens=max(self.num_draft_tokens, 1),
                                            device_metadata=False)
@@ -54,8 +63,6 @@ def no_device_metadata():
 
 @contextlib.contextmanager
 def tree_part_reference():
-    from mla_fa3 import absorb_tree
-
     real = absorb_tree.ops.tree_attention
 
     def reference(*args, **kwargs):
@@ -71,40 +78,9 @@ def nothing():
     yield
 
 
-class _EagerReplay:
-    """SGLang's decode graph backend with no graph (``runner_backend``'s interface): capture runs the draft forward
-    once and keeps it, a replay runs it again on the replay's metadata (tests/test_sglang_draft.py's CPU form)."""
-
-    def __init__(self, runner):
-        self.steps = {}
-
-    @contextlib.contextmanager
-    def capture_session(self, stream=None):
-        yield
-
-    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None, **kwargs):
-        forward_fn()
-        self.steps[shape_key] = forward_fn
-
-    def can_run(self, forward_batch, shape_key):
-        return shape_key in self.steps
-
-    @contextlib.contextmanager
-    def replay_session(self):
-        yield
-
-    def replay(self, shape_key, forward_batch, *args, **kwargs):
-        return self.steps[shape_key]()
-
-    def cleanup(self):
-        pass
-
-
 @contextlib.contextmanager
 def no_graph():
-    import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner
-
-    with patched(graph_runner, "resolve_decode_backend", _EagerReplay):
+    with patched(graph_runner, "resolve_decode_backend", ReplayAsEagerRun):
         yield
 
 
@@ -112,8 +88,6 @@ def no_graph():
 def store_without_pdl():
     """SGLang's MLA KV store (``sglang/kernels/ops/kvcache/mla_buffer.py``) launched without programmatic dependent
     launch: on sm_90 it waits for its predecessor and lets its dependents start early (``gdc_launch_dependents``)."""
-    from sglang.kernels.ops.kvcache import mla_buffer
-
     with patched(mla_buffer, "is_arch_support_pdl", lambda *args, **kwargs: False):
         yield
 
@@ -142,9 +116,6 @@ def dump() -> None:
     against an fp64 oracle over the pool rows the kit laid out (request b's prefix columns and its branch's draft
     columns of steps 0 .. i, read through ``req_to_token``), and what our kernels were handed for it (the prefix
     length, its page-table entries, the tree key slots and mask) — for the eager run and the padded replay."""
-    from mla_fa3.integrations.sglang import draft
-    from mla_fa3.integrations.sglang.draft import draft_columns
-
     absorbed = draft.SGLangDraftStepBackend._forward_absorbed
     pools: dict[int, int] = {}
     seen: dict[tuple[int, int, int], tuple] = {}  # (run, step, layer) -> the live rows' (q, k, out), the last call's
