@@ -118,14 +118,14 @@ def dump() -> None:
     length, its page-table entries, the tree key slots and mask) — for the eager run and the padded replay."""
     absorbed = draft.SGLangDraftStepBackend._forward_absorbed
     pools: dict[int, int] = {}
-    seen: dict[tuple[int, int, int], tuple] = {}  # (run, step, layer) -> the live rows' (q, k, out), the last call's
+    seen: dict[tuple[int, int, int], tuple] = {}  # (run, step, layer) -> the live rows' q, out, written rows
 
     def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
         out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
-        run = pools.setdefault(id(self.req_to_token_pool), len(pools))
+        which = pools.setdefault(id(self.req_to_token_pool), len(pools))  # 0: the eager run, 1: the replay
         written = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
         parts = [q, out, written[fb.out_cache_loc[:6].long()]] + [t for t in (q_rope,) if t is not None]
-        seen[(run, self.step, int(layer.layer_id))] = tuple(t[:6].reshape(6, -1).double().cpu() for t in parts)
+        seen[(which, self.step, int(layer.layer_id))] = tuple(t[:6].reshape(6, -1).double().cpu() for t in parts)
         r, H = self.kv_lora_rank, int(layer.tp_q_head_num)
         T = batch.num_tokens
         if q_rope is None:
@@ -155,15 +155,15 @@ def dump() -> None:
                 top2 = s_.topk(2, dim=-1).values
                 gap = (top2[:, 0] - top2[:, 1]).min().item()
                 if err > 2e-2 * max(ref.abs().max().item(), 1.0) or b == 1:
-                    print(f"run {run} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
+                    print(f"run {which} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
                           f"{err:.4g}; smallest top-2 score gap {gap:.3g}, largest |score| {s_.abs().max().item():.3g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
         if i == 0 and int(layer.layer_id) == 0:
             for b in range(live):
                 pre = set(table[rows[b], : int(prefix[b])].tolist())
                 dra = set(table[rows[b], cols[b]].tolist())
-                print(f"run {run} request {b}: prefix slots that are also draft slots {sorted(pre & dra)}; draft slots "
+                print(f"run {which} request {b}: prefix slots that are also draft slots {sorted(pre & dra)}; draft slots "
                       f"{table[rows[b], cols[b]].tolist()}", flush=True)
-            print(f"run {run} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
+            print(f"run {which} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
                   f"{md.page_table[:, :8].tolist()} key_slots {md.tree.key_slots.tolist()} "
                   f"mask[:, :, :] {md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}",
                   flush=True)
