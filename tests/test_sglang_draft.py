@@ -255,8 +255,8 @@ def test_hook_applied_by_sglang_routes_the_factory():
 def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
     """SGLang's attention kit's EAGLE draft case through SGLang's own EAGLEDraftCudaGraphRunner on our backend (the
     GPU test's case: prefixes 14, 5, 30, captured for 4 requests, replayed for 3), the graph replay run eagerly
-    (:class:`tests.sglang_world.ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal its eager run's.
-    Our own reference kernels on the CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
+    (:class:`tests.sglang_world.ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal
+    its eager run's. Our own reference kernels on the CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
     from tools.import_placeholders import install
 
     install(("setproctitle", "uvicorn", "fastapi"))  # imported by SGLang's scheduler module, never called here
