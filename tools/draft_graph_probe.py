@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from tests.oracle import dense_attention
 from tests.sglang_world import D_ROPE, R, TESTCASE, ReplayAsEagerRun, case  # noqa: I001 - SGLang's import shim first
 
 import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner  # noqa: E402
@@ -111,11 +112,16 @@ VARIANTS = [
 ]
 
 
+LIVE = 3  # the kit case's requests; a padded replay adds padding rows after them
+
+
 def dump() -> None:
     """The base case with the replay run eagerly: at every draft step and layer, each live row's attention output
-    against an fp64 oracle over the pool rows the kit laid out (request b's prefix columns and its branch's draft
-    columns of steps 0 .. i, read through ``req_to_token``), and what our kernels were handed for it (the prefix
-    length, its page-table entries, the tree key slots and mask) — for the eager run and the padded replay."""
+    against the fp64 oracle (tests/oracle.py) over the pool rows the kit laid out (request b's prefix columns and its
+    branch's draft columns of steps 0 .. i, read through ``req_to_token``), and what our kernels were handed (the
+    prefix lengths, page-table entries, tree key slots and mask) — for the eager run and the padded replay; then the
+    two runs row by row: queries, outputs and the latent rows each step wrote. The replay's capture calls report too
+    (all-padding metadata, outputs discarded: the rows with prefix 1)."""
     absorbed = draft.SGLangDraftStepBackend._forward_absorbed
     pools: dict[int, int] = {}
     seen: dict[tuple[int, int, int], tuple] = {}  # (run, step, layer) -> the live rows' q, out, written rows
@@ -123,50 +129,14 @@ def dump() -> None:
     def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
         out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
         which = pools.setdefault(id(self.req_to_token_pool), len(pools))  # 0: the eager run, 1: the replay
-        written = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
-        parts = [q, out, written[fb.out_cache_loc[:6].long()]] + [t for t in (q_rope,) if t is not None]
-        seen[(which, self.step, int(layer.layer_id))] = tuple(t[:6].reshape(6, -1).double().cpu() for t in parts)
-        r, H = self.kv_lora_rank, int(layer.tp_q_head_num)
-        T = batch.num_tokens
-        if q_rope is None:
-            q3 = q.reshape(T, H, -1)
-            ql, qr = q3[..., :r], q3[..., r:]
-        else:
-            ql, qr = q.reshape(T, H, r), q_rope.reshape(T, H, -1)
-        md = self.backend.step_plan.metadata
-        bs, topk, S, i = batch.batch_size, self.topk, self.num_steps, self.step
-        rows = fb.req_pool_indices[:bs].long()
-        prefix = fb.seq_lens[:bs].long()
-        cols = draft_columns(prefix, topk, S, self.page_size)
-        table = self.req_to_token_pool.req_to_token
-        kv = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, r + qr.shape[-1]).double()
-        o = out.reshape(T, H, r).double()
-        live = min(bs, 3)
-        for b in range(live):
-            for j in range(topk):
-                t = b * topk + j
-                slots = torch.cat([table[rows[b], : int(prefix[b])].long(),
-                                   table[rows[b], cols[b, j * S: j * S + i + 1]].long()])
-                keys = kv[slots]
-                s_ = (torch.einsum("hr,nr->hn", ql[t].double(), keys[:, :r]) +
-                      torch.einsum("hd,nd->hn", qr[t].double(), keys[:, r:])) * float(layer.scaling)
-                ref = torch.softmax(s_, dim=-1) @ keys[:, :r]
-                err = (o[t] - ref).abs().max().item()
-                top2 = s_.topk(2, dim=-1).values
-                gap = (top2[:, 0] - top2[:, 1]).min().item()
-                if err > 2e-2 * max(ref.abs().max().item(), 1.0) or b == 1:
-                    print(f"run {which} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
-                          f"{err:.4g}; smallest top-2 score gap {gap:.3g}, largest |score| {s_.abs().max().item():.3g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
-        if i == 0 and int(layer.layer_id) == 0:
-            for b in range(live):
-                pre = set(table[rows[b], : int(prefix[b])].tolist())
-                dra = set(table[rows[b], cols[b]].tolist())
-                print(f"run {which} request {b}: prefix slots that are also draft slots {sorted(pre & dra)}; draft slots "
-                      f"{table[rows[b], cols[b]].tolist()}", flush=True)
-            print(f"run {which} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
-                  f"{md.page_table[:, :8].tolist()} key_slots {md.tree.key_slots.tolist()} "
-                  f"mask[:, :, :] {md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}",
-                  flush=True)
+        r, H, T = self.kv_lora_rank, int(layer.tp_q_head_num), batch.num_tokens
+        q_full = q.reshape(T, H, -1) if q_rope is None else \
+            torch.cat([q.reshape(T, H, r), q_rope.reshape(T, H, -1)], dim=-1)
+        kv = self.mla_pool.paged(self._pool_layer(layer)).reshape(-1, q_full.shape[-1])
+        live = LIVE * self.topk
+        parts = (q_full[:live], out[:live], kv[fb.out_cache_loc[:live].long()])
+        seen[(which, self.step, int(layer.layer_id))] = tuple(t.reshape(live, -1).double().cpu() for t in parts)
+        _report(self, which, layer, fb, batch, q_full, out.reshape(T, H, r), kv)
         return out
 
     with patched(draft.SGLangDraftStepBackend, "_forward_absorbed", recording), no_graph():
@@ -179,8 +149,37 @@ def dump() -> None:
         other = seen.get((1 - which, step, lid))
         if which == 0 and other is not None:
             deltas = [f"{(a - b).abs().max().item():.4g}" for a, b in zip(parts, other)]
-            print(f"eager vs padded replay, step {step} layer {lid}: max |delta| of the live rows' q, out, their "
-                  f"latent rows at out_cache_loc (, q_rope): {deltas}", flush=True)
+            print(f"eager vs padded replay, step {step} layer {lid}: max |delta| of the live rows' queries, outputs "
+                  f"and latent rows at out_cache_loc: {deltas}", flush=True)
+
+
+def _report(backend, which, layer, fb, batch, q_full, out, kv) -> None:
+    """One draft step's layer: rows off the fp64 oracle (and every row of request 1), then, at step 0 of layer 0, the
+    kit's prefix slots that are also draft slots and the metadata our kernels read."""
+    r, bs, topk, S, i = backend.kv_lora_rank, batch.batch_size, backend.topk, backend.num_steps, backend.step
+    rows, prefix = fb.req_pool_indices[:bs].long(), fb.seq_lens[:bs].long()
+    cols = draft_columns(prefix, topk, S, backend.page_size)
+    table = backend.req_to_token_pool.req_to_token
+    for b in range(min(bs, LIVE)):
+        for j in range(topk):
+            t = b * topk + j
+            slots = torch.cat([table[rows[b], : int(prefix[b])], table[rows[b], cols[b, j * S: j * S + i + 1]]]).long()
+            keys = kv[slots].unsqueeze(1)
+            ref, _ = dense_attention(q_full[t: t + 1], keys, keys[..., :r], scale=float(layer.scaling))
+            err = (out[t].double().cpu() - ref[0]).abs().max().item()
+            if err > 2e-2 * max(ref.abs().max().item(), 1.0) or b == 1:
+                print(f"run {which} step {i} layer {layer.layer_id} request {b} branch {j}: max |ours - fp64| "
+                      f"{err:.4g}; prefix {int(prefix[b])} rows {rows.tolist()} slots {slots.tolist()}", flush=True)
+    if i == 0 and int(layer.layer_id) == 0:
+        for b in range(min(bs, LIVE)):
+            draft_slots = table[rows[b], cols[b]].tolist()
+            shared = sorted(set(table[rows[b], : int(prefix[b])].tolist()) & set(draft_slots))
+            print(f"run {which} request {b}: prefix slots that are also draft slots {shared}; draft slots "
+                  f"{draft_slots}", flush=True)
+        md = backend.backend.step_plan.metadata
+        print(f"run {which} metadata: cache_seqlens {md.cache_seqlens.tolist()} page_table[:, :8] "
+              f"{md.page_table[:, :8].tolist()} key_slots {md.tree.key_slots.tolist()} mask "
+              f"{md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}", flush=True)
 
 
 def main() -> int:
