@@ -11,8 +11,14 @@ enough that its later prefill chunks run SGLang's chunked-prefix MHA path (``--c
 teacher-forced top-1 agreement over the prompt and that continuation (SGLang's top-1 at every input position
 against transformers' argmax). A configuration run after SGLang's fa3 on the same page size and KV dtype is also
 compared with it (``vs_fa3_greedy``, ``vs_fa3_top1``: the same attention on the same model should give the same
-tokens; an EAGLE configuration's greedy tokens must be fa3's without speculation). GPU only; needs SGLang 0.5.17
-and sgl-kernel.
+tokens; an EAGLE configuration's greedy tokens must be fa3's without speculation).
+
+A greedy continuation that leaves transformers' is checked against transformers again, on its own prefix: each of its
+tokens should be transformers' fp32 argmax given the tokens before it (``own_prefix_argmax``). A token that is not
+(``off_argmax``: position, token, argmax, the fp32 logit gap) is explained only as a near tie (gap <= ``NEAR_TIE``)
+or, at the first divergence (where the context is still transformers' text), by SGLang's fa3 teacher-forced over
+that text choosing the same token: the bf16 model's own pick there, by another computation than decode's; anything
+else is ``unexplained`` and the configuration is not ``consistent``. GPU only; needs SGLang 0.5.17 and sgl-kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import torch  # noqa: E402
 
 
 MAX_POSITIONS = 4096
+# fp32 logit gap under which a bf16 engine may pick either token: bf16 spaces logits of magnitude 4-8 0.031 apart
+NEAR_TIE = 0.05
 # SGLang's NEXTN draft layer normalizes through fused_eh_norm, which takes hidden sizes in (256, 8192], multiples of
 # 256 (the tiny config's 256 stops the draft's CUDA-graph capture): every configuration's checkpoint has 512
 HIDDEN = 512
@@ -60,6 +68,11 @@ def _checkpoint(path: str, seed: int) -> str:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return path, model
+
+
+def _prompt(n: int) -> list[int]:
+    """The prompt every run uses: ``n`` token ids drawn from seed 1."""
+    return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def _with_nextn(ckpt: str, path: str, seed: int) -> str:
@@ -104,6 +117,70 @@ def _hf_reference(model, prompt: list[int], new: int) -> tuple[list[int], list[i
     return cont, logits.argmax(-1).tolist()  # argmax[i]: the token after position i
 
 
+def off_argmax(logits: torch.Tensor, tokens: list[int]) -> list[tuple[int, int, int, float]]:
+    """``(position, token, argmax, gap)`` of each generated token that is not the argmax of its row of ``logits``
+    ``[len(tokens), vocab]`` (row i: the distribution of token i given the prompt and ``tokens[:i]``); gap: the
+    argmax's logit minus the token's."""
+    rows = []
+    for i, t in enumerate(tokens):
+        a = int(logits[i].argmax())
+        if a != t:
+            rows.append((i, t, a, round(float(logits[i, a] - logits[i, t]), 4)))
+    return rows
+
+
+def explain_off_argmax(off: list[tuple[int, int, int, float]], first_divergence: int | None,
+                       fa3_pick: int | None) -> list[str]:
+    """Why each :func:`off_argmax` token may still be the engine computing right: 'near tie' (gap <= ``NEAR_TIE``),
+    'fa3 teacher-forced' (at ``first_divergence``, where the context is transformers' text and SGLang's fa3,
+    teacher-forced over it, picked the same token: ``fa3_pick``), else 'unexplained'."""
+    why = []
+    for pos, token, _, gap in off:
+        if gap <= NEAR_TIE:
+            why.append("near tie")
+        elif pos == first_divergence and fa3_pick == token:
+            why.append("fa3 teacher-forced")
+        else:
+            why.append("unexplained")
+    return why
+
+
+def _own_prefix_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers fp32 over ``prompt + tokens``: row i is the distribution of ``tokens[i]`` given what precedes it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens], device=next(model.parameters()).device)).logits[0]
+    return logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].double().cpu()
+
+
+def _verdict(model, prompt: list[int], tokens: list[int], first_diff: int, results: list[dict], kv: str) -> dict:
+    """A diverging continuation against transformers on its own prefix, explained where it can be (module doc)."""
+    off = off_argmax(_own_prefix_logits(model, prompt, tokens), tokens)
+    fa3 = next((r for r in results if r["backend"] == "fa3" and r["kv"] == kv and "top1" in r), None)  # any page
+    fa3_pick = None if fa3 is None else fa3["top1"][len(prompt) + first_diff]
+    why = explain_off_argmax(off, first_diff, fa3_pick)
+    return dict(own_prefix_argmax=f"{len(tokens) - len(off)}/{len(tokens)}",
+                off_argmax=[[*o, w] for o, w in zip(off, why)], consistent="unexplained" not in why)
+
+
+def _verdicts_of(paths: list[str]) -> int:
+    """``--verdict``: the verdict of every diverging configuration of earlier runs' JSON files (CPU, transformers
+    fp32 on the same checkpoint and prompt; fa3's teacher-forced picks from the same files)."""
+    with tempfile.TemporaryDirectory(prefix="tiny_v3_") as tmp:
+        _, model = _checkpoint(tmp, seed=0)
+    model.eval()
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        prompt = _prompt(run["prompt_len"])
+        results = [r for r in run["results"] if "tokens" in r]
+        for r in results:
+            if r.get("first_divergence") is not None:
+                row = {k: r[k] for k in ("backend", "page", "kv", "eagle_topk", "greedy_match")}
+                row.update(_verdict(model, prompt, r["tokens"], r["first_divergence"], results, r["kv"]))
+                print(path, json.dumps(row), flush=True)
+    return 0
+
+
 def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], teacher: list[int], new: int,
                 topk: int = 0):
     import sglang as sgl
@@ -134,7 +211,9 @@ def _run_engine(ckpt: str, backend: str, page: int, kv: str, prompt: list[int], 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="the JSON to write (required unless --verdict)")
+    p.add_argument("--verdict", nargs="+", metavar="JSON", help="CPU: the verdict of earlier runs' diverging "
+                   "configurations (their JSON files), nothing run on SGLang")
     p.add_argument("--quick", action="store_true", help="page 64 only")
     p.add_argument("--configs", default="", help="backend:page:kv[:eagleK],... (e.g. fa3:64:auto,mla_fa3:64:auto,"
                    "mla_fa3:1:auto:eagle2 — speculative decoding over the MTP layer with topk K; a config after fa3's "
@@ -143,15 +222,18 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--new", type=int, default=32)
     args = p.parse_args(argv)
+    if args.verdict:
+        return _verdicts_of(args.verdict)
+    if not args.out:
+        p.error("--out is required")
     from benchmarks.sglang_backends import sglang_ready
 
     os.environ["SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD"] = "64"
     if not sglang_ready("sglang_engine_check"):
         return 2
-    g = torch.Generator().manual_seed(1)
     tmp = tempfile.mkdtemp(prefix="tiny_v3_")
     ckpt, model = _checkpoint(tmp, seed=0)
-    prompt = torch.randint(5, 500, (args.prompt_len,), generator=g).tolist()
+    prompt = _prompt(args.prompt_len)
     hf_cont, hf_argmax = _hf_reference(model, prompt, args.new)
     teacher = prompt + hf_cont
     results = []
@@ -178,6 +260,8 @@ def main(argv=None) -> int:
             if peer is not None and backend != "fa3":
                 row.update(vs_fa3_greedy=f"{sum(a == b for a, b in zip(tokens, peer['tokens']))}/{len(tokens)}",
                            vs_fa3_top1=round(sum(a == b for a, b in zip(top, peer["top1"])) / max(len(top), 1), 4))
+            if first_diff is not None:  # transformers again, on this continuation's own prefix
+                row.update(_verdict(model, prompt, tokens, first_diff, results, kv))
             row.update(tokens=tokens, top1=top)
         except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
             row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
