@@ -251,19 +251,16 @@ def test_hook_applied_by_sglang_routes_the_factory():
     assert isinstance(made, draft.SGLangMLAMultiStepDraftBackend)
 
 
-@pytest.mark.parametrize("topk,page_size", [(2, 1), (1, 16)])
-def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
-    """SGLang's attention kit's EAGLE draft case through SGLang's own EAGLEDraftCudaGraphRunner on our backend (the
-    GPU test's case: prefixes 14, 5, 30, captured for 4 requests, replayed for 3), the graph replay run eagerly
-    (:class:`tests.sglang_world.ReplayAsEagerRun`): the kit asserts the replay's draft tokens, scores and parents equal
-    its eager run's. Our own reference kernels on the CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
+@pytest.fixture
+def kit_draft_runner(monkeypatch):
+    """SGLang's attention kit's EAGLE draft runner module, ready for the CPU: SGLang's EAGLEDraftCudaGraphRunner with
+    its replay run eagerly (:class:`tests.sglang_world.ReplayAsEagerRun`), the kit's seeding without its CUDA
+    generator, no graph-capture context."""
     from tools.import_placeholders import install
 
     install(("setproctitle", "uvicorn", "fastapi"))  # imported by SGLang's scheduler module, never called here
     import sglang.srt.speculative.eagle_draft_cuda_graph_runner as graph_runner
     from sglang.test.kits.attention_unittest.runner_modes import speculative_draft_runner as dr
-
-    from tests.sglang_world import TESTCASE
 
     @contextlib.contextmanager
     def seeded_rng(seed, *, device):  # the kit's, without its CUDA generator
@@ -281,8 +278,34 @@ def test_kit_draft_graph_runner_on_the_cpu(monkeypatch, topk, page_size):
     monkeypatch.setattr(graph_runner, "resolve_decode_backend", ReplayAsEagerRun)
     monkeypatch.setattr(dr, "_seeded_rng", seeded_rng)
     monkeypatch.setattr(dr, "_single_rank_graph_capture", one_rank_capture)
+    return dr
+
+
+@pytest.mark.parametrize("topk,page_size", [(2, 1), (1, 16)])
+def test_kit_draft_graph_runner_on_the_cpu(kit_draft_runner, topk, page_size):
+    """SGLang's attention kit's EAGLE draft case through SGLang's own EAGLEDraftCudaGraphRunner on our backend (the
+    GPU test's case: prefixes 14, 5, 30, captured for 4 requests, replayed for 3), the graph replay run eagerly: the
+    kit asserts the replay's draft tokens, scores and parents equal its eager run's. Our own reference kernels on the
+    CPU; the GPU runs the real graphs (tests/test_sglang_gpu.py)."""
+    from tests.sglang_world import TESTCASE
+
     c = case("DECODE", prefix_lens=PREFIXES, page_size=page_size, name=f"draft_mla_fa3_{topk}_{page_size}")
-    dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=3,
-                                                  speculative_num_draft_tokens=4 if topk > 1 else 3,
-                                                  kv_lora_rank=R, qk_rope_head_dim=D_ROPE, device="cpu",
-                                                  dtype=torch.bfloat16)
+    kit_draft_runner.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=3,
+                                                                speculative_num_draft_tokens=4 if topk > 1 else 3,
+                                                                kv_lora_rank=R, qk_rope_head_dim=D_ROPE,
+                                                                device="cpu", dtype=torch.bfloat16)
+
+
+def test_draft_probe_guard_follows_the_pool_through_the_kit_case(kit_draft_runner):
+    """tools/draft_graph_probe.py --guard on the CPU (the GPU run is the probe's point: this checks the tool before
+    device time is spent on it, and what it checks of us): every store of the kit's model leaves exactly the rows it
+    was given at its slots and nothing else; nothing changes the pool between two stores; our draft forwards change
+    no row (the model stores, not the backend); the eager run and the replay store the same rows at the same slots.
+    Oracle: snapshots of SGLang's own pool buffers, compared row by row."""
+    from tools import draft_graph_probe as probe
+
+    found = probe.guard()
+    assert found["kit"] == "passed"
+    assert found["stores"] == 11 and found["forwards"] == 6  # per run 2 prefix stores and 2 draft steps; 1 capture
+    assert found["stored_off"] == 0.0
+    assert (found["outside"], found["between"], found["ours"], found["given_off"]) == ([], [], [], [])

@@ -5,11 +5,15 @@ and the eager run against the padded replay row by row (queries, outputs, the la
 
     python3 tools/draft_graph_probe.py [VARIANT ...]   (on the GPU machine, with PYTHONPATH=$PWD:/tmp/site after one
     python3 tools/draft_graph_probe.py --dump            tools/device_sglang_run.sh call has set up /tmp/site)
+    python3 tools/draft_graph_probe.py --guard [fa3]
+
+``--guard [fa3]`` follows the pool through the base case: each store of the kit's model against what it was given and
+against the other run's store of the same slots, and what changed the pool between stores (and across our forwards).
 
 Variants: the case; SGLang's fa3 on it; the runner's replay run eagerly (no CUDA graph); other prefixes; a capture of
 3 requests (no padding row); no in-graph prologue; the tree part on the torch reference; 2 and 4 draft steps; SGLang's
 MLA KV store launched without programmatic dependent launch (ours and fa3). Findings: docs/PERFORMANCE.md, "Inside
-SGLang", the seventh run."""
+SGLang", the seventh and eighth runs."""
 
 from __future__ import annotations
 
@@ -32,13 +36,16 @@ from mla_fa3.integrations.sglang.adapter import SGLangMLABackend  # noqa: E402
 from mla_fa3.integrations.sglang.draft import draft_columns  # noqa: E402
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the same case on our reference kernels
+
+
 def run(prefixes=(14, 5, 30), capture_bs=4, topk=2, page_size=1, steps=3, backend="mla_fa3"):
     c = case("DECODE", prefix_lens=prefixes, page_size=page_size, backend=backend,
              name=f"draft_probe_{'_'.join(map(str, prefixes))}")
     dr.run_mla_eagle_draft_cuda_graph_runner_case(TESTCASE, c, topk=topk, speculative_num_steps=steps,
                                                   speculative_num_draft_tokens=4 if topk > 1 else 3,
                                                   cuda_graph_capture_batch_size=capture_bs, kv_lora_rank=R,
-                                                  qk_rope_head_dim=D_ROPE, device="cuda", dtype=torch.bfloat16)
+                                                  qk_rope_head_dim=D_ROPE, device=DEVICE, dtype=torch.bfloat16)
 
 
 @contextlib.contextmanager
@@ -182,9 +189,88 @@ def _report(backend, which, layer, fb, batch, q_full, out, kv) -> None:
               f"{md.tree.mask.int().tolist()} out_cache_loc {fb.out_cache_loc.tolist()}", flush=True)
 
 
+def guard(backend: str = "mla_fa3") -> dict:
+    """The pool's chain of custody through the base case (the replay run eagerly), per layer buffer: at each store of
+    the kit's model (SGLang's ``MLATokenToKVPool.set_mla_kv_buffer``) the rows that changed since the previous store
+    (the attention between them stores nothing: the model does), the stored rows against the rows it was given, rows
+    it changed outside its slots, and the rows given against those the other run's store of the same slots was given;
+    with mla_fa3, also every row each of our forwards changed. Slot 0 (SGLang's padding slot, written by every
+    padding row) is left out. Printed as found; returned as ``{"stores", "forwards", "stored_off", "outside",
+    "between", "ours", "given_off", "kit"}`` (the lists name (run, store or step, slots) where anything was found)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    store, absorbed = MLATokenToKVPool.set_mla_kv_buffer, draft.SGLangDraftStepBackend._forward_absorbed
+    after_store: dict[int, torch.Tensor] = {}  # a layer buffer's data_ptr -> its rows after the last store
+    runs: dict[int, int] = {}  # id(pool) -> 0 for the eager run, 1 for the replay (its capture calls included)
+    given_at: dict[tuple, dict[int, torch.Tensor]] = {}  # the live slots of a store -> run -> the rows it was given
+    found = dict(stores=0, forwards=0, stored_off=0.0, outside=[], between=[], ours=[], given_off=[], kit=None)
+
+    def rows_of(buf):  # [slots, 576] over SGLang's [slots, 1, 576] buffer or our paged view of it
+        return buf.view(-1, buf.shape[-1])
+
+    def changed(a, b):
+        diff = (a.float() - b.float()).abs().amax(-1)
+        diff[0] = 0
+        return [(int(i), round(diff[i].item(), 4)) for i in diff.nonzero().flatten()[:12]]
+
+    def note(kind, where, what):
+        if what:
+            found[kind].append((*where, what))
+            print(f"{kind} {where}: {what}", flush=True)
+
+    def storing(self, layer, loc, k_nope, k_rope):
+        buf = self.kv_buffer[layer.layer_id - self.start_layer]
+        run_id, call = runs.setdefault(id(self), len(runs)), found["stores"]
+        found["stores"] += 1
+        before = rows_of(buf).clone()
+        prev = after_store.get(buf.data_ptr())
+        if prev is not None:
+            note("between", (run_id, call), changed(prev, before))
+        out = store(self, layer, loc, k_nope, k_rope)
+        rows, slots, live = rows_of(buf), loc.long(), loc.long() != 0
+        given = torch.cat([k_nope.reshape(loc.numel(), -1), k_rope.reshape(loc.numel(), -1)], -1).to(rows.dtype)
+        if live.any():
+            off = (rows[slots[live]].float() - given[live].float()).abs().amax().item()
+            found["stored_off"] = max(found["stored_off"], off)
+        outside = rows.clone()
+        outside[slots] = before[slots]
+        note("outside", (run_id, call), changed(before, outside))
+        key = tuple(slots[live].tolist())  # the same slots stored in the other run: the rows it was given
+        other = given_at.setdefault(key, {}).get(1 - run_id)
+        if other is not None:
+            delta = (given[live].float() - other).abs().amax(-1)
+            note("given_off", (run_id, call), [(s, round(d, 4)) for s, d in zip(key, delta.tolist()) if d > 0][:12])
+        given_at[key][run_id] = given[live].float().clone()
+        after_store[buf.data_ptr()] = rows.clone()
+        print(f"run {run_id} store {call} at {loc.tolist()}: max |stored - given| {found['stored_off']:.4g}",
+              flush=True)
+        return out
+
+    def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
+        buf = self.mla_pool.paged(self._pool_layer(layer))
+        before = rows_of(buf).clone()
+        out = absorbed(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope)
+        found["forwards"] += 1
+        note("ours", (self.step, int(layer.layer_id)), changed(before, rows_of(buf)))
+        return out
+
+    with patched(MLATokenToKVPool, "set_mla_kv_buffer", storing), \
+            patched(draft.SGLangDraftStepBackend, "_forward_absorbed", recording), no_graph():
+        try:
+            run(backend=backend)
+            found["kit"] = "passed"
+        except AssertionError as e:
+            found["kit"] = " ".join(str(e).split())[:600]
+    print("guard: the kit", found["kit"], flush=True)
+    return found
+
+
 def main() -> int:
     if sys.argv[1:] == ["--dump"]:
         dump()
+        return 0
+    if sys.argv[1:2] == ["--guard"]:
+        guard(*sys.argv[2:3])
         return 0
     only = set(sys.argv[1:])
     for name, ctx, kwargs in VARIANTS:
