@@ -5,7 +5,8 @@ Oracle: ``tests/oracle.dense_attention`` (fp64) of each request with the mask wr
 array in the test (``tree_cases.ancestors_mask``: every prefix key, then token j iff j is i or an ancestor of i),
 over keys built from the tensors the test made. The custom masks are laid out here from SGLang's documented layouts
 (``speculative/eagle_utils.py``, ``build_tree_kernel_efficient``: FULL_MASK, request b's ``k x (S_b + k)`` block
-row-major with its prefix columns True; QLEN_ONLY, ``k x k`` per request).
+row-major with its prefix columns True; QLEN_ONLY, ``k x k`` per request). The masks SGLang's own draft pipeline and
+tree builder write are read against the tree its verification walks in tests/test_sglang_tree_builder.py.
 """
 
 from __future__ import annotations
