@@ -6,7 +6,8 @@ worker sets ``out_cache_loc`` to step i's ``bs · topk`` slots before each step)
 and the rows' draft columns (an EXTEND case of ``topk · S`` new tokens per request lays them out), every draft slot
 starts as NaN, and step i's layer call stores its new latent rows. Oracle: ``tests/oracle.dense_attention`` (fp64)
 of each branch query over the prefix keys (recomputed by the kit's module) plus that branch's own keys of steps
-0 .. i, written out here from the tensors the test made.
+0 .. i, written out here from the tensors the test made. That layout (what each step reads and stores) is checked
+against SGLang's own kernels in tests/test_sglang_draft_reads.py.
 """
 
 from __future__ import annotations
