@@ -244,6 +244,8 @@ def main(argv=None) -> int:
     nextn = _with_nextn(ckpt, tmp + "_nextn", seed=2) if any(t for *_, t in configs) else None
     for backend, page, kv, topk in configs:
         row = dict(backend=backend, page=page, kv=kv, eagle_topk=topk)
+        print(f"starting {json.dumps(row)}", flush=True)  # a run stopped from outside shows which configuration it was in
+        t0 = time.perf_counter()
         try:
             tokens, top, wall = _run_engine(nextn if topk else ckpt, backend, page, kv, prompt, teacher, args.new,
                                             topk=topk)
@@ -265,6 +267,7 @@ def main(argv=None) -> int:
             row.update(tokens=tokens, top1=top)
         except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
             row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
+        row["run_s"] = round(time.perf_counter() - t0, 1)  # the Engine's start (graph capture, JIT builds) included
         print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top1")}), flush=True)
         results.append(row)
         _write(args.out, prompt, args.new, results)  # after every configuration: a run cut short keeps its rows
