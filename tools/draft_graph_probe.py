@@ -200,8 +200,9 @@ def guard(backend: str = "mla_fa3") -> dict:
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     store, absorbed = MLATokenToKVPool.set_mla_kv_buffer, draft.SGLangDraftStepBackend._forward_absorbed
-    after_store: dict[int, torch.Tensor] = {}  # a layer buffer's data_ptr -> its rows after the last store
+    after_store: dict[tuple, torch.Tensor] = {}  # (id(pool), layer) -> the layer's rows after its last store
     runs: dict[int, int] = {}  # id(pool) -> 0 for the eager run, 1 for the replay (its capture calls included)
+    pools = []  # every pool seen, kept alive so that no later pool takes its id
     given_at: dict[tuple, dict[int, torch.Tensor]] = {}  # the live slots of a store -> run -> the rows it was given
     found = dict(stores=0, forwards=0, stored_off=0.0, outside=[], between=[], ours=[], given_off=[], kit=None)
 
@@ -219,19 +220,21 @@ def guard(backend: str = "mla_fa3") -> dict:
             print(f"{kind} {where}: {what}", flush=True)
 
     def storing(self, layer, loc, k_nope, k_rope):
-        buf = self.kv_buffer[layer.layer_id - self.start_layer]
-        run_id, call = runs.setdefault(id(self), len(runs)), found["stores"]
+        buf, where = self.kv_buffer[layer.layer_id - self.start_layer], (id(self), layer.layer_id)
+        if id(self) not in runs:
+            runs[id(self)] = len(runs)
+            pools.append(self)
+        run_id, call = runs[id(self)], found["stores"]
         found["stores"] += 1
         before = rows_of(buf).clone()
-        prev = after_store.get(buf.data_ptr())
+        prev = after_store.get(where)
         if prev is not None:
             note("between", (run_id, call), changed(prev, before))
         out = store(self, layer, loc, k_nope, k_rope)
         rows, slots, live = rows_of(buf), loc.long(), loc.long() != 0
         given = torch.cat([k_nope.reshape(loc.numel(), -1), k_rope.reshape(loc.numel(), -1)], -1).to(rows.dtype)
-        if live.any():
-            off = (rows[slots[live]].float() - given[live].float()).abs().amax().item()
-            found["stored_off"] = max(found["stored_off"], off)
+        off = (rows[slots[live]].float() - given[live].float()).abs().amax().item() if live.any() else 0.0
+        found["stored_off"] = max(found["stored_off"], off)
         outside = rows.clone()
         outside[slots] = before[slots]
         note("outside", (run_id, call), changed(before, outside))
@@ -241,9 +244,8 @@ def guard(backend: str = "mla_fa3") -> dict:
             delta = (given[live].float() - other).abs().amax(-1)
             note("given_off", (run_id, call), [(s, round(d, 4)) for s, d in zip(key, delta.tolist()) if d > 0][:12])
         given_at[key][run_id] = given[live].float().clone()
-        after_store[buf.data_ptr()] = rows.clone()
-        print(f"run {run_id} store {call} at {loc.tolist()}: max |stored - given| {found['stored_off']:.4g}",
-              flush=True)
+        after_store[where] = rows.clone()
+        print(f"run {run_id} store {call} at {loc.tolist()}: max |stored - given| {off:.4g}", flush=True)
         return out
 
     def recording(self, q, k, layer, fb, batch, save_kv_cache, q_rope, k_rope):
