@@ -48,8 +48,9 @@ SGLANG_CONFIG_KEYS = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func
                           aux_loss_alpha=0.001, seq_aux=True)
 
 
-def _checkpoint(path: str, seed: int) -> str:
-    """The tiny V3 checkpoint both engines load (hidden size ``HIDDEN``). Its YaRN rope is stretched to the whole
+def _checkpoint(path: str, seed: int):
+    """The tiny V3 checkpoint both engines load (hidden size ``HIDDEN``), saved at ``path``: returns (path, the
+    transformers model it was saved from). Its YaRN rope is stretched to the whole
     ``MAX_POSITIONS`` (original 1024 x factor 4): SGLang's DeepSeek YaRN tables cover original x factor positions
     and read past them unchecked, transformers computes any position (the project's tiny configs stop at 64 x 4 =
     256 positions, shorter than this prompt)."""

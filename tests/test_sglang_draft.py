@@ -307,6 +307,9 @@ def test_draft_probe_guard_follows_the_pool_through_the_kit_case(kit_draft_runne
 
     found = probe.guard()
     assert found["kit"] == "passed"
-    assert found["stores"] == 11 and found["forwards"] == 6  # per run 2 prefix stores and 2 draft steps; 1 capture
+    # the eager run: 2 prefix stores and 2 draft steps; the replay: the same 2, 2 capture steps (every slot the
+    # padding slot 0), the prefix stored again before the replay, its 2 draft steps
+    assert found["stores"] == 11 and found["forwards"] == 6
+    assert found["compared"] == 5  # the replay's prefix (3) and draft (2) stores against the eager run's
     assert found["stored_off"] == 0.0
     assert (found["outside"], found["between"], found["ours"], found["given_off"]) == ([], [], [], [])

@@ -50,15 +50,16 @@ def sglang_reads(table, prefixes, topk: int, steps: int, page: int) -> list[list
         rows, table, seq, kv_indices, kv_indptr, positions, pool_len, kv_indices.shape[1], kv_indptr.shape[1],
         next_power_of_2(bs), next_power_of_2(steps), next_power_of_2(bs * topk), page)
     out = []
-    for i in range(steps):
-        per_row, start = [], 0
+    for i in range(steps):  # row (b, j) reads its prefix and its own i + 1 draft tokens, rows one after the other
+        per_row, starts = [], [0]
         for b in range(bs):
             per_branch = []
             for _ in range(topk):
                 n = prefixes[b] + i + 1
-                per_branch.append(kv_indices[i, start:start + n].tolist())
-                start += n
+                per_branch.append(kv_indices[i, starts[-1]:starts[-1] + n].tolist())
+                starts.append(starts[-1] + n)
             per_row.append(per_branch)
+        assert kv_indptr[i].tolist() == starts, f"step {i}: SGLang's kv_indptr {kv_indptr[i].tolist()}, rows {starts}"
         out.append(per_row)
     return out
 

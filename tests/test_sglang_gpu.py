@@ -63,13 +63,13 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 # data seeds with and without padding (tests/test_sglang_draft.py). tools/draft_graph_probe.py has the variants and a
 # --dump against an fp64 oracle over the pool: in the eighth run our output was within 0.014 of it in both runs, and
 # the latent rows the kit's model stored differed between them (docs/PERFORMANCE.md "Inside SGLang").
-_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="upstream: the kit's topk-2 draft replay with a padding row "
-                                 "differs from its eager run in 1-2 of 15 draft values (SGLang's fa3 too, with other "
-                                 "data); the latent rows its model stores differ between the runs")
-_DRAFT_ATTENTION = pytest.mark.xfail(strict=True, reason="upstream (eighth run): draft step 0, layer 0, equal queries, "
-                                     "request 1's attention output differs between the eager run and the padded "
-                                     "replay (2.17 of 2.89) because the latent rows the kit's model stored differ "
-                                     "(3.36); ours is within 0.014 of fp64 over the pool in both runs")
+_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: the kit's topk-2 draft replay with a padding row differs "
+                                 "from its eager run in 1-2 of 15 draft values (SGLang's fa3 too, with other data); "
+                                 "the latent rows its model stores differ between the runs (2026-12-07, eighth run)")
+_DRAFT_ATTENTION = pytest.mark.xfail(strict=True, reason="open: draft step 0, layer 0, equal queries, request 1's "
+                                     "attention output differs between the eager run and the padded replay (2.17 of "
+                                     "2.89, seventh run); in the eighth run the latent rows the kit's model stored "
+                                     "differed (3.36) and ours was within 0.014 of fp64 over the pool in both runs")
 
 
 @pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16),

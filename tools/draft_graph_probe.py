@@ -195,16 +195,18 @@ def guard(backend: str = "mla_fa3") -> dict:
     (the attention between them stores nothing: the model does), the stored rows against the rows it was given, rows
     it changed outside its slots, and the rows given against those the other run's store of the same slots was given;
     with mla_fa3, also every row each of our forwards changed. Slot 0 (SGLang's padding slot, written by every
-    padding row) is left out. Printed as found; returned as ``{"stores", "forwards", "stored_off", "outside",
-    "between", "ours", "given_off", "kit"}`` (the lists name (run, store or step, slots) where anything was found)."""
+    padding row) is left out. Printed as found; returned as ``{"stores", "forwards", "compared" (stores matched with
+    the other run's), "stored_off", "outside", "between", "ours", "given_off", "kit"}`` (the lists name (run, store or
+    step, slots) where anything was found)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     store, absorbed = MLATokenToKVPool.set_mla_kv_buffer, draft.SGLangDraftStepBackend._forward_absorbed
     after_store: dict[tuple, torch.Tensor] = {}  # (id(pool), layer) -> the layer's rows after its last store
     runs: dict[int, int] = {}  # id(pool) -> 0 for the eager run, 1 for the replay (its capture calls included)
     pools = []  # every pool seen, kept alive so that no later pool takes its id
-    given_at: dict[tuple, dict[int, torch.Tensor]] = {}  # the live slots of a store -> run -> the rows it was given
-    found = dict(stores=0, forwards=0, stored_off=0.0, outside=[], between=[], ours=[], given_off=[], kit=None)
+    given_at: dict[tuple, dict[int, torch.Tensor]] = {}  # (layer, its live slots) -> run -> the rows it was given
+    found = dict(stores=0, forwards=0, compared=0, stored_off=0.0, outside=[], between=[], ours=[], given_off=[],
+                 kit=None)
 
     def rows_of(buf):  # [slots, 576] over SGLang's [slots, 1, 576] buffer or our paged view of it
         return buf.view(-1, buf.shape[-1])
@@ -222,6 +224,7 @@ def guard(backend: str = "mla_fa3") -> dict:
     def storing(self, layer, loc, k_nope, k_rope):
         buf, where = self.kv_buffer[layer.layer_id - self.start_layer], (id(self), layer.layer_id)
         if id(self) not in runs:
+            assert len(runs) < 2, "the case builds one pool for its eager run and one for the replay"
             runs[id(self)] = len(runs)
             pools.append(self)
         run_id, call = runs[id(self)], found["stores"]
@@ -238,11 +241,12 @@ def guard(backend: str = "mla_fa3") -> dict:
         outside = rows.clone()
         outside[slots] = before[slots]
         note("outside", (run_id, call), changed(before, outside))
-        key = tuple(slots[live].tolist())  # the same slots stored in the other run: the rows it was given
+        key = (layer.layer_id, tuple(slots[live].tolist()))  # the other run's store of these slots: what it was given
         other = given_at.setdefault(key, {}).get(1 - run_id)
         if other is not None:
+            found["compared"] += 1
             delta = (given[live].float() - other).abs().amax(-1)
-            note("given_off", (run_id, call), [(s, round(d, 4)) for s, d in zip(key, delta.tolist()) if d > 0][:12])
+            note("given_off", (run_id, call), [(s, round(d, 4)) for s, d in zip(key[1], delta.tolist()) if d > 0][:12])
         given_at[key][run_id] = given[live].float().clone()
         after_store[where] = rows.clone()
         print(f"run {run_id} store {call} at {loc.tolist()}: max |stored - given| {off:.4g}", flush=True)

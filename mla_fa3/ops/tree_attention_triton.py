@@ -139,9 +139,10 @@ def _tree_attention_kernel(QL, QR, KV, Slots, Mask, Out, Lse, KVScale, PriorO, P
 
 
 # the grid's programs below which the output columns are split (``out_splits_for``); 0: never. Measured (H100,
-# 2026-12-07, docs/PERFORMANCE.md "Inside SGLang"): SGLang's tree verify at 16 heads, bs 1 / 8, 8 / 64 draft tokens,
-# 1.10-1.20x SGLang's fa3 below 256 programs against 0.96-1.19x unsplit (1024: the same); the kernel alone gains
-# up to 1.6x on grids of 2-128 programs and loses from 512 (bs 32 x 64 draft tokens: 50 -> 67 us at 2 groups)
+# 2026-12-07, docs/PERFORMANCE.md "Inside SGLang", eighth run): SGLang's tree verify at 16 heads, bs 1 / 8 / 32,
+# 8-64 draft tokens, 1.10-1.23x SGLang's fa3 with this rule against 0.98-1.20x unsplit (fifth run: 1024 the same as
+# 256); the kernel alone gains up to 1.6x on grids of 2-128 programs and loses from 512 (bs 32 x 64 draft tokens:
+# 50 -> 67 us at 2 groups)
 SPLIT_BELOW_PROGRAMS = 256
 
 
