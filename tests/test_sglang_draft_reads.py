@@ -22,6 +22,9 @@ import pytest
 import torch
 
 from interpreter import interpreter_main, run_cases, run_under_interpreter
+from tests.sglang_world import needs_sglang  # SGLang's import shim and its CPU import set, here and in the subprocess
+
+pytestmark = needs_sglang
 
 # (page size, topk, steps, prefixes)
 CASES = [(1, 2, 3, (14, 5, 30)), (1, 4, 5, (1, 9)), (1, 1, 3, (7, 2, 11)), (16, 2, 3, (14, 16, 33)),
@@ -102,8 +105,6 @@ def _check(page: int, topk: int, steps: int, prefixes, seed: int) -> None:
 
 
 def _interpreter_run() -> dict:
-    from tests.sglang_world import kit  # noqa: F401 - SGLang's import shim and its CPU import set
-
     rng = random.Random(0)
     return run_cases([(f"page{p}/topk{t}/steps{s}/{pre}", lambda p=p, t=t, s=s, pre=pre: _check(p, t, s, pre,
                                                                                                 rng.randrange(99)))
@@ -112,10 +113,6 @@ def _interpreter_run() -> dict:
 
 def test_draft_steps_read_and_write_the_slots_sglangs_kernels_name():
     pytest.importorskip("triton")
-    from tests.sglang_world import kit
-
-    if kit is None:
-        pytest.skip("sglang 0.5.17 not importable (tools/install_sglang_cpu.sh installs it; make test does)")
     assert run_under_interpreter(__file__, timeout=400) == {}
 
 

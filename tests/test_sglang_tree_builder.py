@@ -23,6 +23,9 @@ import pytest
 import torch
 
 from interpreter import interpreter_main, run_cases, run_under_interpreter
+from tests.sglang_world import needs_sglang  # SGLang's import shim and its CPU import set, here and in the subprocess
+
+pytestmark = needs_sglang
 
 # (bs, topk, steps, draft tokens k): chains (topk 1), EAGLE's usual shapes, wide and deep trees, k up to the whole
 # candidate set (topk + (steps - 1) * topk^2 candidates, plus the root)
@@ -116,18 +119,12 @@ def _check(shape, mode: str, seed: int) -> None:
 
 
 def _interpreter_run() -> dict:
-    from tests.sglang_world import kit  # noqa: F401 - SGLang's import shim and its CPU import set
-
     return run_cases([(f"{mode}/{shape}/seed{seed}", lambda s=shape, m=mode, seed=seed: _check(s, m, seed))
                       for shape in SHAPES for mode in ("QLEN_ONLY", "FULL_MASK") for seed in (0, 1, 2)])
 
 
 def test_sglang_tree_builder_output_is_read_as_the_tree_sglang_verifies():
     pytest.importorskip("triton")
-    from tests.sglang_world import kit
-
-    if kit is None:
-        pytest.skip("sglang 0.5.17 not importable (tools/install_sglang_cpu.sh installs it; make test does)")
     assert run_under_interpreter(__file__, timeout=400) == {}
 
 
