@@ -17,7 +17,13 @@ layer call in one graph), host_us (the replay update: the backend's ``init_forwa
 ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), meta_us and layer_us (the same two halves captured and
 replayed apart), per_layer_us (layer_us + meta_us / ``--layers``: SGLang's runner runs the metadata half once per
 step and the layer call once per layer, 61 layers in DeepSeek-V3), ratio_per_layer (fa3's per_layer_us / this),
-kernel (what mla_fa3 ran). GPU only; needs SGLang 0.5.17 and sgl-kernel.
+kernel (what mla_fa3 ran); stacked_us and ratio_stacked: the step as a model runs it — one graph holding the
+metadata half once and ``--layers`` layer calls, layer i over pool layer i mod R (R pool layers of random rows, as
+many as it takes for the bytes read in a cycle to pass 3x the 50 MB L2), per layer (replay / ``--layers``; median
+of ``--stack-iters``). ``layer_us`` replays one layer call per graph, so it carries a graph launch and the event
+pair (the empty graph's ``meta_us`` of fa3, ~9-17 µs on an H100) that a model's step pays once, not per layer:
+``stacked_us`` is the per-layer figure; ``per_layer_us`` is what the tables of earlier runs show.
+GPU only; needs SGLang 0.5.17 and sgl-kernel.
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 163
 QUICK = [(1, 65536), (4, 32768), (64, 16384)]
 
 
-def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda"):
+def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda", pool_layers=1):
     """SGLang's pools (the kit's MockMLAModelRunner) for ``bs`` requests of ``ctx`` tokens on shuffled pages of 64,
     filled with random latent rows, and the decode batch writing token ``ctx - 1`` of each (vectorized: the kit's
-    own fixture fills tables element by element)."""
+    own fixture fills tables element by element). ``pool_layers`` > 1: the kit's one-layer pool gets more layer
+    buffers of random rows (same page table), and ``layers`` one RadixAttention per pool layer."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -64,14 +71,25 @@ def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda"):
     rows = torch.randn(buf.shape[0], 1, 576, device=device, generator=g, dtype=torch.bfloat16)
     buf.copy_(rows.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else rows)
     del rows
+    pool = runner.token_to_kv_pool
+    for _ in range(pool_layers - 1):  # more layers: each backend reads pool.kv_buffer[layer_id] when it is built
+        more = torch.empty_like(buf)
+        more.copy_(buf[torch.randperm(buf.shape[0], device=device, generator=g)])
+        pool.kv_buffer.append(more)
+    pool.layer_num = len(pool.kv_buffer)
     seq = torch.full((bs,), ctx, dtype=torch.int32)
     fb = ForwardBatch(forward_mode=mode, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
                       req_pool_indices=torch.arange(bs, dtype=torch.int32, device=device), seq_lens=seq.to(device),
                       seq_lens_cpu=seq, out_cache_loc=slots[:, -1].contiguous(), seq_lens_sum=bs * ctx,
                       positions=torch.full((bs,), ctx - 1, dtype=torch.int64, device=device))
-    layer = RadixAttention(num_heads=heads, head_dim=576, scaling=192 ** -0.5, num_kv_heads=1, layer_id=0,
-                           v_head_dim=512)
-    return SimpleNamespace(runner=runner, layer=layer, fb=fb, bs=bs, heads=heads)
+    layers = [RadixAttention(num_heads=heads, head_dim=576, scaling=192 ** -0.5, num_kv_heads=1, layer_id=i,
+                             v_head_dim=512) for i in range(pool.layer_num)]
+    return SimpleNamespace(runner=runner, layer=layers[0], layers=layers, fb=fb, bs=bs, heads=heads)
+
+
+def pool_layers_for(bs: int, ctx: int, fp8: bool, l2_bytes: int = 50 * 2 ** 20) -> int:
+    """Pool layers a stacked step cycles through: enough that one cycle reads more than 3x the L2."""
+    return max(1, -(-3 * l2_bytes // (bs * ctx * 576 * (1 if fp8 else 2))))
 
 
 def sglang_ready(prog: str) -> bool:
@@ -134,7 +152,7 @@ def _kernel_table(graph: torch.cuda.CUDAGraph, replays: int = 20) -> list[tuple[
     return sorted(rows, key=lambda r: -r[1])
 
 
-def _time_backend(name, fx, registry, iters, profile_meta=False):
+def _time_backend(name, fx, registry, iters, profile_meta=False, stack=0, stack_iters=10):
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     backend = registry[name](fx.runner)
@@ -142,10 +160,15 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
     q_lat, q_rope, c_kv, k_rope = step_inputs(bs, H)
     q_cat, k_cat = torch.cat([q_lat, q_rope], -1), torch.cat([c_kv, k_rope], -1)
 
-    def step():
+    def step(layer=layer):
         if name == "flashmla":
             return layer(q_cat.view(bs, -1), k_cat, c_kv, fb)
         return layer(q_lat.view(bs, -1), c_kv, c_kv, fb, q_rope=q_rope, k_rope=k_rope)
+
+    def stacked():  # a model's step: the metadata half once, then ``stack`` layers over the pool layers in turn
+        backend.init_forward_metadata_in_graph(fb)
+        for i in range(stack):
+            step(fx.layers[i % len(fx.layers)])
 
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
         backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
@@ -167,12 +190,15 @@ def _time_backend(name, fx, registry, iters, profile_meta=False):
         us = replay_us(graph, iters)
         parts = {"meta": _captured(lambda: backend.init_forward_metadata_in_graph(fb)), "layer": _captured(step)}
         meta_us, layer_us = (replay_us(parts[part], iters) for part in ("meta", "layer"))
+        del parts["layer"]
+        stacked_us = replay_us(_captured(stacked), stack_iters) / stack if stack else float("nan")
         if profile_meta:  # the same two graphs
             for part, part_graph in parts.items():
                 for kname, us_each, n in _kernel_table(part_graph):
                     print(f"  {name} {part}: {us_each:8.2f} us  x{n:g}  {kname[:110]}", flush=True)
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
-    return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us, kernel=kernel)
+    return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us,
+                stacked_us=stacked_us, kernel=kernel)
 
 
 class With:
@@ -205,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="heads:bs:ctx,... instead of the sweep (e.g. 16:4:32768)")
     p.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--profile", action="store_true", help="also each backend's kernels per graph (torch profiler)")
+    p.add_argument("--stack-iters", type=int, default=10, help="replays of the stacked step (0: not timed)")
     args = p.parse_args(argv)
     if not sglang_ready("sglang_backends"):
         return 2
@@ -219,14 +246,17 @@ def main(argv=None) -> int:
         shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
-            fx = decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, fp8)
+            stack = args.layers if args.stack_iters else 0
+            fx = decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, fp8,
+                              pool_layers=pool_layers_for(bs, ctx, fp8) if stack else 1)
             res = {}
             for name in ("fa3", "flashmla", "mla_fa3"):
                 try:
-                    res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters, args.profile)
+                    res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters, args.profile, stack,
+                                              args.stack_iters)
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
                     nan = float("nan")
-                    res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan,
+                    res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan, stacked_us=nan,
                                      kernel=f"error: {type(exc).__name__}: {exc}"[:160])
             for r in res.values():
                 r["per_layer_us"] = r["layer_us"] + r["meta_us"] / args.layers
@@ -237,7 +267,9 @@ def main(argv=None) -> int:
                            ratio_vs_fa3=round(base["us"] / r["us"], 3), meta_us=round(r["meta_us"], 2),
                            layer_us=round(r["layer_us"], 2), per_layer_us=round(r["per_layer_us"], 2),
                            ratio_per_layer=round(base["per_layer_us"] / r["per_layer_us"], 3),
-                           kernel=r["kernel"])
+                           stacked_us=round(r["stacked_us"], 2),
+                           ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3),
+                           pool_layers=len(fx.layers), kernel=r["kernel"])
                 rows.append(row)
                 print(",".join(str(v) for v in row.values()), flush=True)
             del fx
