@@ -190,12 +190,12 @@ def _time_backend(name, fx, registry, iters, profile_meta=False, stack=0, stack_
         us = replay_us(graph, iters)
         parts = {"meta": _captured(lambda: backend.init_forward_metadata_in_graph(fb)), "layer": _captured(step)}
         meta_us, layer_us = (replay_us(parts[part], iters) for part in ("meta", "layer"))
-        del parts["layer"]
-        stacked_us = replay_us(_captured(stacked), stack_iters) / stack if stack else float("nan")
         if profile_meta:  # the same two graphs
             for part, part_graph in parts.items():
                 for kname, us_each, n in _kernel_table(part_graph):
                     print(f"  {name} {part}: {us_each:8.2f} us  x{n:g}  {kname[:110]}", flush=True)
+        del parts
+        stacked_us = replay_us(_captured(stacked), stack_iters) / stack if stack else float("nan")
     kernel = backend.explain().kernel if name == "mla_fa3" else ""
     return dict(us=us, host_us=statistics.median(host) * 1e6, meta_us=meta_us, layer_us=layer_us,
                 stacked_us=stacked_us, kernel=kernel)
