@@ -89,6 +89,9 @@ def test_bad_arguments_are_named_before_any_launch():
         (dict(req_to_token=r2t.t().contiguous().t()), ValueError, "contiguous last dimension"),
         (dict(page_size=0), ValueError, "page_size must be >= 1"),
         (dict(rows=rows.view(2, 3)), ValueError, "rows"),
+        # a column of a wider table (as SGLang hands per-step slot vectors): the kernel reads unit strides
+        (dict(rows=torch.stack([rows, rows], 1)[:, 0]), ValueError, "rows must have a contiguous last dimension"),
+        (dict(num_tokens=torch.stack([num_tokens] * 3, 1)[:, 1]), ValueError, "num_tokens must have a contiguous"),
     ]
     for change, error, message in bad:
         args = dict(req_to_token=r2t, rows=rows, num_tokens=num_tokens, page_size=16, out=out) | change

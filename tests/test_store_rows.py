@@ -229,9 +229,31 @@ def _interpreter_run() -> dict:
     def split_through_the_kernel(name):
         _check_split(name, "triton")
 
+    def a_strided_loc_is_read_with_its_stride():
+        """loc as SGLang's EAGLE draft hands it to each step (``per_step_draft_out_cache_loc``): one column of the
+        [bs·topk, steps] slot table, stride = steps. Each row goes to the slot loc holds, not to loc's storage read
+        as contiguous (which names the slots of other steps) — float store and e4m3 store alike."""
+        x, buf, _, _, _ = _inputs("bf16_4_rows_per_program")
+        T, W = x.shape
+        S = 4 * T
+        table = torch.randperm(S)[: T * 3].view(T, 3)  # [tokens, steps]: distinct slots
+        for step in range(3):
+            loc = table[:, step]
+            assert loc.stride(0) == 3
+            got = torch.full((S, W), SENTINEL, dtype=buf.dtype)
+            ops.store_rows(got, loc, x, impl="triton")
+            want = torch.full((S, W), SENTINEL, dtype=buf.dtype)
+            want[loc] = cast_oracle(x, buf.dtype)
+            assert _same(got, want), f"step {step}: rows stored at other slots than loc's"
+            got8 = torch.zeros(S, W, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            ops.store_e4m3(got8, loc, x, torch.ones(1), impl="triton")
+            written = (got8.view(torch.uint8) != 0).any(-1)
+            assert set(written.nonzero().flatten().tolist()) <= set(loc.tolist()), f"step {step}: e4m3 elsewhere"
+
     return run_cases([(name, lambda n=name: through_the_kernel(n)) for name in CASES]
                      + [(name, lambda n=name: split_through_the_kernel(n)) for name in SPLITS]
-                     + [("slots_outside_the_buffer_are_skipped", slots_outside_the_buffer_are_skipped)])
+                     + [("slots_outside_the_buffer_are_skipped", slots_outside_the_buffer_are_skipped),
+                        ("a_strided_loc_is_read_with_its_stride", a_strided_loc_is_read_with_its_stride)])
 
 
 def test_triton_kernel_under_the_interpreter():

@@ -104,17 +104,18 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _store_rows_kernel(X, X2, Scale, Loc, Out, T, W, W1, S, stride_x, stride_x2, stride_out,
+def _store_rows_kernel(X, X2, Scale, Loc, Out, T, W, W1, S, stride_loc, stride_x, stride_x2, stride_out,
                        E4M3: tl.constexpr, TO_BF16: tl.constexpr, MAX: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
     """out[loc[t], c] = [x | x2][t, c] (columns < W1 from x, the rest from x2), quantized to its e4m3 code (E4M3:
     Out is a uint8 view) or cast to Out's dtype (TO_BF16, fp32 / fp16 into bf16: rounded in integer arithmetic,
     ``_bf16_bits``). A slot outside [0, S) is not written (nothing past the buffer; the values of loc are the
-    caller's to check)."""
+    caller's to check). Loc is read with its stride: SGLang's EAGLE draft hands each step's ``out_cache_loc`` as a
+    column of its [bs·topk, steps] slot table (``per_step_draft_out_cache_loc``: stride = steps)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     row_ok = rows < T
-    slot = tl.load(Loc + rows, mask=row_ok, other=0).to(tl.int64)
+    slot = tl.load(Loc + rows.to(tl.int64) * stride_loc, mask=row_ok, other=0).to(tl.int64)
     row_ok = row_ok & (slot >= 0) & (slot < S)
     mask = row_ok[:, None] & (cols < W)[None, :]
     first = (cols < W1)[None, :]
@@ -226,7 +227,7 @@ def _store_rows(out: Tensor, loc: Tensor, x: Tensor, rest: Optional[Tensor], sca
     block_t = rows_per_program(T, STORE_BLOCK_T)
     grid = (triton.cdiv(T, block_t), triton.cdiv(W, STORE_BLOCK_W))
     to_bf16 = not e4m3 and out.dtype == torch.bfloat16 and x.dtype != torch.bfloat16
-    _store_rows_kernel[grid](x, x2, scale, loc, out, T, W, W1, out.shape[0], x.stride(0), x2.stride(0),
+    _store_rows_kernel[grid](x, x2, scale, loc, out, T, W, W1, out.shape[0], loc.stride(0), x.stride(0), x2.stride(0),
                              out.stride(0), E4M3=e4m3, TO_BF16=to_bf16, MAX=FP8_E4M3_MAX, BLOCK_T=block_t,
                              BLOCK_W=STORE_BLOCK_W)
 

@@ -413,8 +413,8 @@ def check_page_ids(req_to_token, rows, num_tokens, page_size, out) -> None:
     for x, name in ((rows, "rows"), (num_tokens, "num_tokens")):
         if x.shape[0] != out.shape[0]:
             raise ValueError(f"{name} must have out's {out.shape[0]} rows, got {x.shape[0]}")
-    for x, name in ((req_to_token, "req_to_token"), (out, "out")):
-        chk.last_dim_contiguous(x, name, kernel="the page-table")
+    for x, name in ((req_to_token, "req_to_token"), (out, "out"), (rows, "rows"), (num_tokens, "num_tokens")):
+        chk.last_dim_contiguous(x, name, kernel="the page-table")  # rows / num_tokens: read as unit-stride vectors
     if out.shape[1] and (out.shape[1] - 1) * p >= req_to_token.shape[1]:
         raise ValueError(f"out's {out.shape[1]} pages of {p} reach past req_to_token's {req_to_token.shape[1]} "
                          "columns")
