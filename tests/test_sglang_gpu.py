@@ -55,21 +55,21 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 
 
 # The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. At topk 2, page 1
-# they differ in 1-2 of 15 values, always for the second of the three requests (H100, 2026-12-07, fourth to seventh
-# runs), on ours and — with other data (another case name seeds the kit) — on SGLang's own fa3; also with the graph
-# runner's replay run eagerly (no CUDA graph), and not without the runner's padding row (a capture of 3 requests
-# passes). Not FA3's split count or one kernel's rounding: with FA3 pinned to one split and the prefix part's kernel
-# fixed to auto, fa3 or splitkv the same values differ bit for bit (sixth run). On the CPU the same runner passes at 28
-# data seeds with and without padding (tests/test_sglang_draft.py). tools/draft_graph_probe.py has the variants and a
-# --dump against an fp64 oracle over the pool: in the eighth run our output was within 0.014 of it in both runs, and
-# the latent rows the kit's model stored differed between them (docs/PERFORMANCE.md "Inside SGLang").
-_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="open: the kit's topk-2 draft replay with a padding row differs "
-                                 "from its eager run in 1-2 of 15 draft values (SGLang's fa3 too, with other data); "
-                                 "the latent rows its model stores differ between the runs (2026-12-07, eighth run)")
-_DRAFT_ATTENTION = pytest.mark.xfail(strict=True, reason="open: draft step 0, layer 0, equal queries, request 1's "
-                                     "attention output differs between the eager run and the padded replay (2.17 of "
-                                     "2.89, seventh run); in the eighth run the latent rows the kit's model stored "
-                                     "differed (3.36) and ours was within 0.014 of fp64 over the pool in both runs")
+# they differ in 1-2 of 15 values, always for the second of the three requests, on ours and on SGLang's own fa3 (the
+# same data: tools/draft_graph_probe.py; here fa3's case name seeds other data, which passes). The cause is SGLang's
+# (tenth run, docs/PERFORMANCE.md "Inside SGLang"): its store kernel ignores the stride of the per-step slot vector, so
+# the kit's model stores draft rows at wrong slots in both runs, and the padded replay's reach request 1's. On the CPU
+# SGLang's torch store honours strides and the runner passes (tests/test_sglang_draft.py). Our own store had the same
+# blind spot and reads the stride now (tests/test_store_rows.py).
+_UPSTREAM_STORE = ("SGLang's store kernel (set_mla_kv_buffer_kernel) reads the per-step out_cache_loc its EAGLE draft "
+                   "hands it (per_step_draft_out_cache_loc: a view of stride num_steps) as contiguous, so the kit's "
+                   "model stores the draft rows at other steps' slots, and the padded replay's at request 1's too "
+                   "(located 2026-12-07, tenth run: tools/draft_graph_probe.py --guard; fa3 the same)")
+_DRAFT_GRAPH = pytest.mark.xfail(strict=True, reason="upstream: the kit's topk-2 draft replay with a padding row "
+                                 "differs from its eager run in 1-2 of 15 draft values. " + _UPSTREAM_STORE)
+_DRAFT_ATTENTION = pytest.mark.xfail(strict=True, reason="upstream: at draft step 0 request 1's attention output "
+                                     "differs between the eager run and the padded replay because the pool it reads "
+                                     "does (ours is within 0.014 of fp64 over it in both). " + _UPSTREAM_STORE)
 
 
 @pytest.mark.parametrize("backend,topk,page_size", [("mla_fa3", 1, 16),
