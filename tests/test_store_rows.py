@@ -194,6 +194,43 @@ def test_a_slot_past_the_buffer_raises_in_the_reference():
         ops.store_rows(out, loc + buf.shape[0], x, impl="reference")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_a_strided_loc_on_the_gpu(e4m3):
+    """On CUDA (the kernel), loc as SGLang's EAGLE draft hands it: each step's slots a column (stride = steps) of the
+    [tokens, steps] table; the rows must land at loc's slots and nowhere else, under a CUDA graph too (the static
+    view replayed with new slots)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    T, W, S, steps = 6, 576, 64, 3
+    x = torch.randn(T, W, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(T, steps, dtype=torch.int64, device="cuda")
+    pool = torch.zeros(S, W, dtype=torch.uint8 if e4m3 else torch.bfloat16, device="cuda")
+    out = pool.view(torch.float8_e4m3fn) if e4m3 else pool
+    scale = torch.ones(1, device="cuda")
+
+    def store(step):
+        if e4m3:
+            ops.store_e4m3(out, table[:, step], x, scale, impl="triton")
+        else:
+            ops.store_rows(out, table[:, step], x, impl="triton")
+
+    store(0)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store(1)
+    for seed in range(3):
+        slots = torch.randperm(S - 1, generator=torch.Generator().manual_seed(seed))[: T * steps] + 1
+        table.copy_(slots.view(T, steps))
+        pool.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        written = set((pool.view(torch.uint8).view(S, -1) != 0).any(-1).nonzero().flatten().tolist())
+        assert written == set(table[:, 1].tolist()), f"seed {seed}: rows at {sorted(written)}"
+        if not e4m3:
+            assert torch.equal(pool[table[:, 1]], x)
+
+
 # ------------------------------------------------------------------------------------------ Triton interpreter
 
 
