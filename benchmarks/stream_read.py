@@ -37,6 +37,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from mla_fa3.bench.timing import time_per_call  # noqa: E402
+
 CHUNK = 16384  # int32 values a chunk: 64 KB
 BLOCK = 4096  # int32 values a load step of one program (16 KB; a chunk is 4 steps, unrolled)
 L2_BYTES = 50 * 2 ** 20
@@ -103,13 +105,9 @@ class StreamRead:
 
 
 def wrapped_sum(x: torch.Tensor) -> int:
-    """The oracle: Σ x as int32 arithmetic wraps (mod 2^32, signed)."""
+    """Σ x as int32 arithmetic wraps (mod 2^32, signed): the oracle over the buffer, and the kernel's total over its
+    per-program sums."""
     s = int(x.to(torch.int64).sum().item()) & 0xFFFFFFFF
-    return s - 2 ** 32 if s >= 2 ** 31 else s
-
-
-def kernel_sum(sums: torch.Tensor) -> int:
-    s = int(sums.to(torch.int64).sum().item()) & 0xFFFFFFFF
     return s - 2 ** 32 if s >= 2 ** 31 else s
 
 
@@ -136,8 +134,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("stream_read: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from mla_fa3.bench.timing import time_per_call
-
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     sizes = [int(round(float(m) * 1e6)) // (CHUNK * 4) * CHUNK * 4 for m in args.mb.split(",")]
@@ -156,7 +152,7 @@ def main(argv=None) -> int:
         variants += [(f"dynamic x{k} grain {g}", StreamRead(sms * k, True, g))
                      for k in map(int, args.per_sm.split(",")) for g in map(int, args.grain.split(","))]
         for label, run in variants:
-            got = kernel_sum(run(windows[0]))
+            got = wrapped_sum(run(windows[0]))
             want = wrapped_sum(windows[0])
             if got != want:
                 print(f"{label}: sum {got} != torch's {want}: not every chunk read once", file=sys.stderr)

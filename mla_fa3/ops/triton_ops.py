@@ -296,8 +296,9 @@ def store_rows(out: Tensor, loc: Tensor, x: Tensor, *, rest: Optional[Tensor] = 
     latent pool's store, as ``store_e4m3`` is an e4m3 pool's (its kernel, the quantization left out).
 
     out ``[S, W]`` float32 / float16 / bfloat16 (a view is fine: e.g. columns of a pool buffer; last dim contiguous),
-    loc ``[T]`` int64/int32 on out's device (values are not checked: the caller's; no two alike; the kernel skips a
-    slot outside [0, S), the indexed assignment raises IndexError), x ``[T, W]`` float32 / float16 / bfloat16 (last
+    loc ``[T]`` int64/int32 on out's device, any stride (a column of a slot table: SGLang's EAGLE draft steps; values
+    are not checked: the caller's; no two alike; the kernel skips a slot outside [0, S), the indexed assignment raises
+    IndexError), x ``[T, W]`` float32 / float16 / bfloat16 (last
     dim contiguous); ``rest`` as ``store_e4m3``'s (the row ``[x | rest]``). TRITON: one launch, where torch's
     indexed assignment (the same bytes) costs 3-4 µs at decode sizes on an H100; T = 0 writes nothing. Capturable.
 
