@@ -23,6 +23,7 @@ from specs import SPECS, BatchSpec
 from mla_fa3 import ops
 from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.ops import Impl, KernelConfig
+from mla_fa3.ops import fp8 as fp8_ref
 from mla_fa3.ops import splitkv_plan as sp
 
 pytest.importorskip("triton")
@@ -334,6 +335,60 @@ def test_programmatic_dependent_launch_changes_nothing(fp8):
     ref_out, ref_lse, lowp = oracle_and_lowp(dense)
     ref_impl, _ = run_reference(q_src, kv, table, seqlens, **extra)
     check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
+@pytest.mark.parametrize("fp8", [False, "kv"])
+def test_a_prologue_read_while_the_store_runs_sees_the_stored_rows(fp8):
+    """``follows_store``: phase 1 reads its schedule row, lengths, q and first page ids while the pool store before
+    it still runs (the store lets it launch at its start), and waits for the store only before its key tiles. In a
+    graph of [write q, store each request's newest row, split-KV], every replay — new q and new rows each time —
+    equals the in-order launches bit for bit and the fp64 oracle over the pool's rows as stored (a phase 1 that read
+    a row or q too early would differ)."""
+    lens, heads, page = (9000, 1, 4097, 65), 16, 64
+    q_src, kv, table, seqlens, _, extra = build(lens, 1, heads, page, fp8=fp8, seed=11)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV)
+    off = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV,
+                                   config=sched.config.with_(pdl=False))
+    assert sched.config.pdl
+    slots = torch.tensor([int(table[b, (L - 1) // page]) * page + (L - 1) % page for b, L in enumerate(lens)],
+                         dtype=torch.int64, device=DEV)
+    flat = kv.view(-1, D)
+    rows = torch.empty(len(lens), D, dtype=BF16, device=DEV)
+    factor = torch.ones(1, dtype=BF16, device=DEV)
+    q = torch.empty_like(q_src)
+    kw = dict(head_dim_v=R, softmax_scale=SCALE, causal=True, impl="triton", **extra)
+
+    def step():
+        torch.mul(q_src, factor, out=q)
+        if fp8:
+            ops.store_e4m3(flat, slots, rows, extra["descale_k"], impl="triton")
+        else:
+            ops.store_rows(flat, slots, rows, impl="triton")
+        return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=sched, follows_store=True, **kw)
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    rows.copy_(torch.randn(rows.shape, generator=g, device=DEV))
+    graph, (out, lse) = capture(step)
+    for f in (1.0, -0.5, 2.0):
+        factor.fill_(f)
+        rows.copy_(torch.randn(rows.shape, generator=g, device=DEV) * f)
+        graph.replay()
+        torch.cuda.synchronize()
+        in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=off, **kw)
+        assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse), f"replay {f}"
+        scale = extra["descale_k"].cpu() if fp8 else 1.0
+        dense = []
+        for b, L in enumerate(lens):
+            keys = torch.arange(L)
+            at = table[b].cpu()[keys // page].long() * page + keys % page
+            dense.append((q[b].float().cpu(), flat.cpu()[at].float().unsqueeze(1) * scale))
+        stored = flat[slots].float() * (extra["descale_k"] if fp8 else 1.0)
+        want = rows.float() if not fp8 else fp8_ref.dequantize_e4m3(
+            fp8_ref.quantize_e4m3(rows, extra["descale_k"]), extra["descale_k"], torch.float32)
+        assert torch.equal(stored, want)  # the store wrote this replay's rows
+        ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+        ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+        check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
 @pytest.mark.parametrize("fp8", [False, "kv"])

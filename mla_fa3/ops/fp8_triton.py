@@ -70,6 +70,11 @@ MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads al
 # the query's two launches as programmatic dependent launches (CUDA sm_90+) up to this many (t, h) rows: measured on
 # an H100, 0.2-1.2 µs less per call from 16 to 1024 rows, 0.3 µs more at 8192 (docs/PERFORMANCE_HISTORY.md); 0: never
 QUANT_PDL_MAX_ROWS = 4096
+# the store lets the next launch start as soon as all its programs run (``griddepcontrol.launch_dependents`` at its
+# start: a programmatic dependent still waits for the store's writes) up to this many rows: split-KV's phase 1 then
+# reads its prologue while the store runs (``splitkv_partials(follows_store=)``). Larger stores (prefill) keep the
+# SMs to themselves
+STORE_EARLY_DEPENDENTS_MAX_ROWS = 1024
 
 
 @triton.jit
@@ -106,12 +111,15 @@ def _bf16_bits(x):
 @triton.jit
 def _store_rows_kernel(X, X2, Scale, Loc, Out, T, W, W1, S, stride_loc, stride_x, stride_x2, stride_out,
                        E4M3: tl.constexpr, TO_BF16: tl.constexpr, MAX: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, TRIGGER: tl.constexpr):
     """out[loc[t], c] = [x | x2][t, c] (columns < W1 from x, the rest from x2), quantized to its e4m3 code (E4M3:
     Out is a uint8 view) or cast to Out's dtype (TO_BF16, fp32 / fp16 into bf16: rounded in integer arithmetic,
     ``_bf16_bits``). A slot outside [0, S) is not written (nothing past the buffer; the values of loc are the
     caller's to check). Loc is read with its stride: SGLang's EAGLE draft hands each step's ``out_cache_loc`` as a
-    column of its [bs·topk, steps] slot table (``per_step_draft_out_cache_loc``: stride = steps)."""
+    column of its [bs·topk, steps] slot table (``per_step_draft_out_cache_loc``: stride = steps). TRIGGER: the next
+    launch, if a programmatic dependent, may start now (it waits for these writes before it reads them)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     row_ok = rows < T
@@ -229,7 +237,8 @@ def _store_rows(out: Tensor, loc: Tensor, x: Tensor, rest: Optional[Tensor], sca
     to_bf16 = not e4m3 and out.dtype == torch.bfloat16 and x.dtype != torch.bfloat16
     _store_rows_kernel[grid](x, x2, scale, loc, out, T, W, W1, out.shape[0], loc.stride(0), x.stride(0), x2.stride(0),
                              out.stride(0), E4M3=e4m3, TO_BF16=to_bf16, MAX=FP8_E4M3_MAX, BLOCK_T=block_t,
-                             BLOCK_W=STORE_BLOCK_W)
+                             BLOCK_W=STORE_BLOCK_W,
+                             TRIGGER=T <= STORE_EARLY_DEPENDENTS_MAX_ROWS and pdl_capable(out.device))
 
 
 def quantize_query_e4m3(a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:

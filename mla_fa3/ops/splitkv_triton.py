@@ -139,7 +139,7 @@ def _splitkv_partial_kernel(
     stride_qb, stride_qs, stride_qh,
     stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
-    stride_ptb,
+    stride_ptb, pt_keys,
     stride_ow, stride_os, stride_oh,
     stride_lw, stride_ls,
     scale_log2,
@@ -147,11 +147,13 @@ def _splitkv_partial_kernel(
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    CHUNKS: tl.constexpr, ZERO: tl.constexpr,
+    CHUNKS: tl.constexpr, ZERO: tl.constexpr, EARLY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
-    if PDL:  # launched before the previous kernel ended (programmatic dependent launch): wait for its writes
+    if PDL and not EARLY:  # launched before the previous kernel ended (programmatic dependent launch): wait for its
+        # writes. EARLY (the previous kernel is the pool store, see ``splitkv_partials``): the wait comes after the
+        # prologue instead — its schedule row, length, q and first page id are read while the store runs
         tl.extra.cuda.gdc_wait()
     if ZERO:  # the combine's arrival counters (its fused output projection) start at zero: one program clears them
         if tile == 0:
@@ -223,8 +225,12 @@ def _splitkv_partial_kernel(
         # page id read in the same iteration it keeps a single buffer and every iteration waits out the load's
         # latency). On by default under mma.sync (< 64 rows); at >= 64 rows (wgmma) a config's choice: the
         # multi-buffered tiles and q share the shared memory (KernelConfig.prefetch_pages)
-        if PREFETCH:
-            page_next = _page_ids(PageTable, pt_row, start, end, offs_n, PAGE, CONTIG)
+        if PREFETCH:  # the first id masked by the planned stop (within the table's row), not by the length: its load
+            # issues beside the length's instead of after it. An id read past the length is never used: every key
+            # of its tile is masked by ``end``
+            page_next = _page_ids(PageTable, pt_row, start, tl.minimum(stop, pt_keys), offs_n, PAGE, CONTIG)
+        if EARLY:  # the store's rows are read from here on: wait for it (and its memory flush)
+            tl.extra.cuda.gdc_wait()
         for n0 in range(start, end, BLOCK_N):
             if PREFETCH:
                 page = page_next
@@ -318,14 +324,15 @@ def _score_dot(q, k, dtype: tl.constexpr, NARROW: tl.constexpr, IEEE: tl.constex
 
 def splitkv_mla_with_kvcache(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
-    w_uv: Optional[Tensor] = None,
+    w_uv: Optional[Tensor] = None, follows_store: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Run both phases on a validated call -> (out [bs, sq, H, r] — [bs, sq, H, N] with ``w_uv`` —, lse [bs, sq, H]
     float32, natural log).
 
     ``config``: the launch parameters; default the schedule's (the one its split count was planned with).
     ``w_uv`` ``[H, r, N]`` (validated by the caller): the output projection fused into the combine — out is then
-    ``[bs, sq, H, N]``, ``o_lat @ w_uv[h]`` per row (``splitkv_combine_triton.py``)."""
+    ``[bs, sq, H, N]``, ``o_lat @ w_uv[h]`` per row (``splitkv_combine_triton.py``). ``follows_store``: see
+    ``splitkv_partials``."""
     config = schedule.config if config is None else config
     q = call.q
     bs, sq, H = q.shape[:3]
@@ -340,7 +347,7 @@ def splitkv_mla_with_kvcache(
         half = config.half_partials and call.out_dtype == torch.bfloat16
         part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl, half)
     else:
-        part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters)
+        part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters, follows_store=follows_store)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
                    pdl=pdl, w=w_uv, counters=counters)
@@ -367,7 +374,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
 
 def splitkv_partials(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
-    counters: Optional[Tensor] = None,
+    counters: Optional[Tensor] = None, follows_store: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 1 alone on a validated call of >= 1 request, query and head -> the workspace the combine reads:
     (part_o [capacity, sq, H, r] float32 or, with ``half_partials``, the output dtype; part_lse2 [capacity, sq, H]
@@ -375,7 +382,14 @@ def splitkv_partials(
 
     ``counters`` (int32): zeroed by one program, after the wait for the previous kernel — the arrival counters of a
     combine with the output projection fused in. ``splitkv_mla_with_kvcache`` runs it and the combine;
-    ``bench.splitkv_phases`` times it alone."""
+    ``bench.splitkv_phases`` times it alone.
+
+    ``follows_store``: the caller's word that the launch just before this one on the stream is the pool store of
+    the rows this call reads (``ops.store_rows`` / ``store_e4m3``, or torch's indexed assignment), itself launched
+    in order (not as a programmatic dependent). Every program then reads its schedule row, the length, q and its
+    first page id before it waits for the store — all written before the store began — so that this prologue
+    overlaps the store (which lets its dependents launch at its start). Without it (any other predecessor may
+    write q) the wait comes first. Results are the same bits either way; it matters only with PDL."""
     config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     dv = call.head_dim_v
@@ -410,7 +424,7 @@ def splitkv_partials(
         q.stride(0), q.stride(1), q.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
-        call.page_table.stride(0),
+        call.page_table.stride(0), call.page_table.shape[1] * page,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         call.softmax_scale * LOG2E,
@@ -422,6 +436,7 @@ def splitkv_partials(
         CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
         PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
         CHUNKS=latent_chunks(config, dv, rows), ZERO=counters is not None,
+        EARLY=pdl and follows_store and counters is None,  # the counters' zeroing must follow the wait
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
     return part_o, part_lse2

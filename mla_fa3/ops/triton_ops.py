@@ -196,7 +196,7 @@ def splitkv_mla_with_kvcache(
     q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seqlens: Tensor, *, head_dim_v: int,
     schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
     descale_k: Optional[Tensor] = None, q_rope: Optional[Tensor] = None, w_uv: Optional[Tensor] = None,
-    impl: Optional[ImplLike] = None,
+    impl: Optional[ImplLike] = None, follows_store: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
 
@@ -218,6 +218,11 @@ def splitkv_mla_with_kvcache(
     output dtype; fp32 sums): ``head_matmul`` after the combine, or inside the combine with TRITON and the
     schedule's ``KernelConfig.fused_projection`` (up to ``FUSED_PROJECTION_MAX_TOKENS`` query tokens and
     ``FUSED_PROJECTION_MAX_COLUMNS`` columns; off by default: one launch less, measured slower).
+
+    ``follows_store``: the caller's word that the launch just before this call on the stream is the store of the
+    new latent rows into ``kv_cache`` (``store_rows`` / ``store_e4m3``), so that the kernel may read its prologue
+    (schedule, lengths, page table, q: all written before the store began) while the store runs. Same results;
+    TRITON on sm_90+ only (``splitkv_triton.splitkv_partials``).
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
     call = validate.check_splitkv(
@@ -232,7 +237,8 @@ def splitkv_mla_with_kvcache(
              and bs * sq <= FUSED_PROJECTION_MAX_TOKENS and w_uv.shape[2] <= FUSED_PROJECTION_MAX_COLUMNS)
     if chosen is Impl.TRITON:
         with _on(q.device):
-            out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None)
+            out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None,
+                                                                   follows_store=follows_store)
     else:
         out, lse = reference.flash_mla_with_kvcache(call)
     ran(chosen)

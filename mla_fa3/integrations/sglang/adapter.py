@@ -262,7 +262,8 @@ class SGLangMLABackend(AttentionBackend):
         else:
             q_lat, q_rope = q.reshape(T, H, r), q_rope.reshape(T, H, dr)
         lid = self._pool_layer(layer)
-        if save_kv_cache and k is not None:
+        stored = save_kv_cache and k is not None
+        if stored:
             loc = fb.out_cache_loc  # SGLang's own tensor: under CUDA graphs, the static buffer each replay rewrites
             if k_rope is None:
                 self.mla_pool.set_latent(lid, loc, k.reshape(T, r + dr))
@@ -280,9 +281,13 @@ class SGLangMLABackend(AttentionBackend):
         path, kernel = plan.route(ours)
         if path is not AttentionPath.ABSORBED:
             raise RuntimeError(f"the step was planned for {path.name}, not the absorbed path")
-        attend = absorb.attend_latent if plan.metadata.tree is None else absorb_tree.attend_latent_tree
-        o_lat = attend(q_lat, q_rope, ours, plan.metadata, self.mla_pool.paged(lid), kernel=kernel,
-                       schedule=plan.schedule_for(ours, kernel), kv_scale=self.mla_pool.layer_scale(lid))
+        pool, schedule, scale = self.mla_pool.paged(lid), plan.schedule_for(ours, kernel), self.mla_pool.layer_scale(lid)
+        if plan.metadata.tree is None:  # no launch between the store and the kernel: its prologue may overlap the store
+            o_lat = absorb.attend_latent(q_lat, q_rope, ours, plan.metadata, pool, kernel=kernel, schedule=schedule,
+                                         kv_scale=scale, follows_store=stored)
+        else:
+            o_lat = absorb_tree.attend_latent_tree(q_lat, q_rope, ours, plan.metadata, pool, kernel=kernel,
+                                                   schedule=schedule, kv_scale=scale)
         return o_lat.reshape(T, H * r)
 
     def _forward_mha(self, q, k, v, layer, fb, md: AttentionMetadata, save_kv_cache):
