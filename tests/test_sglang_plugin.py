@@ -184,6 +184,36 @@ def test_fp8_decode_reads_the_e4m3_pool_in_place(page_size):
     assert fx.backend.mla_pool.kv_buffer[0].data_ptr() == before[0]  # our pool views SGLang's buffer
 
 
+def test_the_kernel_is_told_of_the_store_only_when_the_adapter_stored(monkeypatch):
+    """``follows_store`` lets split-KV read q, the page table and its schedule before it waits for the launch just
+    before it: safe only when that launch is the adapter's own store (SGLang's kernels before it may still be writing
+    q). The adapter says so exactly when it stored this step's rows, and the answer is the fp64 oracle's either way."""
+    from mla_fa3 import absorb
+
+    seen = []
+    real = absorb.attend_latent
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("follows_store"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(absorb, "attend_latent", spy)
+    fx = kit_fixture(case("DECODE", prefix_lens=(30, 3), page_size=16, name="follows_store"))
+    check_close(*run_split_form(fx))
+    assert seen == [True]
+    c, fb, layer = fx.case, fx.forward_batch, fx.actual_module.attn_mqa
+    T, H = c.num_input_tokens, c.num_heads
+    q_lat = torch.randn(T, H * R, dtype=fx.runner.dtype)
+    q_rope = torch.randn(T, H, D_ROPE, dtype=fx.runner.dtype)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fx.backend)):
+        fx.backend.init_forward_metadata(fb)
+        layer(q_lat, None, None, fb, q_rope=q_rope, k_rope=None, save_kv_cache=False)
+        k = torch.randn(T, 1, R, dtype=fx.runner.dtype)
+        layer(q_lat, k, k, fb, q_rope=q_rope, k_rope=torch.randn(T, 1, D_ROPE, dtype=fx.runner.dtype),
+              save_kv_cache=False)
+    assert seen == [True, False, False]
+
+
 def test_idle_batch_returns_an_empty_output():
     fx = kit_fixture(case("DECODE", prefix_lens=(3,), name="idle"))
     fb = fx.forward_batch
