@@ -281,7 +281,8 @@ class SGLangMLABackend(AttentionBackend):
         path, kernel = plan.route(ours)
         if path is not AttentionPath.ABSORBED:
             raise RuntimeError(f"the step was planned for {path.name}, not the absorbed path")
-        pool, schedule, scale = self.mla_pool.paged(lid), plan.schedule_for(ours, kernel), self.mla_pool.layer_scale(lid)
+        pool, scale = self.mla_pool.paged(lid), self.mla_pool.layer_scale(lid)
+        schedule = plan.schedule_for(ours, kernel)
         if plan.metadata.tree is None:  # no launch between the store and the kernel: its prologue may overlap the store
             o_lat = absorb.attend_latent(q_lat, q_rope, ours, plan.metadata, pool, kernel=kernel, schedule=schedule,
                                          kv_scale=scale, follows_store=stored)
