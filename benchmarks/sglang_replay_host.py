@@ -55,10 +55,21 @@ def _world(kit, heads, bs, ctx, device, k=0):
                       positions=torch.arange(ctx - k, ctx).repeat(bs).to(device, torch.int64))
     fb.spec_info = SimpleNamespace(draft_token_num=k, topk=1, custom_mask=None, positions=fb.positions,
                                    spec_steps=k - 1)
-    runner = With(fx.runner, server_args=With(fx.runner.server_args, speculative_eagle_topk=1,
-                                              speculative_algorithm="EAGLE", speculative_num_draft_tokens=k,
-                                              speculative_num_steps=k - 1))
+    spec = dict(speculative_eagle_topk=1, speculative_algorithm="EAGLE", speculative_num_draft_tokens=k,
+                speculative_num_steps=k - 1)
+    _publish_spec(fx.runner.server_args, spec)
+    runner = With(fx.runner, server_args=With(fx.runner.server_args, **spec))
     return runner, fb
+
+
+def _publish_spec(server_args, spec: dict) -> None:
+    """SGLang's fa3 reads the verify width from the process's published runtime config (``get_spec()``), not from
+    the runner: set the draft settings on the world's (fresh) server args and publish them, as SGLang's attention
+    kit does for its speculative runners."""
+    from sglang.srt.runtime_context import get_context
+
+    server_args.override(source="replay-host-verify", **spec)
+    get_context().set_server_args(server_args)
 
 
 def _time(registry, name, runner, fb, bs, iters):
