@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the checkout root, after the pieces of tools/device_pack.sh were copied to /tmp/up:
 # assembles sgl-kernel and SGLang 0.5.17's wheels into /tmp/site, makes the plugin's entry point visible, then runs
-#   $@ = one or more of tests bench replay engine onebatch tree gap, or all  (results under $OUT)
+#   $@ = one or more of tests bench replay engine onebatch tree gap ab, or all  (results under $OUT; ab is not in all)
 # MLA_FA3_FLASHINFER=real puts the carried flashinfer 0.6.15.post1 on the path (JIT-built on first call);
 # otherwise flashinfer is answered by a placeholder (tools/import_placeholders.py: its names raise if called);
 # deep_gemm (never carried; SGLang's EAGLE draft worker imports it through the DSA backend) always is.
@@ -70,6 +70,21 @@ fi
 if want tree; then
   timeout ${TREE_TIMEOUT:-300} python3 benchmarks/sglang_tree_verify.py --out $OUT/tree_verify.csv ${TREE_ARGS:-} > $OUT/tree_verify.txt 2>&1
   grep -v Warning $OUT/tree_verify.txt | tail -60 | cut -c1-300
+fi
+if [[ "$modes" == *" ab "* ]]; then  # the package at .base (tools/device_pack.sh base REV) against the working tree:
+  # sglang_backends.py with AB_ARGS in each, alternating, AB_ROUNDS rounds; each tree runs from its own directory (the
+  # bench puts its own checkout first on sys.path, so PYTHONPATH cannot select the package)
+  [ -d .base/mla_fa3 ] || { echo "ab: .base/mla_fa3 missing (tools/device_pack.sh base REV, carry .base)" >&2; exit 3; }
+  rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && cp -r benchmarks tests tools /tmp/ab_base/ && cp -r .base/mla_fa3 /tmp/ab_base/
+  for i in $(seq 1 ${AB_ROUNDS:-2}); do
+    for v in base new; do
+      d=$PWD; [ $v = base ] && d=/tmp/ab_base
+      (cd $d && env $engine_env PYTHONPATH=$d:/tmp/site:/tmp/fi timeout ${AB_TIMEOUT:-200} python3 benchmarks/sglang_backends.py \
+        --out $OUT/ab_${v}_$i.csv ${AB_ARGS:---kv bf16 --shapes 16:4:32768,16:4:65536,16:1:65536} > $OUT/ab_${v}_$i.txt 2>&1)
+      echo "== $v round $i ($d, base $(cat .base/REV 2>/dev/null))"
+      cut -d, -f1-5,13,14 $OUT/ab_${v}_$i.csv 2>/dev/null | grep -E "mla_fa3|fa3," || tail -5 $OUT/ab_${v}_$i.txt
+    done
+  done
 fi
 if want gap; then
   timeout ${GAP_TIMEOUT:-200} python3 benchmarks/sglang_fa3_gap.py ${GAP_ARGS:-} > $OUT/fa3_gap.txt 2>&1
