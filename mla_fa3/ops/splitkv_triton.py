@@ -77,7 +77,7 @@ interpreter, older GPUs) they launch in order. Measured: 0.7-1.3 µs less at 16 
 at 128 heads, bs 1, 16k — the table turns it off there. When the launch just before phase 1 is the pool store
 (``follows_store``, the SGLang adapter's decode), the store lets phase 1 launch at its own start and phase 1 reads
 its schedule row, the length, q and its first page id before its wait, not after: that chain of dependent loads
-then overlaps the store (measured inside SGLang's step on an H100: 0.7-1.7 µs less a layer at 16 heads, bs 1-4).
+then overlaps the store (measured inside SGLang's step on an H100: 0.7-1.7 µs less a layer at 16 heads, bs 1 and 4).
 
 Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
 page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
