@@ -266,8 +266,10 @@ def main(argv=None) -> int:
             if peer is not None and backend != "fa3":
                 row.update(vs_fa3_greedy=f"{sum(a == b for a, b in zip(tokens, peer['tokens']))}/{len(tokens)}",
                            vs_fa3_top1=round(sum(a == b for a, b in zip(top, peer["top1"])) / max(len(top), 1), 4))
-            if first_diff is not None:  # transformers again, on this continuation's own prefix
-                row.update(_verdict(model, prompt, tokens, first_diff, results, kv))
+            if first_diff is not None:  # transformers again, on this continuation's own prefix; fa3's own row is
+                # explained by its own teacher-forced picks (it is not among ``results`` yet)
+                seen = results + [dict(backend=backend, kv=kv, top1=top)] if backend == "fa3" else results
+                row.update(_verdict(model, prompt, tokens, first_diff, seen, kv))
             row.update(tokens=tokens, top1=top)
         except Exception as exc:  # noqa: BLE001 - record and go on with the next configuration
             row.update(error=f"{type(exc).__name__}: {exc}"[:400], trace=traceback.format_exc()[-1500:])
