@@ -12,6 +12,14 @@ timed by CUDA events around graph replays (median of ``--iters``). Every backend
 ``--shapes heads:bs:ctx,...`` replaces the sweep, ``--kv`` picks the cache dtypes, ``--profile`` also prints each
 backend's kernels in its metadata graph and its layer graph (torch's profiler over graph replays).
 
+``--ab FIELD=V1,V2,...`` (a ``KernelConfig`` switch, as ``bench.splitkv --ab``): the split-KV launch config A/B-tested
+inside SGLang's step instead of kernel alone — per shape and round (``--ab-rounds``), fa3 once and then mla_fa3 once
+per value, the config table's row for the shape (``splitkv_config.table_key``) set to that value while its backend is
+built, captured and timed (values in reverse order every other round). Columns: heads, bs, ctx, kv, round, config
+(the label), value, stacked_us, fa3_stacked_us, ratio_stacked, kernel.
+
+    python benchmarks/sglang_backends.py --out out/ab.csv --kv bf16 --shapes 16:4:32768 --ab combine_tile=rule,64x64
+
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
 ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), meta_us and layer_us (the same two halves captured and
@@ -29,6 +37,7 @@ GPU only; needs SGLang 0.5.17 and sgl-kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import statistics
@@ -38,6 +47,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
+
+from mla_fa3.bench.splitkv_candidates import parse_ab  # noqa: E402
 
 SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 16384), (64, 32768)]
 QUICK = [(1, 65536), (4, 32768), (64, 16384)]
@@ -213,6 +224,48 @@ class With:
         return getattr(self._obj, name)
 
 
+@contextlib.contextmanager
+def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, field: str, value):
+    """The split-KV config table's row for (heads, bs, ctx) with ``field`` = ``value`` inside the block (restored
+    after); yields that config. A backend built, captured and run inside plans its schedules with it."""
+    from mla_fa3.ops import splitkv_config
+
+    table = splitkv_config.E4M3_CONFIG_TABLE if fp8 else splitkv_config.CONFIG_TABLE
+    key = splitkv_config.table_key(heads, bs, ctx, table)
+    saved = table[key]
+    table[key] = saved.with_(**{field: value})
+    try:
+        yield table[key]
+    finally:
+        table[key] = saved
+
+
+def ab_rows(args, ab, kit, registry, mode, shapes) -> list[dict]:
+    """``--ab``: per shape and round, fa3's stacked step and mla_fa3's with each value of the switch ``ab`` = (field,
+    values)."""
+    field, values = ab
+    rows = []
+    for heads, bs, ctx in shapes:
+        for fp8 in (kv == "fp8" for kv in args.kv):
+            fx = decode_world(kit, mode, heads, bs, ctx, fp8, pool_layers=pool_layers_for(bs, ctx, fp8))
+            for rnd in range(args.ab_rounds):
+                base = _time_backend("fa3", fx, registry, args.iters, False, args.layers, args.stack_iters)
+                for value in (values if rnd % 2 == 0 else values[::-1]):
+                    with table_row_with(heads, bs, ctx, fp8, field, value) as config:
+                        r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, args.layers,
+                                          args.stack_iters)
+                    row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", round=rnd,
+                               config=config.label(),
+                               value="x".join(map(str, value)) if isinstance(value, tuple) else value, stacked_us=round(r["stacked_us"], 2),
+                               fa3_stacked_us=round(base["stacked_us"], 2),
+                               ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3), kernel=r["kernel"])
+                    rows.append(row)
+                    print(",".join(str(v) for v in row.values()), flush=True)
+            del fx
+            torch.cuda.empty_cache()
+    return rows
+
+
 def write_rows(path: str, rows: list[dict]) -> None:
     """``rows`` (dicts with the same keys, in column order) as a CSV file with a header."""
     with open(path, "w", newline="") as f:
@@ -232,7 +285,14 @@ def main(argv=None) -> int:
     p.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--profile", action="store_true", help="also each backend's kernels per graph (torch profiler)")
     p.add_argument("--stack-iters", type=int, default=10, help="replays of the stacked step (0: not timed)")
+    p.add_argument("--ab", metavar="FIELD=V1,V2",
+                   help="mla_fa3's stacked step once per value of a split-KV KernelConfig switch (see above)")
+    p.add_argument("--ab-rounds", type=int, default=2, help="rounds of --ab (fa3, then every value, per round)")
     args = p.parse_args(argv)
+    try:  # a bad switch is refused before anything is built
+        ab = parse_ab(args.ab) if args.ab else None
+    except ValueError as exc:
+        p.error(str(exc))
     if not sglang_ready("sglang_backends"):
         return 2
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -244,6 +304,10 @@ def main(argv=None) -> int:
     shapes = [(h, bs, ctx) for h in args.heads for bs, ctx in (QUICK if args.quick else SHAPES)]
     if args.shapes:
         shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
+    if ab:
+        rows = ab_rows(args, ab, kit, ATTENTION_BACKENDS, ForwardMode.DECODE, shapes)
+        write_rows(args.out, rows)
+        return 0
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
             stack = args.layers if args.stack_iters else 0

@@ -203,6 +203,41 @@ def test_bench_ab_spec_parses_each_field_and_refuses_bad_ones():
         parse_ab("waves=0")
     with pytest.raises(ValueError, match="is not one of"):
         parse_ab("block_n=16")
+    assert parse_ab("combine_tile=rule,64x64,128X32") == ("combine_tile", (None, (64, 64), (128, 32)))
+    with pytest.raises(ValueError, match="two powers of two"):
+        parse_ab("combine_tile=48x64")
+    with pytest.raises(ValueError, match="SPLITSxCOLUMNS"):
+        parse_ab("combine_tile=64")
+    assert parse_ab("num_warps=4,8") == ("num_warps", (4, 8))
+
+
+def test_the_in_step_ab_sets_the_shapes_table_row_only_inside_its_block():
+    """``benchmarks/sglang_backends.py --ab``: inside the block the table row ``choose_config`` reads for the shape is
+    the value's (a schedule planned there carries it: its split target is the SMs x waves), other rows and the
+    e4m3 table untouched; after it — also after an exception — the row is back."""
+    from benchmarks.sglang_backends import table_row_with
+    from mla_fa3.ops.splitkv_config import choose_config
+
+    before, wide, e4m3 = choose_config(16, 4, 65536), choose_config(128, 4, 65536), choose_config(16, 4, 65536,
+                                                                                                    kv_fp8=True)
+    with table_row_with(16, 4, 65536, False, "waves", 3.0) as config:
+        assert config == before.with_(waves=3.0) and choose_config(16, 4, 65536) == config
+        assert choose_config(128, 4, 65536) == wide and choose_config(16, 4, 65536, kv_fp8=True) == e4m3
+        sched = ops.get_splitkv_schedule([65536] * 4, num_heads=16, page_size=64, num_sms=100)
+        assert sched.config == config and sched.target == 300
+    assert choose_config(16, 4, 65536) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with table_row_with(16, 4, 65536, False, "combine_tile", (64, 64)):
+            assert choose_config(16, 4, 65536).combine_tile == (64, 64)
+            raise RuntimeError("inside")
+    assert choose_config(16, 4, 65536) == before
+
+
+def test_config_combine_tile_is_checked_and_labelled():
+    assert KernelConfig(combine_tile=(64, 64)).label().endswith("-t64x64") and "-t" not in KernelConfig().label()
+    for bad in ((48, 64), (0, 32), [16, 64], (16.0, 64), (True, 64), (16, 64, 1)):
+        with pytest.raises(ValueError, match="combine_tile must be|two powers of two"):
+            KernelConfig(combine_tile=bad)
 
 
 def test_schedule_copy_refuses_what_does_not_fit():
@@ -450,6 +485,7 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
     "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_WIDE's 16
     "fp32_143_splits_narrow_combine": ((9000, 70), 1, 4, 16, "float32", False, False, 256),  # > COMBINE_NARROW's 128
+    "fp32_40_splits_combine_tile_4x16": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # the config's tile
     # the one-page-per-block fast path (page >= block_n), blocks spanning a request's end, and the switches
     "fp32_page64_block64_spans_end": ((63, 64, 65, 200), 1, 4, 64, "float32", False, False),
     "fp16_page32_verify_sq3_half_reload": ((31, 32, 97), 3, 4, 32, "float16", False, True),
@@ -482,6 +518,7 @@ INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choi
     "fp16_r64_chunks2_padded": dict(latent_chunks=2, half_partials=True),
     "fp8_r128_chunks4": dict(latent_chunks=4, block_n=16),
     "fp8kv_bf16_r128_chunks2_reload": dict(latent_chunks=2, reload_kv=True),
+    "fp32_40_splits_combine_tile_4x16": dict(combine_tile=(4, 16)),
 }
 
 
@@ -583,6 +620,29 @@ def phases_case() -> None:
         kt.splitkv_partials(dataclasses.replace(call, q=call.q[:0]), sched)
 
 
+def combine_tile_case() -> None:
+    """A config's ``combine_tile`` is the tile the op's combine runs with (the rule's when None): a spy on the
+    combine the launch calls records it; the output is the oracle's either way."""
+    from mla_fa3.ops import splitkv_triton as kt
+
+    seen = []
+    real = kt.combine_splits
+
+    def spy(*args, **kw):
+        seen.append(kw.get("tile"))
+        return real(*args, **kw)
+
+    kt.combine_splits = spy
+    try:
+        for tile in ((2, 16), None):
+            c, args, kw, dense = _op_args(heads=4, lens=(300, 40), page=16, config=KernelConfig(combine_tile=tile))
+            out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
+            _check_vs_oracle(c, dense, out, lse)
+    finally:
+        kt.combine_splits = real
+    assert seen == [(2, 16), None], seen
+
+
 def plan_past_the_lengths_case() -> None:
     """A schedule planned from longer lengths than the kernel reads (a stale host plan): splits start past each
     request's length and past the page table's width, whose unused entries hold BAD_PAGE. Only keys < L_b are loaded
@@ -630,6 +690,7 @@ def _interpreter_run() -> dict:
         except Exception as exc:  # report every case, not only the first
             failures[name] = f"{type(exc).__name__}: {exc}"
     failures.update(run_cases((("combine_running_maximum", combine_case), ("phases_apart", phases_case),
+                               ("combine_tile_of_the_config", combine_tile_case),
                                ("plan_past_the_lengths", plan_past_the_lengths_case))))
 
     def replan_agrees(case):

@@ -82,7 +82,23 @@ SWEEP_WIDE = (
 # KernelConfig's switches (--ab FIELD, or FIELD=V1,V2,...) and the values each is timed at by default
 AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
              "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4),
-             "prefetch_pages": (True, False)}
+             "prefetch_pages": (True, False), "num_warps": (4, 8),
+             "combine_tile": (None, (16, 64), (64, 64), (128, 32))}  # combine_tile values: rule (None) or SxC
+
+
+def _ab_value(field: str, text: str):
+    """One value of ``--ab FIELD=...`` as the field's type: a bool (1/true/on), a combine tile (``rule``: None, or
+    ``SxC``), else the type of the field's first default value."""
+    text = text.strip()
+    if field == "combine_tile":
+        if text.lower() == "rule":
+            return None
+        splits, _, cols = text.lower().partition("x")
+        if not (splits.isdigit() and cols.isdigit()):
+            raise ValueError(f"--ab combine_tile: {text!r} is not 'rule' or SPLITSxCOLUMNS (e.g. 64x64)")
+        return int(splits), int(cols)
+    kind = type(AB_FIELDS[field][0])
+    return text.lower() in ("1", "true", "on") if kind is bool else kind(text)
 
 
 def parse_ab(spec: str) -> tuple[str, tuple]:
@@ -92,8 +108,7 @@ def parse_ab(spec: str) -> tuple[str, tuple]:
         raise ValueError(f"--ab: {field!r} is not one of {sorted(AB_FIELDS)}")
     if not values:
         return field, AB_FIELDS[field]
-    kind = type(AB_FIELDS[field][0])
-    parsed = tuple((v.strip().lower() in ("1", "true", "on")) if kind is bool else kind(v) for v in values.split(","))
+    parsed = tuple(_ab_value(field, v) for v in values.split(","))
     for v in parsed:
         KernelConfig().with_(**{field: v})  # each value a valid config (KernelConfig checks it)
     return field, parsed

@@ -132,5 +132,6 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     part_o, part_lse2 = gluon_partials(call, schedule, pdl=pdl, half=half_partials, reg_a=reg_a)
     with torch.cuda.device(q.device):
         combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
-                       call.descale_k if call.kv_fp8 else None, pdl=pdl)  # the e4m3 scale on the output, once
+                       call.descale_k if call.kv_fp8 else None, pdl=pdl,  # the e4m3 scale on the output, once
+                       tile=schedule.config.combine_tile)
     return out, lse

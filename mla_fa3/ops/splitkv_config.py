@@ -9,9 +9,9 @@ always agree; a CUDA graph keeps the config it was captured with.
 ``choose_config(heads, bs, ctx, kv_fp8=)`` reads :data:`CONFIG_TABLE` (a bf16 / fp16 cache) or
 :data:`E4M3_CONFIG_TABLE` (an e4m3 cache): measured rows ``(heads, bs, ctx) -> config`` (``python -m
 mla_fa3.bench.splitkv --sweep [--fp8]`` prints a fresh table to paste here). The row of the same head class
-(<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx) wins. ``combine_tile(rows)`` is the
-combine's tile (splits per load, columns) by output rows, ``check_combine_tile`` the check of one given instead. Pure
-host code: no triton import.
+(<= 32 heads: memory-bound; more: compute-bound) nearest in (log2 bs, log2 ctx) wins (``table_key``: that row's
+key). ``combine_tile(rows)`` is the combine's tile (splits per load, columns) by output rows unless a config names
+one, ``check_combine_tile`` the check of one given instead. Pure host code: no triton import.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-__all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "MAX_BLOCK_N", "NARROW_ROWS",
-           "FUSED_PROJECTION_MAX_TOKENS", "FUSED_PROJECTION_MAX_COLUMNS", "latent_chunks", "combine_tile",
+__all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "table_key", "MAX_BLOCK_N",
+           "NARROW_ROWS", "FUSED_PROJECTION_MAX_TOKENS", "FUSED_PROJECTION_MAX_COLUMNS", "latent_chunks", "combine_tile",
            "check_combine_tile"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
@@ -73,6 +73,8 @@ class KernelConfig:
                   (its tile); one program fits an SM, so ``waves`` is programs per SM in sequence (1.0: one wave);
                   ``half_partials`` applies, num_warps / num_stages / max_rows / max_registers / latent_chunks /
                   prefetch_pages / reload_kv do not (its warps, ring and registers are its own)
+    combine_tile  (splits per load, columns) of the combine's programs, two powers of two; None: ``combine_tile``'s
+                  rule by output rows
     """
 
     block_n: int = 32
@@ -88,6 +90,7 @@ class KernelConfig:
     prefetch_pages: Optional[bool] = None
     fused_projection: bool = False
     warp_specialized: bool = False
+    combine_tile: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -101,6 +104,12 @@ class KernelConfig:
             raise ValueError(f"latent_chunks must be 1, 2 or 4, got {self.latent_chunks}")
         if self.num_warps not in (None, 2, 4, 8, 16) or self.num_stages < 1 or not self.waves > 0:
             raise ValueError(f"bad num_warps / num_stages / waves: {self.num_warps}, {self.num_stages}, {self.waves}")
+        if self.combine_tile is not None:
+            if not (isinstance(self.combine_tile, tuple) and len(self.combine_tile) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) for v in self.combine_tile)):
+                raise ValueError(f"combine_tile must be None or a (splits, columns) tuple of ints, got "
+                                 f"{self.combine_tile!r}")
+            check_combine_tile(self.combine_tile)
         if self.warp_specialized and (self.block_n != 64 or self.fused_projection):
             raise ValueError("warp_specialized needs block_n 64 (its tile) and no fused_projection, got block_n "
                              f"{self.block_n}, fused_projection {self.fused_projection}")
@@ -110,7 +119,8 @@ class KernelConfig:
                  + ("" if self.pdl else "-nopdl") + (f"-reg{self.max_registers}" if self.max_registers else "")
                  + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "")
                  + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
-                 + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else ""))
+                 + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else "")
+                 + ("-t{}x{}".format(*self.combine_tile) if self.combine_tile else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 
@@ -174,13 +184,20 @@ def choose_config(heads: int, bs: int, ctx: int, table: Optional[dict] = None, *
     :data:`E4M3_CONFIG_TABLE` for an e4m3 cache (``kv_fp8``), else :data:`CONFIG_TABLE`."""
     if table is None:
         table = E4M3_CONFIG_TABLE if kv_fp8 else CONFIG_TABLE
+    key = table_key(heads, bs, ctx, table)
+    return KernelConfig() if key is None else table[key]
+
+
+def table_key(heads: int, bs: int, ctx: int, table: dict) -> Optional[Tuple[int, int, int]]:
+    """The row of ``table`` that ``choose_config`` reads for (heads, bs, ctx) (None: an empty table): same head class,
+    nearest in (log2 bs, log2 ctx), ties to the smaller key."""
     wide = heads > WIDE_HEADS
-    rows = [(k, v) for k, v in table.items() if (k[0] > WIDE_HEADS) == wide] or list(table.items())
-    if not rows:
-        return KernelConfig()
+    keys = [k for k in table if (k[0] > WIDE_HEADS) == wide] or list(table)
+    if not keys:
+        return None
 
     def dist(key):
         return (abs(math.log2(max(bs, 1)) - math.log2(key[1])) + abs(math.log2(max(ctx, 1)) - math.log2(key[2])),
                 key)
 
-    return min(rows, key=lambda kv: dist(kv[0]))[1]
+    return min(keys, key=dist)
