@@ -254,9 +254,9 @@ def ab_rows(args, ab, kit, registry, mode, shapes) -> list[dict]:
                     with table_row_with(heads, bs, ctx, fp8, field, value) as config:
                         r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, args.layers,
                                           args.stack_iters)
+                    text = "x".join(map(str, value)) if isinstance(value, tuple) else value
                     row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", round=rnd,
-                               config=config.label(),
-                               value="x".join(map(str, value)) if isinstance(value, tuple) else value, stacked_us=round(r["stacked_us"], 2),
+                               config=config.label(), value=text, stacked_us=round(r["stacked_us"], 2),
                                fa3_stacked_us=round(base["stacked_us"], 2),
                                ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3), kernel=r["kernel"])
                     rows.append(row)

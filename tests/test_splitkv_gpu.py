@@ -26,7 +26,9 @@ from mla_fa3.ops import Impl, KernelConfig
 from mla_fa3.ops import fp8 as fp8_ref
 from mla_fa3.ops import splitkv_plan as sp
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BF16, F8 = torch.bfloat16, torch.float8_e4m3fn
@@ -389,6 +391,63 @@ def test_a_prologue_read_while_the_store_runs_sees_the_stored_rows(fp8):
         ref_out, ref_lse, lowp = oracle_and_lowp(dense)
         ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
         check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
+@triton.jit
+def _slow_store_kernel(Flat, Slots, Rows, spin_ns, D_: tl.constexpr, BLOCK: tl.constexpr):
+    """A pool store that lets its dependents launch at its start (as ``ops.store_rows`` does) and then spins for
+    ``spin_ns`` before it writes row i of ``Rows`` to slot ``Slots[i]`` of ``Flat`` [slots, D_] (any dtype)."""
+    tl.extra.cuda.gdc_launch_dependents()
+    t0 = tl.extra.cuda.globaltimer()
+    t = t0
+    while t - t0 < spin_ns:
+        t = tl.extra.cuda.globaltimer()
+    i = tl.program_id(0)
+    slot = tl.load(Slots + i).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    tl.store(Flat + slot * D_ + cols, tl.load(Rows + i * D_ + cols, mask=cols < D_), mask=cols < D_)
+
+
+@pytest.mark.parametrize("sq,fp8", [(1, False), (2, False), (1, "kv")])
+def test_a_slow_store_is_waited_for_before_the_newest_keys(sq, fp8):
+    """``follows_store`` with a store that takes 200 µs (launched before split-KV, letting it launch at its start):
+    phase 1 reads each request's older keys while the store spins and must wait before the block holding key
+    L_b - sq. The output is the fp64 oracle's over the rows as stored and equals the in-order launches bit for bit;
+    a phase 1 that read a newest row before the store wrote it would see the old row there (a different one)."""
+    lens, heads, page = (9000, 1, 4097, 65, 96), 16, 64
+    q, kv, table, seqlens, _, extra = build(lens, sq, heads, page, fp8=fp8, seed=13)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, device=DEV)
+    off = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, device=DEV,
+                                   config=sched.config.with_(pdl=False))
+    assert sched.config.pdl and sched.planned_work > 2 * len(lens)
+    positions = [(b, p) for b, L in enumerate(lens) for p in range(max(L - sq, 0), L)]
+    slots = torch.tensor([int(table[b, p // page]) * page + p % page for b, p in positions], dtype=torch.int64,
+                         device=DEV)
+    flat = kv.view(-1, D)
+    g = torch.Generator().manual_seed(14)
+    new = torch.randn(len(positions), D, generator=g)
+    new = (fp8_ref.quantize_e4m3(new, extra["descale_k"].cpu()) if fp8 else new.to(BF16)).to(DEV)
+    as_int = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t.view(torch.int16))  # the rows' bits
+    assert (as_int(flat[slots]) != as_int(new)).any(1).all()  # every old row differs from its new one
+    kw = dict(head_dim_v=R, softmax_scale=SCALE, causal=True, impl="triton", **extra)
+    ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=sched, follows_store=True, **kw)  # compiled
+    torch.cuda.synchronize()
+    _slow_store_kernel[(len(positions),)](as_int(flat), slots, as_int(new), 200_000, D_=D, BLOCK=1024,
+                                          launch_pdl=False)
+    out, lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=sched, follows_store=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(as_int(flat[slots]), as_int(new))  # the store wrote them
+    in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=off, **kw)
+    assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse)
+    scale = extra["descale_k"].cpu() if fp8 else 1.0
+    dense = []
+    for b, L in enumerate(lens):
+        keys = torch.arange(L)
+        at = table[b].cpu()[keys // page].long() * page + keys % page
+        dense.append((q[b].float().cpu(), flat.cpu()[at].float().unsqueeze(1) * scale))
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
 @pytest.mark.parametrize("fp8", [False, "kv"])

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config", "table_key", "MAX_BLOCK_N",
-           "NARROW_ROWS", "FUSED_PROJECTION_MAX_TOKENS", "FUSED_PROJECTION_MAX_COLUMNS", "latent_chunks", "combine_tile",
-           "check_combine_tile"]
+           "NARROW_ROWS", "FUSED_PROJECTION_MAX_TOKENS", "FUSED_PROJECTION_MAX_COLUMNS", "latent_chunks",
+           "combine_tile", "check_combine_tile"]
 
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
