@@ -150,19 +150,15 @@ def forward_absorbed(q: torch.Tensor, layer: AttentionLayer, metadata: Attention
 def attend_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLayer, metadata: AttentionMetadata,
                   kv_paged: torch.Tensor, *, kernel: DecodeKernel = DecodeKernel.FA3,
                   schedule: ops.FlashMLASchedule | ops.SplitKVSchedule | ops.FA3Schedule | None = None,
-                  kv_scale: torch.Tensor | None = None, impl=None, follows_store: bool = False,
-                  new_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, impl=None, follows_store: bool = False) -> torch.Tensor:
     """The absorbed attention core, for an engine whose model absorbs W_UK and applies W_UV itself (SGLang's
     DeepSeek): q_lat [T, H, r] and q_rope [T, H, d_rope] (any strides with a contiguous last dim, e.g. the two
     slices of one [T, H, r + d_rope] query) -> o_lat [T, H, r] = Σ_t softmax_t(s) · c_kv(t), with s as in the
     module docstring. Kernels, schedules and the FP8 rules are those of :func:`forward_absorbed`; ``layer`` gives
     heads, scale, softcap and window (its ``mla_weights`` are not read). On an FP8 pool read by FlashMLA, the
     576-wide query is quantized per step on the device (``ops.quantize_query_e4m3``); split-KV reads q as it is.
-    ``follows_store``: the caller just stored this step's latent rows (each request's newest keys) into ``kv_paged``
-    (its last launch), so that split-KV may read its prologue and the older keys while the store runs
-    (``ops.splitkv_mla_with_kvcache``); other kernels ignore it. ``new_rows`` (with it, a cache that is not e4m3):
-    those rows as the store read them, ``(c_kv [T, r], k_rope [T, d_rope])``: split-KV reads the newest keys from
-    there and so waits for the store at no key.
+    ``follows_store``: the caller just stored this step's latent rows into ``kv_paged`` (its last launch), so that
+    split-KV may read its prologue while the store runs (``ops.splitkv_mla_with_kvcache``); other kernels ignore it.
     """
     if layer.mla is None:
         raise ValueError(f"layer {layer.layer_id}: attend_latent needs an MLA layer (mla dims)")
@@ -178,7 +174,7 @@ def attend_latent(q_lat: torch.Tensor, q_rope: torch.Tensor, layer: AttentionLay
     kv_scale = kv_scale if fp8 else None
     if kernel is DecodeKernel.SPLITKV:
         return _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl,
-                        follows_store=follows_store, new_rows=new_rows)
+                        follows_store=follows_store)
     if fp8:
         q_cat, q_scale = ops.quantize_query_e4m3(q_lat, q_rope, impl=impl)
     else:
@@ -266,7 +262,7 @@ def _splitkv_projected(q_nope, q_rope, layer, metadata, kv_paged, schedule, kv_s
 
 
 def _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scale, impl, w_uv=None, *, causal=True,
-             return_lse=False, follows_store=False, new_rows=None):
+             return_lse=False, follows_store=False):
     """The split-KV call of a checked step: o [T, H, r] (o_lat), or [T, H, d_v] projected by ``w_uv``; q_lat and
     q_rope read where they lie; ``kv_scale`` (FP8 cache) is the only descale. ``return_lse``: (o, lse [T, H])."""
     T, H = q_lat.shape[0], layer.num_heads
@@ -276,7 +272,7 @@ def _splitkv(q_lat, q_rope, bs, sq, layer, metadata, kv_paged, schedule, kv_scal
                                           metadata.cache_seqlens, head_dim_v=r, schedule=schedule,
                                           softmax_scale=layer.scaling, causal=causal,
                                           q_rope=q_rope.reshape(bs, sq, H, width - r), w_uv=w_uv, impl=impl,
-                                          follows_store=follows_store, new_rows=new_rows, **descales)
+                                          follows_store=follows_store, **descales)
     o = o.view(T, H, o.shape[-1])
     return (o, lse.view(T, H)) if return_lse else o
 

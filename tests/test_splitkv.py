@@ -233,6 +233,12 @@ def test_the_in_step_ab_sets_the_shapes_table_row_only_inside_its_block():
     assert choose_config(16, 4, 65536) == before
 
 
+def test_combine_tile_rule_by_output_rows():
+    from mla_fa3.ops.splitkv_config import combine_tile
+
+    assert [combine_tile(r) for r in (1, 63, 64, 127, 128, 4096)] == [(128, 32)] * 2 + [(64, 64)] * 2 + [(16, 64)] * 2
+
+
 def test_config_combine_tile_is_checked_and_labelled():
     assert KernelConfig(combine_tile=(64, 64)).label().endswith("-t64x64") and "-t" not in KernelConfig().label()
     for bad in ((48, 64), (0, 32), [16, 64], (16.0, 64), (True, 64), (16, 64, 1)):
@@ -395,23 +401,6 @@ OP_BAD = {
                      ValueError, "q_rope dtype"),
     "q_rope_width": (lambda a, k: (k.update(q_rope=a[0][..., 40:]), a.__setitem__(0, a[0][..., :32])),
                      ValueError, "kv_cache head dim"),
-    # the store's rows handed over (new_rows): only after a store, a (latent, rope) pair of the cache's rows
-    "new_rows_without_store": (lambda a, k: k.update(new_rows=(torch.zeros(2, 32), torch.zeros(2, 16))), ValueError,
-                               "new_rows are the rows of the store"),
-    "new_rows_one_tensor": (lambda a, k: k.update(new_rows=torch.zeros(2, 48), follows_store=True), TypeError,
-                            "new_rows must be a"),
-    "new_rows_shape": (lambda a, k: k.update(new_rows=(torch.zeros(3, 32), torch.zeros(2, 16)), follows_store=True),
-                       ValueError, r"new_rows\[0\] \(latent\) must be \[bs·sq, 32\]"),
-    "new_rows_rope_width": (lambda a, k: k.update(new_rows=(torch.zeros(2, 32), torch.zeros(2, 8)), follows_store=True),
-                            ValueError, r"new_rows\[1\] \(rope\) must be"),
-    "new_rows_dtype": (lambda a, k: k.update(new_rows=(torch.zeros(2, 32).half(), torch.zeros(2, 16)),
-                                             follows_store=True), ValueError, r"new_rows\[0\] \(latent\) dtype"),
-    "new_rows_strided": (lambda a, k: k.update(new_rows=(torch.zeros(32, 2).t(), torch.zeros(2, 16)),
-                                               follows_store=True), ValueError, r"new_rows\[0\] \(latent\) must have"),
-    "new_rows_e4m3_cache": (lambda a, k: (a.__setitem__(1, a[1].to(torch.float8_e4m3fn)),
-                                          k.update(descale_k=torch.ones(1), follows_store=True,
-                                                   new_rows=(torch.zeros(2, 32), torch.zeros(2, 16)))),
-                            ValueError, "new_rows over an e4m3 cache"),
 }
 
 
@@ -502,6 +491,7 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp8_page16": ((33, 5), 1, 4, 16, "float32", True, False),
     "fp32_40_splits_one_request": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # > COMBINE_WIDE's 16
     "fp32_143_splits_narrow_combine": ((9000, 70), 1, 4, 16, "float32", False, False, 256),  # > COMBINE_NARROW's 128
+    "fp32_80_rows_79_splits_mid_combine": ((5000, 300, 70, 9), 1, 20, 16, "float32", False, False, 256),  # > 64 a load
     "fp32_40_splits_combine_tile_4x16": ((2500, 70), 1, 4, 16, "float32", False, False, 64),  # the config's tile
     # the one-page-per-block fast path (page >= block_n), blocks spanning a request's end, and the switches
     "fp32_page64_block64_spans_end": ((63, 64, 65, 200), 1, 4, 64, "float32", False, False),
@@ -660,44 +650,6 @@ def combine_tile_case() -> None:
     assert seen == [(2, 16), None], seen
 
 
-def follows_store_case() -> None:
-    """``follows_store``: phase 1 reads each split's key blocks before the one holding key L_b - sq in a first loop
-    and the rest after its wait (on the GPU; in order here, no wait): the same blocks in the same order, so the same
-    bits as without it, and the oracle's — splits that end before the newest keys, that start inside their block,
-    requests shorter than a block, sq 1 and 3, page 16 and 1, blocks of 16 and 32. With ``new_rows`` (the newest
-    keys' rows, row b·sq + i = key L_b - sq + i) those keys are read from there: the pool's own rows give the same
-    bits; other rows give the oracle over a cache holding them (so they were read there, not from the pool)."""
-    for sq, page, block_n, lens in ((1, 16, 16, (150, 40, 1, 64, 65)), (3, 16, 32, (97, 33, 3, 64)),
-                                    (1, 1, 16, (70, 17))):
-        cfg = KernelConfig(block_n=block_n)
-        c, args, kw, dense = _op_args(heads=4, sq=sq, lens=lens, page=page, config=cfg)
-        sched = kw["schedule"]
-        assert sched.planned_work > len(lens), "the case must cut requests into several splits"
-        out, lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton")
-        early, early_lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton", follows_store=True)
-        assert torch.equal(early, out) and torch.equal(early_lse, lse), (sq, page, block_n)
-        _check_vs_oracle(c, dense, early, early_lse)
-        r = c["r"]
-        newest = torch.zeros(len(lens) * sq, args[1].shape[3])  # keys < 0 (L_b < sq): rows never read
-        for b, L in enumerate(lens):
-            for i in range(sq):
-                if L - sq + i >= 0:
-                    newest[b * sq + i] = dense[b][1][L - sq + i, 0].float()
-        same = (newest[:, :r].contiguous(), newest[:, r:].contiguous())
-        fresh, fresh_lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton", follows_store=True, new_rows=same)
-        assert torch.equal(fresh, out) and torch.equal(fresh_lse, lse), (sq, page, block_n, "new_rows")
-        other = newest + torch.randn(newest.shape, generator=torch.Generator().manual_seed(sq))
-        moved = [(q_b, kv_b.clone()) for q_b, kv_b in dense]
-        for b, L in enumerate(lens):
-            for i in range(sq):
-                if L - sq + i >= 0:
-                    moved[b][1][L - sq + i, 0] = other[b * sq + i].double()
-        fresh, fresh_lse = ops.splitkv_mla_with_kvcache(*args, **kw, impl="triton", follows_store=True,
-                                                        new_rows=(other[:, :r].contiguous(), other[:, r:].contiguous()))
-        assert not torch.equal(fresh, out)
-        _check_vs_oracle(c, moved, fresh, fresh_lse)
-
-
 def plan_past_the_lengths_case() -> None:
     """A schedule planned from longer lengths than the kernel reads (a stale host plan): splits start past each
     request's length and past the page table's width, whose unused entries hold BAD_PAGE. Only keys < L_b are loaded
@@ -746,7 +698,6 @@ def _interpreter_run() -> dict:
             failures[name] = f"{type(exc).__name__}: {exc}"
     failures.update(run_cases((("combine_running_maximum", combine_case), ("phases_apart", phases_case),
                                ("combine_tile_of_the_config", combine_tile_case),
-                               ("follows_store", follows_store_case),
                                ("plan_past_the_lengths", plan_past_the_lengths_case))))
 
     def replan_agrees(case):

@@ -72,8 +72,8 @@ MAX_PARTIALS = 256  # programs of the absmax launch (each later program reads al
 QUANT_PDL_MAX_ROWS = 4096
 # the store lets the next launch start as soon as all its programs run (``griddepcontrol.launch_dependents`` at its
 # start: a programmatic dependent still waits for the store's writes) up to this many rows: split-KV's phase 1 then
-# reads its prologue and the older keys while the store runs (``splitkv_partials(follows_store=)``). Larger stores
-# (prefill) keep the SMs to themselves
+# reads its prologue while the store runs (``splitkv_partials(follows_store=)``). Larger stores (prefill) keep the
+# SMs to themselves
 STORE_EARLY_DEPENDENTS_MAX_ROWS = 1024
 
 

@@ -27,7 +27,8 @@ __all__ = ["KernelConfig", "CONFIG_TABLE", "E4M3_CONFIG_TABLE", "choose_config",
 MAX_BLOCK_N = 64  # key blocks never exceed the split granule (64): a block then lies in one page of >= block_n
 WIDE_HEADS = 32  # more heads than this: compute-bound rows of the table
 NARROW_ROWS = 64  # fewer rows (heads x query tokens) per program than this: the dots run as mma.sync, else wgmma
-COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 64 output rows
+COMBINE_WIDE = (16, 64)  # (splits loaded at once, latent columns) of a combine program; >= 128 output rows
+COMBINE_MID = (64, 64)  # 64-127 output rows (16 heads, bs 4-7): a quarter of the wide tile's loop trips
 COMBINE_NARROW = (128, 32)  # fewer output rows (bs·sq·H < 64): twice the programs, an eighth of the loop trips
 # query tokens (bs·sq) up to which the output projection runs inside the combine (``KernelConfig.fused_projection``):
 # every (token, head) row's programs read their rows of w_uv[h], so the weights are read once per token
@@ -165,9 +166,11 @@ def combine_tile(rows: int) -> Tuple[int, int]:
     """(splits per load, columns) of a combine program for ``rows`` = bs·sq·H output rows. The narrow tile's 32
     columns were measured on the H200 (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1
     with the wide tile; no change at bs 4 or 128 heads); its 128 splits per load (instead of 64) on an H100 in three
-    runs on two days (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; the wide tile stays at bs >= 4, where 128
-    splits per load lose) — docs/PERFORMANCE_HISTORY.md."""
-    return COMBINE_NARROW if rows < 64 else COMBINE_WIDE
+    runs on two days (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; 128 splits per load lose at bs >= 4) —
+    docs/PERFORMANCE_HISTORY.md. The mid tile inside SGLang's step on an H100 (2026-12-08, five rounds: 0.1-0.7 µs
+    less a layer at 16 heads, bs 4, 16k-64k, where a request has 64 splits: one load instead of four;
+    docs/PERFORMANCE.md)."""
+    return COMBINE_NARROW if rows < 64 else COMBINE_MID if rows < 128 else COMBINE_WIDE
 
 
 def check_combine_tile(tile: Tuple[int, int]) -> Tuple[int, int]:

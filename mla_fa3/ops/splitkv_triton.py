@@ -75,13 +75,9 @@ predecessor's writes before reading them. The launch latency between the kernels
 computes and reads is unchanged. A CUDA graph captures the launches as programmatic edges. Elsewhere (the
 interpreter, older GPUs) they launch in order. Measured: 0.7-1.3 µs less at 16 heads (bs 1-8), 0.9 µs more
 at 128 heads, bs 1, 16k — the table turns it off there. When the launch just before phase 1 is the pool store
-(``follows_store``, the SGLang adapter's decode), the store lets phase 1 launch at its own start, and phase 1 waits
-for it only where it must: the store writes each request's newest rows (keys L_b - sq .. L_b - 1), so a program
-reads its schedule row, the length, q and every key block before the one holding key L_b - sq without waiting,
-and waits before that block (a program whose split ends earlier — most of them — waits at its end, so that the
-grid never completes before the store). Given the rows the store writes (``new_rows``: the adapter's decode over a
-float pool, whose store copies them unchanged), the newest keys are read from there and no program waits before
-any key. The prologue and the key stream then overlap the store.
+(``follows_store``, the SGLang adapter's decode), the store lets phase 1 launch at its own start and phase 1 reads
+its schedule row, the length, q and its first page id before its wait, not after: that chain of dependent loads
+then overlaps the store (measured inside SGLang's step on an H100: 0.7-1.7 µs less a layer at 16 heads, bs 1 and 4).
 
 Only keys < min(end, L_b) are loaded (masked loads), so slots past a sequence's end and unused
 page-table entries are never read. The grid is the schedule's capacity (fixed), the live work count
@@ -123,20 +119,17 @@ def _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE: tl.constexpr, CONTIG: tl
 @triton.jit
 def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
                stride_kvp, stride_kvs, col0: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-               CONTIG: tl.constexpr, EXACT_C: tl.constexpr, EVICT: tl.constexpr, fresh_rows=None, fresh_key0=None):
+               CONTIG: tl.constexpr, EXACT_C: tl.constexpr, EVICT: tl.constexpr):
     """keys n0 .. n0 + BLOCK_N - 1 (< end), columns col0 + offs_c: a [BLOCK_N, C] tile of the latent rows.
 
     ``page``: ``_page_ids`` of the block. CONTIG (PAGE >= BLOCK_N, block starts on a multiple of BLOCK_N): the
-    block lies in one page — one page id, one strided tile. Else one page id per key. ``fresh_rows`` (one pointer
-    per key, such that ``+ col0`` is the row's first column): keys >= ``fresh_key0`` read from there instead."""
+    block lies in one page — one page id, one strided tile. Else one page id per key."""
     keys = n0 + offs_n
     key_ok = keys < end
     if CONTIG:
         rows = KV + page.to(tl.int64) * stride_kvp + ((n0 % PAGE) + offs_n) * stride_kvs
     else:
         rows = KV + page.to(tl.int64) * stride_kvp + (keys % PAGE) * stride_kvs
-    if fresh_rows is not None:
-        rows = tl.where(keys >= fresh_key0, fresh_rows, rows)
     ptrs = rows[:, None] + col0 + offs_c[None, :]
     if EXACT_C:
         return tl.load(ptrs, mask=key_ok[:, None], other=0.0, eviction_policy=EVICT)
@@ -146,7 +139,6 @@ def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
 @triton.jit
 def _splitkv_partial_kernel(
     Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK, Counters, num_counters,
-    Fresh, FreshR, stride_f, stride_fr,
     stride_qb, stride_qs, stride_qh,
     stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
@@ -158,13 +150,13 @@ def _splitkv_partial_kernel(
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    CHUNKS: tl.constexpr, ZERO: tl.constexpr, EARLY: tl.constexpr, FRESH: tl.constexpr,
+    CHUNKS: tl.constexpr, ZERO: tl.constexpr, EARLY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
     if PDL and not EARLY:  # launched before the previous kernel ended (programmatic dependent launch): wait for its
-        # writes. EARLY (the previous kernel is the pool store, see ``splitkv_partials``): the wait comes later, just
-        # before the first key block that holds a row the store writes (or at the end)
+        # writes. EARLY (the previous kernel is the pool store, see ``splitkv_partials``): the wait comes after the
+        # prologue instead — its schedule row, length, q and first page id are read while the store runs
         tl.extra.cuda.gdc_wait()
     if ZERO:  # the combine's arrival counters (its fused output projection) start at zero: one program clears them
         if tile == 0:
@@ -231,32 +223,61 @@ def _splitkv_partial_kernel(
         acc = ()
         for c in tl.static_range(CHUNKS):
             acc = acc + (tl.zeros([BLOCK_M, CW], tl.float32),)
-        if EARLY:  # the store before this launch writes each request's newest rows, keys seqlen - SQ .. seqlen - 1:
-            # the key blocks before the one holding key seqlen - SQ are read without waiting for it (most programs:
-            # all of theirs); the wait (for the store and its memory flush) comes before that block — unless FRESH
-            # (the rows the store writes given: those keys are read from there), then at the end — so that this grid
-            # never completes before the store has
-            cut = tl.minimum(end, tl.maximum(start, (seqlen - SQ) // BLOCK_N * BLOCK_N))
-            # the first page id masked by the planned stop (within the table's row), not by the length: its load
-            # issues beside the length's instead of after it (an id read past the length is never used: every key
-            # of its tile is masked by ``end``)
-            m, l, acc = _key_blocks(KV, PageTable, pt_row, start, cut, end, tl.minimum(stop, pt_keys), q_lat, q_pe,
-                                    scale_log2, last_key, m, l, acc, offs_n, offs_v, v_ok, offs_r, r_ok,
-                                    stride_kvp, stride_kvs, Fresh, FreshR, stride_f, stride_fr, b * SQ, seqlen - SQ,
-                                    DV, PAGE, BLOCK_N, CW, CONTIG, EXACT_V, EXACT_R, RELOAD, NARROW, PREFETCH,
-                                    CAUSAL, IEEE, CHUNKS, False)
-            if PDL and not FRESH:  # (launched in order, the store is done already)
-                tl.extra.cuda.gdc_wait()
-            first_limit = end
-        else:  # every block after the wait; the first page id masked by the planned stop, as above
-            cut = start
-            first_limit = tl.minimum(stop, pt_keys)
-        m, l, acc = _key_blocks(KV, PageTable, pt_row, cut, end, end, first_limit, q_lat, q_pe, scale_log2, last_key,
-                                m, l, acc, offs_n, offs_v, v_ok, offs_r, r_ok, stride_kvp, stride_kvs, Fresh, FreshR,
-                                stride_f, stride_fr, b * SQ, seqlen - SQ, DV, PAGE, BLOCK_N, CW, CONTIG, EXACT_V,
-                                EXACT_R, RELOAD, NARROW, PREFETCH, CAUSAL, IEEE, CHUNKS, FRESH)
-        if PDL and FRESH:
+        # PREFETCH: the next block's page id is read one iteration ahead: the tile loads then depend on no load of
+        # their own iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the
+        # page id read in the same iteration it keeps a single buffer and every iteration waits out the load's
+        # latency). On by default under mma.sync (< 64 rows); at >= 64 rows (wgmma) a config's choice: the
+        # multi-buffered tiles and q share the shared memory (KernelConfig.prefetch_pages)
+        if PREFETCH:  # the first id masked by the planned stop (within the table's row), not by the length: its load
+            # issues beside the length's instead of after it. An id read past the length is never used: every key
+            # of its tile is masked by ``end``
+            page_next = _page_ids(PageTable, pt_row, start, tl.minimum(stop, pt_keys), offs_n, PAGE, CONTIG)
+        if EARLY:  # the store's rows are read from here on: wait for it (and its memory flush)
             tl.extra.cuda.gdc_wait()
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                page = page_next
+                page_next = _page_ids(PageTable, pt_row, n0 + BLOCK_N, end, offs_n, PAGE, CONTIG)
+            else:
+                page = _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE, CONTIG)
+            c_kv = ()
+            for c in tl.static_range(CHUNKS):
+                c_kv = c_kv + (_load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
+                                          PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else ""),)
+            k_pe = _load_tile(KV, page, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
+                              DV, PAGE, BLOCK_N, CONTIG, EXACT_R, "")
+            # q·kᵀ: one dot per latent chunk, each its own chain of mma.sync (one chain of DV / 16 + DR / 16
+            # dependent mma per warp when CHUNKS = 1); the rope dot extends the last chunk's chain
+            s = _score_dot(q_lat[CHUNKS - 1], c_kv[CHUNKS - 1], q_lat[CHUNKS - 1].dtype, NARROW, IEEE)
+            s = _score_dot(q_pe, k_pe, q_pe.dtype, NARROW, IEEE, s)
+            s = s * scale_log2
+            for c in tl.static_range(CHUNKS - 1):  # scaled before the sum: a sum of dots would fold into one chain
+                s += _score_dot(q_lat[c], c_kv[c], q_lat[c].dtype, NARROW, IEEE) * scale_log2
+            keys = n0 + offs_n
+            visible = (keys < end)[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= last_key[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            new_acc = ()
+            for c in tl.static_range(CHUNKS):
+                if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
+                    v_blk = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
+                                       PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_first" if NARROW else "")
+                else:
+                    v_blk = c_kv[c]
+                v_blk = v_blk.to(q_lat[c].dtype)  # e4m3 -> q's dtype (no-op otherwise)
+                if IEEE:
+                    a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None], input_precision="ieee")
+                else:
+                    a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None])
+                new_acc = new_acc + (a_c,)
+            acc = new_acc
+            m = m_new
         if PDL:  # the keys are done: the combine may launch (its programs wait for this grid's writes); signalled at
             # the start instead, its waiting programs slowed phase 1 (docs/PERFORMANCE_HISTORY.md)
             tl.extra.cuda.gdc_launch_dependents()
@@ -269,83 +290,6 @@ def _splitkv_partial_kernel(
             tl.store(o_ptr[:, None] + c * CW + offs_v[None, :], o.to(PartO.dtype.element_ty),
                      mask=row_ok[:, None] & v_ok[None, :])
         tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
-    elif PDL and EARLY:  # an idle program waits too: the grid completes after the store whatever the schedule
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _key_blocks(KV, PageTable, pt_row, n_begin, n_end, end, first_limit, q_lat, q_pe, scale_log2, last_key, m, l, acc,
-                offs_n, offs_v, v_ok, offs_r, r_ok, stride_kvp, stride_kvs, Fresh, FreshR, stride_f, stride_fr,
-                fresh_row0, fresh_key0,
-                DV: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr, CONTIG: tl.constexpr,
-                EXACT_V: tl.constexpr, EXACT_R: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr,
-                PREFETCH: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, CHUNKS: tl.constexpr,
-                FRESH: tl.constexpr):
-    """The online softmax over the key blocks n_begin, n_begin + BLOCK_N, ... < n_end (keys masked by ``end``; the
-    first block's page id by ``first_limit``): (m, l, acc) updated — acc a ``CHUNKS``-tuple of [rows, CW] blocks.
-    FRESH: keys >= ``fresh_key0`` are rows ``fresh_row0 + key - fresh_key0`` of ``Fresh`` (latent) / ``FreshR``
-    (rope) instead of the pool's.
-
-    PREFETCH: the next block's page id is read one iteration ahead: the tile loads then depend on no load of their
-    own iteration, and Triton's pipeliner multi-buffers them (num_stages - 1 tiles in flight; with the page id read
-    in the same iteration it keeps a single buffer and every iteration waits out the load's latency). On by default
-    under mma.sync (< 64 rows); at >= 64 rows (wgmma) a config's choice: the multi-buffered tiles and q share the
-    shared memory (KernelConfig.prefetch_pages)."""
-    if PREFETCH:
-        page_next = _page_ids(PageTable, pt_row, n_begin, first_limit, offs_n, PAGE, CONTIG)
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        if PREFETCH:
-            page = page_next
-            page_next = _page_ids(PageTable, pt_row, n0 + BLOCK_N, end, offs_n, PAGE, CONTIG)
-        else:
-            page = _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE, CONTIG)
-        fresh_lat = None
-        fresh_rope = None
-        if FRESH:  # the rows' pointers, each such that + its first column is the row's (the rope part: + DV)
-            at = (fresh_row0 + n0 + offs_n - fresh_key0).to(tl.int64)
-            fresh_lat = Fresh + at * stride_f
-            fresh_rope = FreshR + at * stride_fr - DV
-        c_kv = ()
-        for c in tl.static_range(CHUNKS):
-            c_kv = c_kv + (_load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
-                                      PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_last" if RELOAD and NARROW else "",
-                                      fresh_lat, fresh_key0),)
-        k_pe = _load_tile(KV, page, n0, end, offs_n, offs_r, r_ok, stride_kvp, stride_kvs,
-                          DV, PAGE, BLOCK_N, CONTIG, EXACT_R, "", fresh_rope, fresh_key0)
-        # q·kᵀ: one dot per latent chunk, each its own chain of mma.sync (one chain of DV / 16 + DR / 16
-        # dependent mma per warp when CHUNKS = 1); the rope dot extends the last chunk's chain
-        s = _score_dot(q_lat[CHUNKS - 1], c_kv[CHUNKS - 1], q_lat[CHUNKS - 1].dtype, NARROW, IEEE)
-        s = _score_dot(q_pe, k_pe, q_pe.dtype, NARROW, IEEE, s)
-        s = s * scale_log2
-        for c in tl.static_range(CHUNKS - 1):  # scaled before the sum: a sum of dots would fold into one chain
-            s += _score_dot(q_lat[c], c_kv[c], q_lat[c].dtype, NARROW, IEEE) * scale_log2
-        keys = n0 + offs_n
-        visible = (keys < end)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= last_key[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        new_acc = ()
-        for c in tl.static_range(CHUNKS):
-            if RELOAD:  # a second load of the same rows (an L2 hit): each load feeds one dot
-                v_blk = _load_tile(KV, page, n0, end, offs_n, offs_v, v_ok, stride_kvp, stride_kvs, c * CW,
-                                   PAGE, BLOCK_N, CONTIG, EXACT_V, "evict_first" if NARROW else "", fresh_lat,
-                                   fresh_key0)
-            else:
-                v_blk = c_kv[c]
-            v_blk = v_blk.to(q_lat[c].dtype)  # e4m3 -> q's dtype (no-op otherwise)
-            if IEEE:
-                a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None], input_precision="ieee")
-            else:
-                a_c = tl.dot(p.to(v_blk.dtype), v_blk, acc=acc[c] * alpha[:, None])
-            new_acc = new_acc + (a_c,)
-        acc = new_acc
-        m = m_new
-    return m, l, acc
 
 
 @triton.jit
@@ -383,15 +327,15 @@ def _score_dot(q, k, dtype: tl.constexpr, NARROW: tl.constexpr, IEEE: tl.constex
 
 def splitkv_mla_with_kvcache(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
-    w_uv: Optional[Tensor] = None, follows_store: bool = False, new_rows: Optional[Tuple[Tensor, Tensor]] = None,
+    w_uv: Optional[Tensor] = None, follows_store: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Run both phases on a validated call -> (out [bs, sq, H, r] — [bs, sq, H, N] with ``w_uv`` —, lse [bs, sq, H]
     float32, natural log).
 
     ``config``: the launch parameters; default the schedule's (the one its split count was planned with).
     ``w_uv`` ``[H, r, N]`` (validated by the caller): the output projection fused into the combine — out is then
-    ``[bs, sq, H, N]``, ``o_lat @ w_uv[h]`` per row (``splitkv_combine_triton.py``). ``follows_store``,
-    ``new_rows``: see ``splitkv_partials``."""
+    ``[bs, sq, H, N]``, ``o_lat @ w_uv[h]`` per row (``splitkv_combine_triton.py``). ``follows_store``: see
+    ``splitkv_partials``."""
     config = schedule.config if config is None else config
     q = call.q
     bs, sq, H = q.shape[:3]
@@ -406,8 +350,7 @@ def splitkv_mla_with_kvcache(
         half = config.half_partials and call.out_dtype == torch.bfloat16
         part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl, half)
     else:
-        part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters, follows_store=follows_store,
-                                             new_rows=new_rows)
+        part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters, follows_store=follows_store)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
                    pdl=pdl, tile=config.combine_tile, w=w_uv, counters=counters)
@@ -434,7 +377,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
 
 def splitkv_partials(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
-    counters: Optional[Tensor] = None, follows_store: bool = False, new_rows: Optional[Tuple[Tensor, Tensor]] = None,
+    counters: Optional[Tensor] = None, follows_store: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 1 alone on a validated call of >= 1 request, query and head -> the workspace the combine reads:
     (part_o [capacity, sq, H, r] float32 or, with ``half_partials``, the output dtype; part_lse2 [capacity, sq, H]
@@ -445,15 +388,11 @@ def splitkv_partials(
     ``bench.splitkv_phases`` times it alone.
 
     ``follows_store``: the caller's word that the launch just before this one on the stream is the pool store of
-    each request's newest rows — keys L_b - sq .. L_b - 1, the rows of this step's query tokens, and no other row
-    this call reads — (``ops.store_rows`` / ``store_e4m3``, or torch's indexed assignment), itself launched in
-    order (not as a programmatic dependent). Every program then reads its schedule row, the length, q and its key
-    blocks up to the one holding key L_b - sq before it waits for the store — all written before the store began —
-    so that they overlap the store (which lets its dependents launch at its start). Without it (any other
-    predecessor may write q or any row) the wait comes first. Results are the same bits either way; it matters only
-    with PDL. ``new_rows`` (checked by ``validate.check_new_rows``; with ``follows_store``): the rows that store
-    writes, as it reads them — the newest keys are read from there, so no key waits for the store (each program
-    waits at its end)."""
+    the rows this call reads (``ops.store_rows`` / ``store_e4m3``, or torch's indexed assignment), itself launched
+    in order (not as a programmatic dependent). Every program then reads its schedule row, the length, q and its
+    first page id before it waits for the store — all written before the store began — so that this prologue
+    overlaps the store (which lets its dependents launch at its start). Without it (any other predecessor may
+    write q) the wait comes first. Results are the same bits either way; it matters only with PDL."""
     config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     dv = call.head_dim_v
@@ -481,13 +420,10 @@ def splitkv_partials(
     launch = launch_options(pdl)
     if config.max_registers is not None:
         launch["maxnreg"] = config.max_registers
-    early = follows_store and counters is None  # the counters' zeroing must follow the wait
-    fresh = new_rows if early and new_rows is not None else (kv, kv)  # (any pointers: read only under FRESH)
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
         schedule.num_work if counters is None else counters, 0 if counters is None else counters.numel(),
-        fresh[0], fresh[1], fresh[0].stride(0), fresh[1].stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
@@ -503,8 +439,7 @@ def splitkv_partials(
         CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
         PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
         CHUNKS=latent_chunks(config, dv, rows), ZERO=counters is not None,
-        # without PDL (launched in order) the same blocks in the same order
-        EARLY=early, FRESH=early and new_rows is not None,
+        EARLY=pdl and follows_store and counters is None,  # the counters' zeroing must follow the wait
         num_warps=warps, num_stages=config.num_stages, **launch,
     )
     return part_o, part_lse2

@@ -197,7 +197,6 @@ def splitkv_mla_with_kvcache(
     schedule: SplitKVSchedule, softmax_scale: float, causal: bool = True, descale_q: Optional[Tensor] = None,
     descale_k: Optional[Tensor] = None, q_rope: Optional[Tensor] = None, w_uv: Optional[Tensor] = None,
     impl: Optional[ImplLike] = None, follows_store: bool = False,
-    new_rows: Optional[Tuple[Tensor, Tensor]] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Split-KV MLA decode: the contract of ``flash_mla_with_kvcache`` for any power-of-two page size.
 
@@ -221,14 +220,9 @@ def splitkv_mla_with_kvcache(
     ``FUSED_PROJECTION_MAX_COLUMNS`` columns; off by default: one launch less, measured slower).
 
     ``follows_store``: the caller's word that the launch just before this call on the stream is the store of the
-    new latent rows into ``kv_cache`` (``store_rows`` / ``store_e4m3``) — each request's newest keys, L_b - sq ..
-    L_b - 1, and no other row the call reads — so that the kernel may read its prologue (schedule, lengths, page
-    table, q: all written before the store began) and the older keys while the store runs. Same results; TRITON on
-    sm_90+ only (``splitkv_triton.splitkv_partials``). ``new_rows`` (with ``follows_store``; not over an e4m3
-    cache): the rows that store writes, as it reads them — ``(latent [bs·sq, head_dim_v], rope [bs·sq, D -
-    head_dim_v])``, row b·sq + i = request b's key L_b - sq + i, the cache's dtype — read from there instead of the
-    pool, so that no key waits for the store (``validate.check_new_rows``). The caller vouches that they are the
-    rows stored; the reference reads the pool.
+    new latent rows into ``kv_cache`` (``store_rows`` / ``store_e4m3``), so that the kernel may read its prologue
+    (schedule, lengths, page table, q: all written before the store began) while the store runs. Same results;
+    TRITON on sm_90+ only (``splitkv_triton.splitkv_partials``).
     """
     chosen = _resolve_splitkv(impl, validate.device_of(q, "q"))
     call = validate.check_splitkv(
@@ -236,7 +230,6 @@ def splitkv_mla_with_kvcache(
         softmax_scale=softmax_scale, causal=causal, descale_q=descale_q, descale_k=descale_k, impl=chosen,
         q_rope=q_rope,
     )
-    new_rows = validate.check_new_rows(new_rows, call, follows_store)
     if w_uv is not None:
         validate_matmul.check_output_projection(w_uv, q.shape[2], head_dim_v, call.out_dtype, q.device)
     bs, sq = q.shape[:2]
@@ -245,7 +238,7 @@ def splitkv_mla_with_kvcache(
     if chosen is Impl.TRITON:
         with _on(q.device):
             out, lse = _splitkv_kernels().splitkv_mla_with_kvcache(call, schedule, w_uv=w_uv if fused else None,
-                                                                   follows_store=follows_store, new_rows=new_rows)
+                                                                   follows_store=follows_store)
     else:
         out, lse = reference.flash_mla_with_kvcache(call)
     ran(chosen)

@@ -396,33 +396,6 @@ def check_splitkv(
     return call
 
 
-def check_new_rows(new_rows, call: FlashMLACall, follows_store: bool):
-    """Validate ``splitkv_mla_with_kvcache(new_rows=)`` -> (latent rows, rope rows) or None: the rows the store just
-    before the call writes, as it reads them — ``[bs·sq, head_dim_v]`` and ``[bs·sq, D - head_dim_v]`` of the
-    cache's dtype, row b·sq + i = request b's key L_b - sq + i — so that the kernel reads them there instead of
-    waiting for the store; only with ``follows_store`` and a cache that holds them bit for bit (not e4m3)."""
-    if new_rows is None:
-        return None
-    if not follows_store:
-        raise ValueError("new_rows are the rows of the store just before the call: they need follows_store=True")
-    if not (isinstance(new_rows, (tuple, list)) and len(new_rows) == 2):
-        raise TypeError(f"new_rows must be a (latent rows, rope rows) pair of tensors, got {type(new_rows).__name__}")
-    kv = call.kv_cache
-    if call.kv_fp8 or call.is_fp8:
-        raise ValueError("new_rows over an e4m3 cache: its rows are the store's quantization of them, not the rows "
-                         "bit for bit — give none (the kernel then waits for the store before the newest keys)")
-    bs, sq = call.q.shape[:2]
-    widths = (call.head_dim_v, kv.shape[3] - call.head_dim_v)
-    for x, name, width in zip(new_rows, ("new_rows[0] (latent)", "new_rows[1] (rope)"), widths):
-        chk.tensor(x, name)
-        if tuple(x.shape) != (bs * sq, width):
-            raise ValueError(f"{name} must be [bs·sq, {width}] = [{bs * sq}, {width}], got {tuple(x.shape)}")
-        chk.same_dtype(x, name, kv.dtype, "kv_cache")
-        chk.same_device(x, name, kv.device, "kv_cache")
-        chk.last_dim_contiguous(x, name, "split-KV")
-    return tuple(new_rows)
-
-
 def check_page_ids(req_to_token, rows, num_tokens, page_size, out) -> None:
     """Validate ``gather_page_ids``: req_to_token [R, W], rows / num_tokens [n] (int32 / int64), out [n, max_pages]
     int32 with (max_pages - 1) * page_size < W, one device, last dims contiguous; page_size a positive int."""

@@ -263,16 +263,12 @@ class SGLangMLABackend(AttentionBackend):
             q_lat, q_rope = q.reshape(T, H, r), q_rope.reshape(T, H, dr)
         lid = self._pool_layer(layer)
         stored = save_kv_cache and k is not None
-        new_rows = None  # the rows stored, as the store read them: the kernel reads the newest keys there
         if stored:
             loc = fb.out_cache_loc  # SGLang's own tensor: under CUDA graphs, the static buffer each replay rewrites
             if k_rope is None:
-                rows = k.reshape(T, r + dr)
-                self.mla_pool.set_latent(lid, loc, rows)
-                new_rows = (rows[:, :r], rows[:, r:])
+                self.mla_pool.set_latent(lid, loc, k.reshape(T, r + dr))
             else:
-                new_rows = (k.reshape(T, r), k_rope.reshape(T, dr))
-                self.mla_pool.set_kv(lid, loc, *new_rows)
+                self.mla_pool.set_kv(lid, loc, k.reshape(T, r), k_rope.reshape(T, dr))
         plan = self.backend.step_plan
         if plan is None:  # an FP8 extend step: no absorbed kernel reads e4m3 with unequal query lengths
             raise UnsupportedStepError("an absorbed extend over the FP8 latent cache: mla_fa3 routes FP8 prefill to "
@@ -286,12 +282,10 @@ class SGLangMLABackend(AttentionBackend):
         if path is not AttentionPath.ABSORBED:
             raise RuntimeError(f"the step was planned for {path.name}, not the absorbed path")
         pool, scale = self.mla_pool.paged(lid), self.mla_pool.layer_scale(lid)
-        if not (batch.forward_mode is ForwardMode.DECODE and _stored_bit_for_bit(new_rows, pool.dtype)):
-            new_rows = None  # the kernel waits for the store before the newest keys instead
         schedule = plan.schedule_for(ours, kernel)
         if plan.metadata.tree is None:  # no launch between the store and the kernel: its prologue may overlap the store
             o_lat = absorb.attend_latent(q_lat, q_rope, ours, plan.metadata, pool, kernel=kernel, schedule=schedule,
-                                         kv_scale=scale, follows_store=stored, new_rows=new_rows)
+                                         kv_scale=scale, follows_store=stored)
         else:
             o_lat = absorb_tree.attend_latent_tree(q_lat, q_rope, ours, plan.metadata, pool, kernel=kernel,
                                                    schedule=schedule, kv_scale=scale)
@@ -335,14 +329,6 @@ class SGLangMLABackend(AttentionBackend):
                                             sliding_window=_window(layer))
             self._layers[lid] = ours
         return ours
-
-
-def _stored_bit_for_bit(rows, pool_dtype: torch.dtype) -> bool:
-    """The rows a float pool's store copies unchanged — the pool's dtype, a contiguous last dim — so that split-KV
-    may read the newest keys from them (``ops.splitkv_mla_with_kvcache(new_rows=)``); not an e4m3 pool's (its
-    store quantizes them) or rows it converts."""
-    return rows is not None and pool_dtype != FP8_DTYPE and all(
-        x.dtype == pool_dtype and (x.shape[-1] <= 1 or x.stride(-1) == 1) for x in rows)
 
 
 def _is_mha_call(fb) -> bool:
