@@ -167,8 +167,8 @@ def combine_tile(rows: int) -> Tuple[int, int]:
     columns were measured on the H200 (16 heads, bs 1, 16k / 64k: 15.5 / 33.4 µs for both phases against 16.5 / 36.1
     with the wide tile; no change at bs 4 or 128 heads); its 128 splits per load (instead of 64) on an H100 in three
     runs on two days (0.2-0.7 µs less at 16 heads, bs 1-2, 16k-128k; 128 splits per load lose at bs >= 4) —
-    docs/PERFORMANCE_HISTORY.md. The mid tile inside SGLang's step on an H100 (2026-12-08, five rounds: 0.1-0.7 µs
-    less a layer at 16 heads, bs 4, 16k-64k, where a request has 64 splits: one load instead of four;
+    docs/PERFORMANCE_HISTORY.md. The mid tile inside SGLang's step on an H100 (2026-12-08: 0.1-0.7 µs less a layer
+    in each of 13 pairs at 16 heads, bs 4, 16k-64k, where a request has 64 splits: one load instead of four;
     docs/PERFORMANCE.md)."""
     return COMBINE_NARROW if rows < 64 else COMBINE_MID if rows < 128 else COMBINE_WIDE
 
