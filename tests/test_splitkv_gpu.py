@@ -339,6 +339,21 @@ def test_programmatic_dependent_launch_changes_nothing(fp8):
     check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+def check_against_the_pool(out, lse, q, kv, table, seqlens, lens, extra):
+    """``out`` / ``lse`` of q over the pool's rows as they are now (an e4m3 pool descaled): the fp64 oracle's, within
+    the precision tolerance, and the torch reference's."""
+    page, flat = kv.shape[1], kv.view(-1, D).cpu()
+    scale = extra["descale_k"].cpu() if "descale_k" in extra else 1.0
+    dense = []
+    for b, L in enumerate(lens):
+        keys = torch.arange(L)
+        at = table[b].cpu()[keys // page].long() * page + keys % page
+        dense.append((q[b].float().cpu(), flat[at].float().unsqueeze(1) * scale))
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 @pytest.mark.parametrize("fp8", [False, "kv"])
 def test_a_prologue_read_while_the_store_runs_sees_the_stored_rows(fp8):
     """``follows_store``: phase 1 reads its schedule row, lengths, q and first page ids while the pool store before
@@ -378,19 +393,11 @@ def test_a_prologue_read_while_the_store_runs_sees_the_stored_rows(fp8):
         torch.cuda.synchronize()
         in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=off, **kw)
         assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse), f"replay {f}"
-        scale = extra["descale_k"].cpu() if fp8 else 1.0
-        dense = []
-        for b, L in enumerate(lens):
-            keys = torch.arange(L)
-            at = table[b].cpu()[keys // page].long() * page + keys % page
-            dense.append((q[b].float().cpu(), flat.cpu()[at].float().unsqueeze(1) * scale))
         stored = flat[slots].float() * (extra["descale_k"] if fp8 else 1.0)
         want = rows.float() if not fp8 else fp8_ref.dequantize_e4m3(
             fp8_ref.quantize_e4m3(rows, extra["descale_k"]), extra["descale_k"], torch.float32)
         assert torch.equal(stored, want)  # the store wrote this replay's rows
-        ref_out, ref_lse, lowp = oracle_and_lowp(dense)
-        ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
-        check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+        check_against_the_pool(out, lse, q, kv, table, seqlens, lens, extra)
 
 
 @triton.jit
@@ -442,15 +449,7 @@ def test_a_slow_store_is_waited_for_before_the_keys(sq, fp8):
     assert torch.equal(as_int(flat[slots]), as_int(new))  # the store wrote them
     in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=off, **kw)
     assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse)
-    scale = extra["descale_k"].cpu() if fp8 else 1.0
-    dense = []
-    for b, L in enumerate(lens):
-        keys = torch.arange(L)
-        at = table[b].cpu()[keys // page].long() * page + keys % page
-        dense.append((q[b].float().cpu(), flat.cpu()[at].float().unsqueeze(1) * scale))
-    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
-    ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
-    check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+    check_against_the_pool(out, lse, q, kv, table, seqlens, lens, extra)
 
 
 @pytest.mark.parametrize("fp8", [False, "kv"])
