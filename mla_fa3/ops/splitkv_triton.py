@@ -375,6 +375,33 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
     return gluon_decode.gluon_partials(call, schedule, pdl=pdl, half=half)
 
 
+def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, page: int, q8: bool, kv8: bool,
+                ieee: bool, causal: bool, pdl: bool, early: bool, zero: bool) -> Tuple[int, dict]:
+    """(heads per program, the launch's keyword arguments: constexprs, warps, stages, PDL and register options) of
+    phase 1 for ``config`` — what ``splitkv_partials`` launches with, and ``splitkv_compile`` compiles."""
+    block_h = head_block(heads, sq, config.max_rows)
+    sq_pad = _next_pow2(sq)
+    rows = block_h * sq_pad
+    narrow = rows < NARROW_ROWS
+    meta = dict(
+        H=heads, SQ=sq, DV=dv, DR=dr, PAGE=page,
+        BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(dr)),
+        BLOCK_N=config.block_n, CAUSAL=causal, Q8=q8, KV8=kv8, IEEE=ieee,
+        # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
+        # with page >= block_n every key block lies in one page
+        CONTIG=page >= config.block_n and SPLIT_GRANULE % config.block_n == 0,
+        # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
+        # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
+        RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
+        PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
+        CHUNKS=latent_chunks(config, dv, rows), ZERO=zero, EARLY=early,
+        num_warps=config.num_warps or (4 if rows <= 32 else 8), num_stages=config.num_stages, **launch_options(pdl),
+    )
+    if config.max_registers is not None:
+        meta["maxnreg"] = config.max_registers
+    return block_h, meta
+
+
 def splitkv_partials(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
     counters: Optional[Tensor] = None, follows_store: bool = False,
@@ -406,20 +433,13 @@ def splitkv_partials(
     half = config.half_partials and call.out_dtype in (torch.bfloat16, torch.float16)
     part_o = torch.empty(cap, sq, H, dv, dtype=call.out_dtype if half else torch.float32, device=q.device)
     part_lse2 = torch.empty(cap, sq, H, dtype=torch.float32, device=q.device)
-    block_h = head_block(H, sq, config.max_rows)
-    sq_pad = _next_pow2(sq)
-    rows = block_h * sq_pad
-    warps = config.num_warps or (4 if rows <= 32 else 8)
     q8, kv8 = call.is_fp8, call.kv_fp8 or call.is_fp8
     one = part_lse2  # any float32 pointer: read only under Q8 / KV8
-    # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
-    # with page >= block_n every key block lies in one page
-    contig = page >= config.block_n and SPLIT_GRANULE % config.block_n == 0
-    narrow = rows < NARROW_ROWS
     pdl = config.pdl and pdl_capable(q.device)
-    launch = launch_options(pdl)
-    if config.max_registers is not None:
-        launch["maxnreg"] = config.max_registers
+    block_h, meta = phase1_meta(config, heads=H, sq=sq, dv=dv, dr=D - dv, page=page, q8=q8, kv8=kv8,
+                                ieee=q.dtype == torch.float32, causal=call.causal, pdl=pdl,
+                                early=pdl and follows_store and counters is None,  # zeroing must follow the wait
+                                zero=counters is not None)
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
@@ -430,16 +450,6 @@ def splitkv_partials(
         call.page_table.stride(0), call.page_table.shape[1] * page,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
-        call.softmax_scale * LOG2E,
-        H=H, SQ=sq, DV=dv, DR=D - dv, PAGE=page,
-        BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(D - dv)),
-        BLOCK_N=config.block_n, CAUSAL=call.causal, Q8=q8, KV8=kv8, IEEE=q.dtype == torch.float32,
-        # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
-        # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
-        CONTIG=contig, RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
-        PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
-        CHUNKS=latent_chunks(config, dv, rows), ZERO=counters is not None,
-        EARLY=pdl and follows_store and counters is None,  # the counters' zeroing must follow the wait
-        num_warps=warps, num_stages=config.num_stages, **launch,
+        call.softmax_scale * LOG2E, **meta,
     )
     return part_o, part_lse2

@@ -1,0 +1,38 @@
+"""Split-KV's phase 1 compiled for sm_90 on the CPU (``ops/splitkv_compile.py``): no GPU needed.
+
+The kernel's speed at small batch rests on its key tiles arriving by asynchronous copies with one tile left in
+flight while another is consumed (until 2026-12-03 a page id read in the same iteration kept a single buffer: 40.4
+µs against 28.4 at 16 heads, bs 1, 64k). The table's 16-head configs must compile to such a loop, over a bf16 and an
+e4m3 cache, with and without ``follows_store``; the configs that give it up (no page-id read-ahead, one stage) must
+be seen to. Skipped where triton (>= 3.6) or its NVIDIA backend is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):
+    pytest.skip(f"triton {triton.__version__} < 3.6", allow_module_level=True)
+pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend")
+
+from mla_fa3.ops.splitkv_compile import compile_for_hopper, loop_census  # noqa: E402
+from mla_fa3.ops.splitkv_config import choose_config  # noqa: E402
+
+
+@pytest.mark.parametrize("kv8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("follows_store", [False, True])
+def test_the_tables_16_head_configs_stream_their_key_tiles(kv8, follows_store):
+    config = choose_config(16, 4, 32768, kv_fp8=kv8)
+    census = loop_census(compile_for_hopper(config, kv8=kv8, follows_store=follows_store))
+    assert census.multi_buffered, census
+    assert census.global_loads <= 1, census  # the next block's page id alone; the tile comes by cp.async
+    assert census.mma > 0, census
+
+
+def test_the_census_sees_a_loop_that_waits_out_each_tile():
+    config = choose_config(16, 4, 32768)
+    no_read_ahead = loop_census(compile_for_hopper(config.with_(prefetch_pages=False)))
+    assert not no_read_ahead.multi_buffered and set(no_read_ahead.wait_groups) == {0}, no_read_ahead
+    one_stage = loop_census(compile_for_hopper(config.with_(num_stages=1)))
+    assert one_stage.cp_async == 0 and one_stage.global_loads >= 18, one_stage  # 32 x 576 bf16 / 128 threads / 16 B
