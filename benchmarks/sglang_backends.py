@@ -20,6 +20,11 @@ built, captured and timed (values in reverse order every other round). Columns: 
 
     python benchmarks/sglang_backends.py --out out/ab.csv --kv bf16 --shapes 16:4:32768 --ab combine_tile=rule,64x64
 
+``--probe``: mla_fa3's split-KV phase 1 also stamps each program (SM, start, first key load, end:
+``benchmarks/splitkv_probe.py``); the last launch of its stacked step (the 61st layer) is summarized per shape (and
+per ``--ab`` value) into ``OUT.probe.csv`` beside the timings: programs per SM, start spread, time to the first key,
+duration and tail, µs.
+
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
 ratio_vs_fa3 (fa3 us / this us: > 1 is faster than fa3), meta_us and layer_us (the same two halves captured and
@@ -48,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from benchmarks.splitkv_probe import PhaseOneProbe  # noqa: E402
 from mla_fa3.bench.splitkv_candidates import parse_ab  # noqa: E402
 
 SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 16384), (64, 32768)]
@@ -240,7 +246,21 @@ def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, field: str, value):
         table[key] = saved
 
 
-def ab_rows(args, ab, kit, registry, mode, shapes) -> list[dict]:
+def time_ours(fx, registry, args, stack: int, probes: list, **labels) -> dict:
+    """``_time_backend`` of mla_fa3 (``stack`` layers stacked); with ``args.probe`` its phase-1 timeline too, appended
+    to ``probes`` as one row (``labels`` first)."""
+    if not args.probe:
+        return _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
+    with PhaseOneProbe() as probe:
+        r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
+    timeline = probe.summary()
+    if timeline:
+        probes.append(dict(labels, **timeline))
+        print("probe," + ",".join(f"{k}={v}" for k, v in probes[-1].items()), flush=True)
+    return r
+
+
+def ab_rows(args, ab, kit, registry, mode, shapes, probes: list) -> list[dict]:
     """``--ab``: per shape and round, fa3's stacked step and mla_fa3's with each value of the switch ``ab`` = (field,
     values)."""
     field, values = ab
@@ -251,10 +271,10 @@ def ab_rows(args, ab, kit, registry, mode, shapes) -> list[dict]:
             for rnd in range(args.ab_rounds):
                 base = _time_backend("fa3", fx, registry, args.iters, False, args.layers, args.stack_iters)
                 for value in (values if rnd % 2 == 0 else values[::-1]):
-                    with table_row_with(heads, bs, ctx, fp8, field, value) as config:
-                        r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, args.layers,
-                                          args.stack_iters)
                     text = "x".join(map(str, value)) if isinstance(value, tuple) else value
+                    with table_row_with(heads, bs, ctx, fp8, field, value) as config:
+                        r = time_ours(fx, registry, args, args.layers, probes, heads=heads, bs=bs, ctx=ctx,
+                                      kv="fp8" if fp8 else "bf16", round=rnd, value=text)
                     row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", round=rnd,
                                config=config.label(), value=text, stacked_us=round(r["stacked_us"], 2),
                                fa3_stacked_us=round(base["stacked_us"], 2),
@@ -288,6 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--ab", metavar="FIELD=V1,V2",
                    help="mla_fa3's stacked step once per value of a split-KV KernelConfig switch (see above)")
     p.add_argument("--ab-rounds", type=int, default=2, help="rounds of --ab (fa3, then every value, per round)")
+    p.add_argument("--probe", action="store_true", help="also split-KV phase 1's program timeline (OUT.probe.csv)")
     args = p.parse_args(argv)
     try:  # a bad switch is refused before anything is built
         ab = parse_ab(args.ab) if args.ab else None
@@ -304,9 +325,12 @@ def main(argv=None) -> int:
     shapes = [(h, bs, ctx) for h in args.heads for bs, ctx in (QUICK if args.quick else SHAPES)]
     if args.shapes:
         shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
+    probes: list = []
     if ab:
-        rows = ab_rows(args, ab, kit, ATTENTION_BACKENDS, ForwardMode.DECODE, shapes)
+        rows = ab_rows(args, ab, kit, ATTENTION_BACKENDS, ForwardMode.DECODE, shapes, probes)
         write_rows(args.out, rows)
+        if probes:
+            write_rows(args.out + ".probe.csv", probes)
         return 0
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
@@ -316,8 +340,12 @@ def main(argv=None) -> int:
             res = {}
             for name in ("fa3", "flashmla", "mla_fa3"):
                 try:
-                    res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters, args.profile, stack,
-                                              args.stack_iters)
+                    if name == "mla_fa3":
+                        res[name] = time_ours(fx, ATTENTION_BACKENDS, args, stack, probes, heads=heads, bs=bs, ctx=ctx,
+                                              kv="fp8" if fp8 else "bf16")
+                    else:
+                        res[name] = _time_backend(name, fx, ATTENTION_BACKENDS, args.iters, args.profile, stack,
+                                                  args.stack_iters)
                 except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape: say so
                     nan = float("nan")
                     res[name] = dict(us=nan, host_us=nan, meta_us=nan, layer_us=nan, stacked_us=nan,
@@ -339,6 +367,8 @@ def main(argv=None) -> int:
             del fx
             torch.cuda.empty_cache()
     write_rows(args.out, rows)
+    if probes:
+        write_rows(args.out + ".probe.csv", probes)
     return 0
 
 

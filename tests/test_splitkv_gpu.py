@@ -12,6 +12,7 @@ plus cosine >= 0.9999 against the torch reference on the same inputs and LSE wit
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -450,6 +451,36 @@ def test_a_slow_store_is_waited_for_before_the_keys(sq, fp8):
     in_order, in_order_lse = ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, schedule=off, **kw)
     assert torch.equal(out, in_order) and torch.equal(lse, in_order_lse)
     check_against_the_pool(out, lse, q, kv, table, seqlens, lens, extra)
+
+
+def test_the_probe_stamps_every_live_program_and_changes_no_bit():
+    """``splitkv_partials(probe=)`` (the timeline ``benchmarks/splitkv_probe.py`` reads): every live program's row holds
+    an SM of this GPU and start <= first key load <= end, ``%globaltimer`` nanoseconds within the launch's wall time;
+    idle rows stay as they were; the partials are the same bits as without it."""
+    from mla_fa3.ops import splitkv_triton as kt
+    from mla_fa3.ops import validate
+
+    lens, heads, page = (9000, 1, 4097, 65), 16, 64
+    q, kv, table, seqlens, _, extra = build(lens, 1, heads, page, seed=15)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV, max_batch=6)
+    call = validate.check_splitkv(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                  causal=True, descale_q=None, descale_k=None, impl=Impl.TRITON)
+    probe = torch.full((sched.capacity, 1, 4), -7, dtype=torch.int64, device=DEV)
+    plain_o, plain_lse = kt.splitkv_partials(call, sched)
+    torch.cuda.synchronize()
+    before = time.time_ns()
+    part_o, part_lse = kt.splitkv_partials(call, sched, probe=probe)
+    torch.cuda.synchronize()
+    wall = time.time_ns() - before
+    n = sched.planned_work
+    assert n < sched.capacity and torch.equal(part_o[:n], plain_o[:n]) and torch.equal(part_lse[:n], plain_lse[:n])
+    stamps = probe.cpu()
+    assert bool((stamps[n:] == -7).all()), "an idle program wrote its row"
+    sm, start, keys, end = (stamps[:n, 0, i] for i in range(4))
+    assert bool(((sm >= 0) & (sm < torch.cuda.get_device_properties(DEV).multi_processor_count)).all())
+    assert bool(((start <= keys) & (keys <= end)).all()) and int(end.max() - start.min()) <= wall
+    with pytest.raises(ValueError, match=r"^probe must be an int64 \["):
+        kt.splitkv_partials(call, sched, probe=probe[:, :, :3])
 
 
 @pytest.mark.parametrize("fp8", [False, "kv"])

@@ -35,7 +35,7 @@ from .splitkv_triton import _splitkv_partial_kernel, phase1_meta
 LATENT, ROPE, PAGE = 512, 64, 64
 # the kernel's arguments in launch order, by kind (``splitkv_partials`` passes them so)
 _POINTERS = ("Q", "QR", "KV", "PageTable", "SeqLens", "Work", "NumWork", "PartO", "PartLse2", "DescaleQ", "DescaleK",
-             "Counters")
+             "Counters", "Probe")
 _NOT_ALIGNED = ("num_counters", "stride_ptb")  # ints the launcher need not see as multiples of 16
 
 
@@ -56,17 +56,19 @@ class LoopCensus:
 
 
 def compile_for_hopper(config: KernelConfig, *, heads: int = 16, sq: int = 1, kv8: bool = False, pdl: bool = True,
-                       follows_store: bool = False, capability: int = 90):
+                       follows_store: bool = False, probe: bool = False, capability: int = 90):
     """Phase 1 for ``config`` compiled for ``GPUTarget("cuda", capability, 32)`` without a GPU -> triton's
     CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``): a bf16 q (its rope part apart), a bf16 cache or (``kv8``)
-    an e4m3 one, page 64, bf16 partials with ``config.half_partials``."""
+    an e4m3 one, page 64, bf16 partials with ``config.half_partials``; ``probe``: with the timeline stamps
+    (``splitkv_partials(probe=)``)."""
     block_h, meta = phase1_meta(config, heads=heads, sq=sq, dv=LATENT, dr=ROPE, page=PAGE, q8=False, kv8=kv8,
-                                ieee=False, causal=True, pdl=pdl, early=pdl and follows_store, zero=False)
+                                ieee=False, causal=True, pdl=pdl, early=pdl and follows_store, zero=False,
+                                probe=probe)
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     meta.pop("launch_pdl", None)  # a launch attribute, not a compile option
     fn = _splitkv_partial_kernel
     types = {name: "i32" for name in fn.arg_names}
-    types.update({name: "*i32" for name in _POINTERS})
+    types.update({name: "*i32" for name in _POINTERS}, Probe="*i64")
     types.update(Q="*bf16", QR="*bf16", KV="*fp8e4nv" if kv8 else "*bf16", DescaleQ="*fp32", DescaleK="*fp32",
                  PartO="*bf16" if config.half_partials else "*fp32", PartLse2="*fp32", scale_log2="fp32")
     types.update({name: "constexpr" for name in meta})

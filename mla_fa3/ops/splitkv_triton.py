@@ -138,7 +138,7 @@ def _load_tile(KV, page, n0, end, offs_n, offs_c, c_ok,
 
 @triton.jit
 def _splitkv_partial_kernel(
-    Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK, Counters, num_counters,
+    Q, QR, KV, PageTable, SeqLens, Work, NumWork, PartO, PartLse2, DescaleQ, DescaleK, Counters, num_counters, Probe,
     stride_qb, stride_qs, stride_qh,
     stride_qrb, stride_qrs, stride_qrh,
     stride_kvp, stride_kvs,
@@ -150,10 +150,12 @@ def _splitkv_partial_kernel(
     BLOCK_H: tl.constexpr, SQ_PAD: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, Q8: tl.constexpr, KV8: tl.constexpr, IEEE: tl.constexpr,
     CONTIG: tl.constexpr, RELOAD: tl.constexpr, NARROW: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-    CHUNKS: tl.constexpr, ZERO: tl.constexpr, EARLY: tl.constexpr,
+    CHUNKS: tl.constexpr, ZERO: tl.constexpr, EARLY: tl.constexpr, PROBE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     w = tl.program_id(1)
+    if PROBE:  # the program's timeline (``splitkv_partials(probe=)``): its start, first key load, end and SM
+        t_start = tl.extra.cuda.globaltimer()
     if PDL and not EARLY:  # launched before the previous kernel ended (programmatic dependent launch): wait for its
         # writes. EARLY (the previous kernel is the pool store, see ``splitkv_partials``): the wait comes after the
         # prologue instead — its schedule row, length, q and first page id are read while the store runs
@@ -234,6 +236,8 @@ def _splitkv_partial_kernel(
             page_next = _page_ids(PageTable, pt_row, start, tl.minimum(stop, pt_keys), offs_n, PAGE, CONTIG)
         if EARLY:  # the store's rows are read from here on: wait for it (and its memory flush)
             tl.extra.cuda.gdc_wait()
+        if PROBE:
+            t_keys = tl.extra.cuda.globaltimer()
         for n0 in range(start, end, BLOCK_N):
             if PREFETCH:
                 page = page_next
@@ -290,6 +294,12 @@ def _splitkv_partial_kernel(
             tl.store(o_ptr[:, None] + c * CW + offs_v[None, :], o.to(PartO.dtype.element_ty),
                      mask=row_ok[:, None] & v_ok[None, :])
         tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
+        if PROBE:
+            stamp = Probe + (w.to(tl.int64) * tl.num_programs(0) + tile) * 4
+            tl.store(stamp, tl.extra.cuda.smid().to(tl.int64))
+            tl.store(stamp + 1, t_start)
+            tl.store(stamp + 2, t_keys)
+            tl.store(stamp + 3, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
@@ -376,7 +386,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
 
 
 def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, page: int, q8: bool, kv8: bool,
-                ieee: bool, causal: bool, pdl: bool, early: bool, zero: bool) -> Tuple[int, dict]:
+                ieee: bool, causal: bool, pdl: bool, early: bool, zero: bool, probe: bool = False) -> Tuple[int, dict]:
     """(heads per program, the launch's keyword arguments: constexprs, warps, stages, PDL and register options) of
     phase 1 for ``config`` — what ``splitkv_partials`` launches with, and ``splitkv_compile`` compiles."""
     block_h = head_block(heads, sq, config.max_rows)
@@ -394,7 +404,7 @@ def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, 
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
         RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
         PREFETCH=narrow if config.prefetch_pages is None else config.prefetch_pages, PDL=pdl,
-        CHUNKS=latent_chunks(config, dv, rows), ZERO=zero, EARLY=early,
+        CHUNKS=latent_chunks(config, dv, rows), ZERO=zero, EARLY=early, PROBE=probe,
         num_warps=config.num_warps or (4 if rows <= 32 else 8), num_stages=config.num_stages, **launch_options(pdl),
     )
     if config.max_registers is not None:
@@ -404,7 +414,7 @@ def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, 
 
 def splitkv_partials(
     call: FlashMLACall, schedule: SplitKVSchedule, config: Optional[KernelConfig] = None, *,
-    counters: Optional[Tensor] = None, follows_store: bool = False,
+    counters: Optional[Tensor] = None, follows_store: bool = False, probe: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 1 alone on a validated call of >= 1 request, query and head -> the workspace the combine reads:
     (part_o [capacity, sq, H, r] float32 or, with ``half_partials``, the output dtype; part_lse2 [capacity, sq, H]
@@ -419,7 +429,11 @@ def splitkv_partials(
     in order (not as a programmatic dependent). Every program then reads its schedule row, the length, q and its
     first page id before it waits for the store — all written before the store began — so that this prologue
     overlaps the store (which lets its dependents launch at its start). Without it (any other predecessor may
-    write q) the wait comes first. Results are the same bits either way; it matters only with PDL."""
+    write q) the wait comes first. Results are the same bits either way; it matters only with PDL.
+
+    ``probe`` (benchmarks: ``benchmarks/splitkv_probe.py``): ``[capacity, head tiles, 4] int64`` on the GPU; each live
+    program writes its row ``[work row, head tile]`` = (SM id, start, first key load, end), ``%globaltimer``
+    nanoseconds (CUDA only: the interpreter has no timer). Rows of idle programs are left as they were."""
     config = schedule.config if config is None else config
     q, kv = call.q, call.kv_cache
     dv = call.head_dim_v
@@ -439,11 +453,16 @@ def splitkv_partials(
     block_h, meta = phase1_meta(config, heads=H, sq=sq, dv=dv, dr=D - dv, page=page, q8=q8, kv8=kv8,
                                 ieee=q.dtype == torch.float32, causal=call.causal, pdl=pdl,
                                 early=pdl and follows_store and counters is None,  # zeroing must follow the wait
-                                zero=counters is not None)
+                                zero=counters is not None, probe=probe is not None)
+    if probe is not None and (probe.dtype != torch.int64 or probe.device != q.device
+                              or tuple(probe.shape) != (cap, -(-H // block_h), 4)):
+        raise ValueError(f"probe must be an int64 [{cap}, {-(-H // block_h)}, 4] tensor on {q.device} (capacity, head "
+                         f"tiles, 4), got {probe.dtype} {tuple(probe.shape)} on {probe.device}")
     _splitkv_partial_kernel[(-(-H // block_h), cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
         schedule.num_work if counters is None else counters, 0 if counters is None else counters.numel(),
+        schedule.num_work if probe is None else probe,
         q.stride(0), q.stride(1), q.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv.stride(0), kv.stride(1),
