@@ -1,4 +1,5 @@
-"""Phase 2 of the split-KV decode (``splitkv_triton.py`` has phase 1 and launches both): the combine.
+"""Phase 2 of the split-KV decode (``splitkv_kernel_triton.py`` has phase 1, ``splitkv_triton.py`` launches both):
+the combine.
 
 Phase 1 leaves, per split s of request b (the slots ``split_offsets[b] .. split_offsets[b+1]``), the normalized
 partial output ``part_o[s]`` and its base-2 LSE ``part_lse2[s]`` (-inf: an empty split). The combine merges them

@@ -1,5 +1,5 @@
-"""Phase 1 of split-KV (``splitkv_triton._splitkv_partial_kernel``) compiled for Hopper without a GPU, and a census
-of its loop: what the compiler made of the launch config, readable on a CPU machine.
+"""Phase 1 of split-KV (``splitkv_kernel_triton._splitkv_partial_kernel``) compiled for Hopper without a GPU, and a
+census of its loop: what the compiler made of the launch config, readable on a CPU machine.
 
 ``compile_for_hopper(config)`` compiles phase 1 as ``splitkv_partials`` launches it for DeepSeek's latent (512 + 64
 columns, page 64, a bf16 q over a bf16 or e4m3 cache), with the constexprs of ``splitkv_triton.phase1_meta`` and the
@@ -30,7 +30,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .splitkv_config import KernelConfig, choose_config
-from .splitkv_triton import _splitkv_partial_kernel, phase1_meta
+from .splitkv_kernel_triton import _splitkv_partial_kernel
+from .splitkv_triton import phase1_meta
 
 LATENT, ROPE, PAGE = 512, 64, 64
 # the kernel's arguments in launch order, by kind (``splitkv_partials`` passes them so)

@@ -3,7 +3,7 @@ page-table gather.
 
 Same contract as the rest of ``mla_fa3.ops`` (validation before any launch, fixed returns, ``impl=``):
 TRITON on CUDA — or on the CPU under ``TRITON_INTERPRET=1`` (tests) — else the torch REFERENCE; triton is
-imported only by the kernel modules (``splitkv_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``,
+imported only by the kernel modules (``splitkv_kernel_triton.py``, ``splitkv_replan_triton.py``, ``fp8_triton.py``,
 ``head_matmul_triton.py``, ``page_table_triton.py``, ``tree_attention_triton.py`` — the last one's op is
 ``tree_attention.py``) and only when
 available.
