@@ -15,7 +15,8 @@ read (top-1 gap to the bf16 cache +0.83 / +0.86 points against FlashMLA FP8's +1
 at 16 heads it is the faster one at bs 1 up to 32k and the slower one from 64k or from bs 2 (16.9 µs against
 FlashMLA FP8's 22.1 at bs 1, 16k; 34.7 against 32.6 at bs 1, 64k): its e4m3 tile is converted per dot, P·V's
 operand gathered byte by byte (docs/PERFORMANCE_HISTORY.md, "The e4m3 split-KV kernel"). ``auto`` picks by speed,
-``decode_kernel='splitkv'`` by accuracy.
+leaning to the more accurate read: split-KV unless FlashMLA FP8 is measured at least 2 % faster
+(``FP8_MIN_GAIN``, the bf16 choice's margin turned round); ``decode_kernel='splitkv'`` by accuracy alone.
 
 The choice (host arithmetic on host numbers, like ``policy.decode_kernel``):
 
@@ -23,7 +24,8 @@ The choice (host arithmetic on host numbers, like ``policy.decode_kernel``):
   construction when the split-KV kernel cannot run);
 - page 64: the nearest shapes of :data:`MEASURED_FP8` (the same weighted log2 distance, ties and
   ``MAX_DISTANCE`` as the bf16 choice); split-KV when its geometric-mean gain over FlashMLA FP8 there is
-  >= ``MIN_GAIN``, else FlashMLA FP8; FlashMLA FP8 when no shape is near or split-KV cannot run here.
+  >= ``FP8_MIN_GAIN`` (= 1 / 1.02: as fast within 2 %), else FlashMLA FP8; FlashMLA FP8 when no shape is near or
+  split-KV cannot run here.
 
 :data:`MEASURED_FP8` holds whole backend decode steps per layer (``mla-fa3 bench fp8 --out DIR``: the
 FP8 pool with FlashMLA FP8, q quantization included, against the FP8 pool with split-KV), not kernels
@@ -48,8 +50,13 @@ from mla_fa3.policy.decode_kernel import (HEADS_WEIGHT, MAX_DISTANCE, MIN_GAIN, 
 from mla_fa3.policy.decode_csv import shape_key
 from mla_fa3.policy.paths import FLASHMLA_PAGE_SIZE, DecodeKernel
 
-__all__ = ["MeasuredFP8", "MEASURED_FP8", "explain_fp8_decode_kernel", "choose_fp8_decode_kernels",
+__all__ = ["MeasuredFP8", "MEASURED_FP8", "FP8_MIN_GAIN", "explain_fp8_decode_kernel", "choose_fp8_decode_kernels",
            "fp8_splitkv_possible", "table_from_fp8_csv", "table_from_fp8_csvs", "format_fp8_table", "main"]
+
+
+# split-KV's read is the more accurate one (q never rounded to e4m3): it is picked when as fast within 2 %, i.e. unless
+# FlashMLA FP8 is measured at least 2 % faster — the bf16 choice's margin (``MIN_GAIN``) turned round
+FP8_MIN_GAIN = 1.0 / MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ MEASURED_FP8: tuple[MeasuredFP8, ...] = (
 
 def explain_fp8_decode_kernel(num_heads: int, batch_size: int, max_seqlen_k: int, page_size: int, *,
                               mean_seqlen_k: float | None = None, table: Sequence[MeasuredFP8] | None = None,
-                              min_gain: float = MIN_GAIN, allow_splitkv: bool = True) -> KernelChoice:
+                              min_gain: float = FP8_MIN_GAIN, allow_splitkv: bool = True) -> KernelChoice:
     """FlashMLA FP8 or split-KV for one decode step on an e4m3 latent pool, and why (module docstring).
 
     ``allow_splitkv=False``: the split-KV kernel cannot run here — then only page 64 is readable."""
@@ -148,11 +155,11 @@ def explain_fp8_decode_kernel(num_heads: int, batch_size: int, max_seqlen_k: int
         return KernelChoice(kernel, f"FP8 latent cache, nearest measured steps ({where}) -> split-KV (bf16 q) "
                                     f"{what} {gain:.3f}x over FlashMLA FP8")
     return KernelChoice(kernel, f"{flashmla}, nearest measured steps ({where}): split-KV {what} {gain:.3f}x "
-                                f"< {min_gain}")
+                                f"< {min_gain:.3f}")
 
 
 def choose_fp8_decode_kernels(num_heads: int, points: Sequence[tuple[int, int, float | None]], *,
-                              allow_splitkv: bool = True, min_gain: float = MIN_GAIN) -> list[DecodeKernel]:
+                              allow_splitkv: bool = True, min_gain: float = FP8_MIN_GAIN) -> list[DecodeKernel]:
     """:func:`explain_fp8_decode_kernel`'s kernel at page 64 for each ``(batch, max length, mean length)``, in one
     NumPy pass (the decode-kernel cache checks a bucket's corners with it)."""
     if not allow_splitkv or not MEASURED_FP8:
@@ -180,7 +187,7 @@ def _fp8_decide(table: tuple[MeasuredFP8, ...], num_heads: int, queries, min_gai
 
 
 def fp8_splitkv_possible(num_heads: int, table: Sequence[MeasuredFP8] | None = None, *,
-                         min_gain: float = MIN_GAIN) -> bool:
+                         min_gain: float = FP8_MIN_GAIN) -> bool:
     """Whether the page-64 choice can pick split-KV at ``num_heads`` (its graphs are then worth capturing).
     Never False where it could: see ``policy.decode_kernel.splitkv_possible``."""
     check_int(num_heads, "num_heads")
