@@ -57,10 +57,10 @@ def test_kit_target_verify_gpu(backend, graph, topk):
 # The kit's EAGLE draft case compares the graph replay's draft tokens with an eager run's, exactly. At topk 2, page 1
 # they differ in 1-2 of 15 values, always for the second of the three requests, on ours and on SGLang's own fa3 (the
 # same data: tools/draft_graph_probe.py; here fa3's case name seeds other data, which passes). The cause is SGLang's
-# (tenth run, docs/PERFORMANCE.md "Inside SGLang"): its store kernel ignores the stride of the per-step slot vector, so
-# the kit's model stores draft rows at wrong slots in both runs, and the padded replay's reach request 1's. On the CPU
-# SGLang's torch store honours strides and the runner passes (tests/test_sglang_draft.py). Our own store had the same
-# blind spot and reads the stride now (tests/test_store_rows.py).
+# (docs/PERFORMANCE_HISTORY.md "Inside SGLang, tenth run"): its store kernel ignores the stride of the per-step slot
+# vector, so the kit's model stores draft rows at wrong slots in both runs, and the padded replay's reach
+# request 1's. On the CPU SGLang's torch store honours strides and the runner passes (tests/test_sglang_draft.py). Our
+# own store had the same blind spot and reads the stride now (tests/test_store_rows.py).
 _UPSTREAM_STORE = ("SGLang's store kernel (set_mla_kv_buffer_kernel) reads the per-step out_cache_loc its EAGLE draft "
                    "hands it (per_step_draft_out_cache_loc: a view of stride num_steps) as contiguous, so the kit's "
                    "model stores the draft rows at other steps' slots, and the padded replay's at request 1's too "

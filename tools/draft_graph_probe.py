@@ -12,9 +12,9 @@ against the other run's store of the same slots, and what changed the pool betwe
 
 Variants: the case; SGLang's fa3 on it; the runner's replay run eagerly (no CUDA graph); other prefixes; a capture of
 3 requests (no padding row); no in-graph prologue; the tree part on the torch reference; 2 and 4 draft steps; SGLang's
-MLA KV store launched without programmatic dependent launch (ours and fa3). Findings: docs/PERFORMANCE.md, "Inside
-SGLang" — ``--guard`` located the cause in the tenth run: SGLang's store kernel reads the per-step slot vector of its
-EAGLE draft (a strided view) as contiguous (earlier variants and probes: docs/PERFORMANCE_HISTORY.md)."""
+MLA KV store launched without programmatic dependent launch (ours and fa3). Findings: docs/PERFORMANCE_HISTORY.md,
+"Inside SGLang, tenth run" — ``--guard`` located the cause: SGLang's store kernel reads the per-step slot vector of
+its EAGLE draft (a strided view) as contiguous (earlier variants and probes: the same file)."""
 
 from __future__ import annotations
 
