@@ -249,11 +249,9 @@ def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, field: str, value):
 def time_ours(fx, registry, args, stack: int, probes: list, **labels) -> dict:
     """``_time_backend`` of mla_fa3 (``stack`` layers stacked); with ``args.probe`` its phase-1 timeline too, appended
     to ``probes`` as one row (``labels`` first)."""
-    if not args.probe:
-        return _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
-    with PhaseOneProbe() as probe:
+    with PhaseOneProbe() if args.probe else contextlib.nullcontext() as probe:
         r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
-    timeline = probe.summary()
+    timeline = probe.summary() if probe else {}
     if timeline:
         probes.append(dict(labels, **timeline))
         print("probe," + ",".join(f"{k}={v}" for k, v in probes[-1].items()), flush=True)

@@ -29,14 +29,14 @@ class PhaseOneProbe:
 
     def __enter__(self) -> "PhaseOneProbe":
         from mla_fa3.ops import splitkv_triton
-        from mla_fa3.ops.splitkv_plan import head_block
+        from mla_fa3.ops.splitkv_plan import head_tiles
 
         real = splitkv_triton.splitkv_partials
 
         def probed(call, schedule, config=None, **kwargs):
             cfg = schedule.config if config is None else config
             heads, sq = call.q.shape[2], call.q.shape[1]
-            shape = (schedule.capacity, -(-heads // head_block(heads, sq, cfg.max_rows)), 4)
+            shape = (schedule.capacity, head_tiles(heads, sq, cfg.max_rows), 4)
             key = (shape, call.q.device)
             if key not in self._buffers:
                 self._buffers[key] = torch.full(shape, -1, dtype=torch.int64, device=call.q.device)

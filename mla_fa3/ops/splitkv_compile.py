@@ -34,7 +34,7 @@ from .splitkv_kernel_triton import _splitkv_partial_kernel
 from .splitkv_triton import phase1_meta
 
 LATENT, ROPE, PAGE = 512, 64, 64
-# the kernel's arguments in launch order, by kind (``splitkv_partials`` passes them so)
+# the kernel's pointer arguments (its other non-constexpr arguments are int32 but for ``scale_log2``)
 _POINTERS = ("Q", "QR", "KV", "PageTable", "SeqLens", "Work", "NumWork", "PartO", "PartLse2", "DescaleQ", "DescaleK",
              "Counters", "Probe")
 _NOT_ALIGNED = ("num_counters", "stride_ptb")  # ints the launcher need not see as multiples of 16
@@ -62,9 +62,8 @@ def compile_for_hopper(config: KernelConfig, *, heads: int = 16, sq: int = 1, kv
     CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``): a bf16 q (its rope part apart), a bf16 cache or (``kv8``)
     an e4m3 one, page 64, bf16 partials with ``config.half_partials``; ``probe``: with the timeline stamps
     (``splitkv_partials(probe=)``)."""
-    block_h, meta = phase1_meta(config, heads=heads, sq=sq, dv=LATENT, dr=ROPE, page=PAGE, q8=False, kv8=kv8,
-                                ieee=False, causal=True, pdl=pdl, early=pdl and follows_store, zero=False,
-                                probe=probe)
+    _, meta = phase1_meta(config, heads=heads, sq=sq, dv=LATENT, dr=ROPE, page=PAGE, q8=False, kv8=kv8,
+                          ieee=False, causal=True, pdl=pdl, early=pdl and follows_store, zero=False, probe=probe)
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     meta.pop("launch_pdl", None)  # a launch attribute, not a compile option
     fn = _splitkv_partial_kernel

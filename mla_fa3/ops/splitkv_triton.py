@@ -206,11 +206,12 @@ def splitkv_partials(
                                 ieee=q.dtype == torch.float32, causal=call.causal, pdl=pdl,
                                 early=pdl and follows_store and counters is None,  # zeroing must follow the wait
                                 zero=counters is not None, probe=probe is not None)
+    tiles = -(-H // block_h)
     if probe is not None and (probe.dtype != torch.int64 or probe.device != q.device
-                              or tuple(probe.shape) != (cap, -(-H // block_h), 4)):
-        raise ValueError(f"probe must be an int64 [{cap}, {-(-H // block_h)}, 4] tensor on {q.device} (capacity, head "
-                         f"tiles, 4), got {probe.dtype} {tuple(probe.shape)} on {probe.device}")
-    _splitkv_partial_kernel[(-(-H // block_h), cap)](
+                              or tuple(probe.shape) != (cap, tiles, 4)):
+        raise ValueError(f"probe must be an int64 [{cap}, {tiles}, 4] tensor on {q.device} (capacity, head tiles, 4), "
+                         f"got {probe.dtype} {tuple(probe.shape)} on {probe.device}")
+    _splitkv_partial_kernel[(tiles, cap)](
         q, q_rope, kv, call.page_table, call.cache_seqlens, schedule.work, schedule.num_work, part_o, part_lse2,
         call.descale_q if q8 else one, call.descale_k if kv8 else one,
         schedule.num_work if counters is None else counters, 0 if counters is None else counters.numel(),
