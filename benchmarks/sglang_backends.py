@@ -20,10 +20,11 @@ built, captured and timed (values in reverse order every other round). Columns: 
 
     python benchmarks/sglang_backends.py --out out/ab.csv --kv bf16 --shapes 16:4:32768 --ab combine_tile=rule,64x64
 
-``--probe``: mla_fa3's split-KV phase 1 also stamps each program (SM, start, first key load, end:
-``benchmarks/splitkv_probe.py``); the last launch of its stacked step (the 61st layer) is summarized per shape (and
-per ``--ab`` value) into ``OUT.probe.csv`` beside the timings: programs per SM, start spread, time to the first key,
-duration and tail, µs.
+``--probe``: mla_fa3's split-KV phase 1 and combine also stamp each program (SM, start, first key load or first read
+of a partial, end: ``benchmarks/splitkv_probe.py``); the last layer of its stacked step (the 61st) is summarized per
+shape (and per ``--ab`` value) into ``OUT.probe.csv`` beside the timings: programs per SM, start spread, time to the
+first key, duration, tail, the read rate, the hand-off to the combine and its time, and the gap from the layer
+before, µs.
 
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from benchmarks.splitkv_probe import PhaseOneProbe  # noqa: E402
+from benchmarks.splitkv_probe import SplitKVProbe  # noqa: E402
 from mla_fa3.bench.splitkv_candidates import parse_ab  # noqa: E402
 
 SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 16384), (64, 32768)]
@@ -247,9 +248,9 @@ def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, field: str, value):
 
 
 def time_ours(fx, registry, args, stack: int, probes: list, **labels) -> dict:
-    """``_time_backend`` of mla_fa3 (``stack`` layers stacked); with ``args.probe`` its phase-1 timeline too, appended
+    """``_time_backend`` of mla_fa3 (``stack`` layers stacked); with ``args.probe`` its split-KV timeline too, appended
     to ``probes`` as one row (``labels`` first)."""
-    with PhaseOneProbe() if args.probe else contextlib.nullcontext() as probe:
+    with SplitKVProbe() if args.probe else contextlib.nullcontext() as probe:
         r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
     timeline = probe.summary() if probe else {}
     if timeline:
@@ -285,9 +286,10 @@ def ab_rows(args, ab, kit, registry, mode, shapes, probes: list) -> list[dict]:
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
-    """``rows`` (dicts with the same keys, in column order) as a CSV file with a header."""
+    """``rows`` (dicts, in column order) as a CSV file with a header: every key of any row, in the order first seen
+    (a row without one leaves its cell empty)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
         w.writeheader()
         w.writerows(rows)
 

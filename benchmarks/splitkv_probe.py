@@ -1,14 +1,18 @@
-"""Split-KV phase 1's program timeline inside whatever runs it: which SM each program ran on, when it started, when
-it issued its first key load, when it ended (``splitkv_partials(probe=)``: ``%smid`` and ``%globaltimer`` stamps).
+"""Split-KV's timeline inside whatever runs it: for each program of phase 1, the SM it ran on, when it started, when it
+issued its first key load and when it ended (``splitkv_partials(probe=)``); for each program of the combine, its SM,
+start, first read of a partial (after its wait for phase 1) and end (``combine_splits(probe=)``). ``%smid`` and
+``%globaltimer`` stamps.
 
-    with PhaseOneProbe() as probe:     # every phase-1 launch in the block writes its stamps (graphs captured in the
+    with SplitKVProbe() as probe:      # every split-KV step in the block writes its stamps (graphs captured in the
         ...build, capture, replay...   # block keep writing them on every replay)
-    print(probe.summary())             # of the last launch: programs per SM, start spread, time to the first key,
-                                       # duration, tail
+    print(probe.summary())             # of the last step, and the gap from the step before it
 
-Used by ``benchmarks/sglang_backends.py --probe``. The launch is wrapped (``splitkv_triton.splitkv_partials``, which
-``splitkv_mla_with_kvcache`` calls) for the duration of the block, so SGLang's step runs unchanged but for the four
-stores per program. GPU only (the interpreter has no timer).
+Used by ``benchmarks/sglang_backends.py --probe``. Both launches are wrapped (``splitkv_triton.splitkv_partials`` and
+``splitkv_triton.combine_splits``, which ``splitkv_mla_with_kvcache`` calls) for the duration of the block, so
+SGLang's step runs unchanged but for four stores per program. The steps alternate between two sets of buffers, so
+that in a graph of many layers the last two layers' stamps survive: the summary's ``gap_us`` is the time from the
+previous layer's last combine program to this layer's first phase-1 program (the next layer's store and launches).
+GPU only (the interpreter has no timer).
 """
 
 from __future__ import annotations
@@ -18,50 +22,86 @@ import statistics
 import torch
 
 
-class PhaseOneProbe:
-    """Stamps of every split-KV phase-1 launch made inside the ``with`` block (one buffer per capacity and head-tile
-    count, allocated on the first launch of that shape, so that a CUDA graph captured later reuses it)."""
+def _live(stamps: torch.Tensor) -> torch.Tensor:
+    rows = stamps.reshape(-1, 4).cpu()
+    return rows[rows[:, 0] >= 0]
+
+
+class SplitKVProbe:
+    """Stamps of every split-KV step (phase 1 and its combine) made inside the ``with`` block: two sets of buffers per
+    grid, the steps alternating between them, both allocated at the first step of that grid (so that a CUDA graph
+    captured later reuses them)."""
 
     def __init__(self):
         self._buffers: dict = {}
-        self._last = None  # (stamps, schedule) of the latest launch
+        self._steps: list = []  # the latest two steps: dicts of call, schedule, phase-1 and combine stamps
+        self._launches = 0
+        self._pending = None  # the step whose phase 1 was launched last, until its combine is
         self._real = None
 
-    def __enter__(self) -> "PhaseOneProbe":
+    def __enter__(self) -> "SplitKVProbe":
         from mla_fa3.ops import splitkv_triton
+        from mla_fa3.ops.splitkv_combine_triton import combine_grid
         from mla_fa3.ops.splitkv_plan import head_tiles
 
-        real = splitkv_triton.splitkv_partials
+        real_partials, real_combine = splitkv_triton.splitkv_partials, splitkv_triton.combine_splits
 
-        def probed(call, schedule, config=None, **kwargs):
+        def partials(call, schedule, config=None, **kwargs):
             cfg = schedule.config if config is None else config
             heads, sq = call.q.shape[2], call.q.shape[1]
             shape = (schedule.capacity, head_tiles(heads, sq, cfg.max_rows), 4)
-            key = (shape, call.q.device)
-            if key not in self._buffers:
-                self._buffers[key] = torch.full(shape, -1, dtype=torch.int64, device=call.q.device)
-            self._last = (self._buffers[key], schedule)
-            return real(call, schedule, config, probe=self._buffers[key], **kwargs)
+            key = ("phase1", shape, call.q.device, self._launches % 2)
+            self._launches += 1
+            self._allocate(key)
+            self._pending = dict(call=call, schedule=schedule, phase1=self._buffers[key])
+            self._steps = (self._steps + [self._pending])[-2:]
+            return real_partials(call, schedule, config, probe=self._buffers[key], **kwargs)
 
-        self._real, splitkv_triton.splitkv_partials = real, probed
+        def combine(part_o, part_lse2, split_offsets, out, lse, descale_k=None, **kwargs):
+            step, self._pending = self._pending, None
+            if step is None:  # not after a probed phase 1 (the warp-specialized kernel's): not stamped
+                return real_combine(part_o, part_lse2, split_offsets, out, lse, descale_k, **kwargs)
+            bs, sq, heads = out.shape[:3]
+            shape = combine_grid(bs * sq * heads, part_o.shape[3], kwargs.get("tile")) + (4,)
+            key = ("combine", shape, out.device, (self._launches - 1) % 2)  # the set of the phase 1 just launched
+            self._allocate(key)
+            step["combine"] = self._buffers[key]
+            return real_combine(part_o, part_lse2, split_offsets, out, lse, descale_k, probe=self._buffers[key],
+                                **kwargs)
+
+        self._real = (real_partials, real_combine)
+        splitkv_triton.splitkv_partials, splitkv_triton.combine_splits = partials, combine
         return self
+
+    def _allocate(self, key) -> None:
+        """Both sets of a grid's buffers at its first step (before any capture that follows it), filled with -1."""
+        if key not in self._buffers:
+            for parity in (0, 1):
+                self._buffers[key[:3] + (parity,)] = torch.full(key[1], -1, dtype=torch.int64, device=key[2])
 
     def __exit__(self, *exc) -> None:
         from mla_fa3.ops import splitkv_triton
 
-        splitkv_triton.splitkv_partials = self._real
+        splitkv_triton.splitkv_partials, splitkv_triton.combine_splits = self._real
 
     def summary(self) -> dict:
-        """The latest launch's timeline (µs from its first program's start), or {} when none ran: programs, SMs used,
-        programs per SM (max, and how many SMs ran 1 / 2 / 3+), start spread, first key load (median, max), duration
-        from the first key load (median, max), end (median, max) and tail (max - median end)."""
-        if self._last is None:
+        """The latest step's timeline, µs from its first phase-1 program's start ({} when none ran):
+
+        phase 1 — programs, SMs used, programs per SM (max, and how many SMs ran 1 / 2 / 3+), start spread, first key
+        load (median, max), duration from the first key load (median, max), end (median, max), tail (max - median
+        end); ``keys_max`` (the most keys a program read), ``read_mb`` (the step's cache bytes, each key once) and
+        ``read_tb_s`` (those bytes over the time from the median first key load to the last end);
+        the combine — ``combine_programs``, its first start, its first and median read (after its wait), its last end;
+        ``handoff_us`` (phase 1's last end to the combine's first read) and ``combine_us`` (its first read to its last
+        end); ``step_us`` (the first phase-1 start to the last combine end);
+        ``gap_us``: the previous step's last combine end to this one's first phase-1 start (absent for a single step).
+        """
+        if not self._steps:
             return {}
-        stamps, schedule = self._last
-        if stamps.is_cuda:
-            torch.cuda.synchronize(stamps.device)
-        live = stamps[: int(schedule.num_work.item())].reshape(-1, 4).cpu()
-        live = live[live[:, 0] >= 0]
+        step = self._steps[-1]
+        if step["phase1"].is_cuda:
+            torch.cuda.synchronize(step["phase1"].device)
+        live = _live(step["phase1"][: int(step["schedule"].num_work.item())])
         if live.shape[0] == 0:
             return {}
         sm, start, keys, end = (live[:, i] for i in range(4))
@@ -70,13 +110,43 @@ class PhaseOneProbe:
         per_sm = torch.bincount(sm)
         per_sm = per_sm[per_sm > 0]
         ends = us(end)
-        return dict(programs=int(live.shape[0]), sms=int(per_sm.numel()), max_per_sm=int(per_sm.max()),
-                    sms_with_1=int((per_sm == 1).sum()), sms_with_2=int((per_sm == 2).sum()),
-                    sms_with_3_plus=int((per_sm >= 3).sum()),
-                    start_spread_us=round(float(us(start).max()), 2),
-                    first_key_median_us=round(statistics.median(us(keys).tolist()), 2),
-                    first_key_max_us=round(float(us(keys).max()), 2),
-                    duration_median_us=round(statistics.median((end - keys).double().div(1e3).tolist()), 2),
-                    duration_max_us=round(float((end - keys).double().max() / 1e3), 2),
-                    end_median_us=round(statistics.median(ends.tolist()), 2), end_max_us=round(float(ends.max()), 2),
-                    tail_us=round(float(ends.max()) - statistics.median(ends.tolist()), 2))
+        out = dict(programs=int(live.shape[0]), sms=int(per_sm.numel()), max_per_sm=int(per_sm.max()),
+                   sms_with_1=int((per_sm == 1).sum()), sms_with_2=int((per_sm == 2).sum()),
+                   sms_with_3_plus=int((per_sm >= 3).sum()),
+                   start_spread_us=round(float(us(start).max()), 2),
+                   first_key_median_us=round(statistics.median(us(keys).tolist()), 2),
+                   first_key_max_us=round(float(us(keys).max()), 2),
+                   duration_median_us=round(statistics.median((end - keys).double().div(1e3).tolist()), 2),
+                   duration_max_us=round(float((end - keys).double().max() / 1e3), 2),
+                   end_median_us=round(statistics.median(ends.tolist()), 2), end_max_us=round(float(ends.max()), 2),
+                   tail_us=round(float(ends.max()) - statistics.median(ends.tolist()), 2))
+        out.update(_bytes(step["call"], step["schedule"], ends.max() - statistics.median(us(keys).tolist())))
+        if "combine" in step:
+            comb = _live(step["combine"])
+            if comb.shape[0]:
+                read0 = float(us(comb[:, 2]).min())
+                last = float(us(comb[:, 3]).max())
+                out.update(combine_programs=int(comb.shape[0]), combine_start_us=round(float(us(comb[:, 1]).min()), 2),
+                           combine_read_us=round(read0, 2),
+                           combine_read_median_us=round(statistics.median(us(comb[:, 2]).tolist()), 2),
+                           combine_end_us=round(last, 2), handoff_us=round(read0 - float(ends.max()), 2),
+                           combine_us=round(last - read0, 2), step_us=round(last, 2))
+        if len(self._steps) == 2 and "combine" in self._steps[0]:
+            prev = _live(self._steps[0]["combine"])
+            if prev.shape[0]:
+                out["gap_us"] = round((t0 - int(prev[:, 3].max())) / 1e3, 2)
+        return out
+
+
+def _bytes(call, schedule, window_us) -> dict:
+    """``keys_max``, ``read_mb`` and ``read_tb_s`` of a step (see ``SplitKVProbe.summary``): each live work row reads
+    keys start .. min(end, its request's length) of D columns."""
+    n = int(schedule.num_work.item())
+    work = schedule.work[:n].cpu().to(torch.int64)
+    lens = call.cache_seqlens.cpu().to(torch.int64)
+    keys = (torch.minimum(work[:, 2], lens[work[:, 0]]) - work[:, 1]).clamp(min=0)
+    kv = call.kv_cache
+    total = int(keys.sum()) * kv.shape[-1] * kv.element_size()
+    window = float(window_us)
+    return dict(keys_max=int(keys.max()) if n else 0, read_mb=round(total / 1e6, 2),
+                read_tb_s=round(total / (window * 1e6), 3) if window > 0 else float("nan"))

@@ -36,3 +36,22 @@ def test_the_census_sees_a_loop_that_waits_out_each_tile():
     assert not no_read_ahead.multi_buffered and set(no_read_ahead.wait_groups) == {0}, no_read_ahead
     one_stage = loop_census(compile_for_hopper(config.with_(num_stages=1)))
     assert one_stage.cp_async == 0 and one_stage.global_loads >= 18, one_stage  # 32 x 576 bf16 / 128 threads / 16 B
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_timeline_stamps_compile_into_both_phases(pdl):
+    """``splitkv_partials(probe=)`` and ``combine_splits(probe=)`` (``benchmarks/splitkv_probe.py``) for sm_90: each
+    program reads ``%smid`` once and ``%globaltimer`` at its start, at its first key load or first read of a
+    partial (after ``griddepcontrol.wait`` under PDL) and at its end; without the probe neither is read."""
+    from mla_fa3.ops.splitkv_compile import compile_combine_for_hopper
+
+    config = choose_config(16, 4, 32768)
+    for compiled, plain in ((compile_for_hopper(config, pdl=pdl, probe=True), compile_for_hopper(config, pdl=pdl)),
+                            (compile_combine_for_hopper(pdl=pdl, probe=True), compile_combine_for_hopper(pdl=pdl))):
+        ptx = compiled.asm["ptx"]
+        assert ptx.count("%globaltimer") == 3 and ptx.count("%smid") == 1, ptx.count("%globaltimer")
+        assert "%globaltimer" not in plain.asm["ptx"] and "%smid" not in plain.asm["ptx"]
+        if pdl:
+            waits = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
+            stamps = [i for i, line in enumerate(ptx.splitlines()) if "%globaltimer" in line]
+            assert len(waits) == 1 and stamps[0] < waits[0] < stamps[1], (waits, stamps)

@@ -483,6 +483,44 @@ def test_the_probe_stamps_every_live_program_and_changes_no_bit():
         kt.splitkv_partials(call, sched, probe=probe[:, :, :3])
 
 
+def test_the_combine_probe_stamps_every_program_and_changes_no_bit():
+    """``combine_splits(probe=)``, launched as the op launches it (a programmatic dependent of phase 1 where the GPU
+    has them): every program's row holds an SM of this GPU and start <= first read <= end within the wall time of
+    the two launches, its first read after phase 1's last program ended; out and lse are the same bits as without."""
+    from mla_fa3.ops import splitkv_triton as kt
+    from mla_fa3.ops import validate
+    from mla_fa3.ops.pdl import pdl_capable
+    from mla_fa3.ops.splitkv_combine_triton import combine_grid, combine_splits
+
+    lens, heads, page = (9000, 1, 4097, 65), 16, 64
+    q, kv, table, seqlens, _, extra = build(lens, 1, heads, page, seed=16)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV, max_batch=6)
+    call = validate.check_splitkv(q, kv, table, seqlens, head_dim_v=R, schedule=sched, softmax_scale=SCALE,
+                                  causal=True, descale_q=None, descale_k=None, impl=Impl.TRITON)
+    pdl = sched.config.pdl and pdl_capable(q.device)
+    outs = []
+    for stamped in (False, True):
+        probe1 = torch.full((sched.capacity, 1, 4), -1, dtype=torch.int64, device=DEV)
+        probe2 = torch.full(combine_grid(len(lens) * heads, R) + (4,), -7, dtype=torch.int64, device=DEV)
+        out = torch.empty(len(lens), 1, heads, R, dtype=q.dtype, device=DEV)
+        lse = torch.empty(len(lens), 1, heads, device=DEV)
+        torch.cuda.synchronize()
+        before = time.time_ns()
+        part_o, part_lse2 = kt.splitkv_partials(call, sched, probe=probe1)
+        combine_splits(part_o, part_lse2, sched.split_offsets, out, lse, pdl=pdl, probe=probe2 if stamped else None)
+        torch.cuda.synchronize()
+        wall = time.time_ns() - before
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    stamps = probe2.reshape(-1, 4).cpu()
+    sm, start, read, end = (stamps[:, i] for i in range(4))
+    assert bool(((sm >= 0) & (sm < torch.cuda.get_device_properties(DEV).multi_processor_count)).all())
+    assert bool(((start <= read) & (read <= end)).all())
+    first = int(probe1[: sched.planned_work].reshape(-1, 4)[:, 1].min())
+    assert int(end.max()) - first <= wall
+    assert int(read.min()) >= int(probe1[: sched.planned_work].reshape(-1, 4)[:, 3].max()), "read before phase 1 ended"
+
+
 @pytest.mark.parametrize("fp8", [False, "kv"])
 def test_combine_tiles_agree_with_the_oracle(fp8):
     """The combine with each tile ``bench.splitkv_phases --combine-tiles`` times (one split per load up to every split

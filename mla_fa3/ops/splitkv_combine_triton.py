@@ -57,7 +57,7 @@ def _fence_gpu(x):
 
 @triton.jit
 def _splitkv_combine_kernel(
-    PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK, W, Ws, Count,
+    PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK, W, Ws, Count, Probe,
     stride_ow, stride_os, stride_oh,
     stride_lw, stride_ls,
     stride_outb, stride_outs, stride_outh,
@@ -65,10 +65,12 @@ def _splitkv_combine_kernel(
     stride_wh, stride_wk,
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NO: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
-    PROJECT: tl.constexpr, FENCE: tl.constexpr,
+    PROJECT: tl.constexpr, FENCE: tl.constexpr, PROBE: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, i, h) of the output
     vb = tl.program_id(1)
+    if PROBE:  # the program's timeline (``combine_splits(probe=)``): its start, first read of a partial, end and SM
+        t_start = tl.extra.cuda.globaltimer()
     b = row // (SQ * H)
     i = (row // H) % SQ
     h = row % H
@@ -80,6 +82,8 @@ def _splitkv_combine_kernel(
     s1 = tl.load(SplitOffsets + b + 1)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PROBE:
+        t_read = tl.extra.cuda.globaltimer()
     lse_base = PartLse2 + i * stride_ls + h
     o_base = PartO + i * stride_os + h * stride_oh
 
@@ -139,12 +143,50 @@ def _splitkv_combine_kernel(
     if vb == 0:
         lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
+    if PROBE:
+        stamp = Probe + (row.to(tl.int64) * tl.num_programs(1) + vb) * 4
+        tl.store(stamp, tl.extra.cuda.smid().to(tl.int64))
+        tl.store(stamp + 1, t_start)
+        tl.store(stamp + 2, t_read)
+        tl.store(stamp + 3, tl.extra.cuda.globaltimer())
+
+
+def _launch_tile(rows: int, dv: int, tile: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+    """(splits per load, columns) of a combine of ``rows`` output rows of ``dv`` columns: ``tile`` (checked) or
+    ``combine_tile``'s rule, the columns at most ``dv`` rounded up to a power of two."""
+    block_s, cdv = combine_tile(rows) if tile is None else check_combine_tile(tile)
+    return block_s, min(cdv, _next_pow2(dv))
+
+
+def combine_grid(rows: int, dv: int, tile: Optional[Tuple[int, int]] = None) -> Tuple[int, int]:
+    """The combine's grid (output rows, column blocks) for ``rows`` = bs·sq·H rows of ``dv`` columns and ``tile``
+    (None: the rule's): the shape of ``combine_splits``' stamp buffer, less its last dimension."""
+    return rows, -(-dv // _launch_tile(rows, dv, tile)[1])
+
+
+def combine_meta(*, bs: int, sq: int, heads: int, dv: int, tile: Optional[Tuple[int, int]], kv8: bool, pdl: bool,
+                 n_out: Optional[int] = None, fence: bool = False, probe: bool = False) -> Tuple[Tuple[int, int], dict]:
+    """(grid, the launch's keyword arguments: constexprs, warps and the PDL option) of the combine —
+    what ``combine_splits`` launches with, and ``splitkv_compile`` compiles. ``n_out``: the fused projection's output
+    columns (None: no projection; more than ``FUSED_PROJECTION_MAX_COLUMNS`` is a ValueError)."""
+    block_s, cdv = _launch_tile(bs * sq * heads, dv, tile)
+    grid = combine_grid(bs * sq * heads, dv, tile)
+    project = n_out is not None
+    block_no = _next_pow2(n_out) if project else 16
+    if project and (n_out > FUSED_PROJECTION_MAX_COLUMNS or cdv * block_no > 64 * FUSED_PROJECTION_MAX_COLUMNS):
+        raise ValueError(f"the fused output projection takes at most {FUSED_PROJECTION_MAX_COLUMNS} output columns "
+                         f"(w's N) and a [columns, N] weight block of at most 64 x {FUSED_PROJECTION_MAX_COLUMNS} "
+                         f"(tile columns {cdv}), got N = {n_out}: project after the combine (ops.head_matmul)")
+    meta = dict(H=heads, SQ=sq, DV=dv, N_OUT=n_out if project else dv, BLOCK_S=block_s, BLOCK_DV=cdv,
+                BLOCK_NO=block_no, KV8=kv8, PDL=pdl, PROJECT=project, FENCE=fence, PROBE=probe,
+                num_warps=4 if block_s * cdv <= 4096 else 8, **launch_options(pdl))
+    return grid, meta
 
 
 def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out: Tensor, lse: Tensor,
                    descale_k: Optional[Tensor] = None, *, pdl: bool = False,
                    tile: Optional[Tuple[int, int]] = None, w: Optional[Tensor] = None,
-                   counters: Optional[Tensor] = None) -> None:
+                   counters: Optional[Tensor] = None, probe: Optional[Tensor] = None) -> None:
     """Phase 2 alone, into ``out [bs, sq, H, r]`` and ``lse [bs, sq, H]`` (natural log): request b's splits are the
     slots ``split_offsets[b] .. split_offsets[b + 1]`` of ``part_o [slots, sq, H, r]`` (float32 or the output
     dtype) and ``part_lse2 [slots, sq, H]`` (base 2; -inf: an empty split). ``descale_k``: an e4m3 cache's scale,
@@ -156,30 +198,30 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
     receives ``o_lat[b, i, h] @ w[h]`` (o_lat rounded to out's dtype first, as the unfused path stores it; fp32
     sums; N <= ``FUSED_PROJECTION_MAX_COLUMNS``, else a ValueError), ``counters`` ``[>= bs·sq·H] int32`` all zero
     on entry (phase 1 zeroes them: ``splitkv_partials``); each row's count ends at its column-block count — scratch,
-    not state."""
+    not state.
+
+    ``probe`` (benchmarks: ``benchmarks/splitkv_probe.py``): ``[bs·sq·H, column blocks, 4] int64`` on the GPU
+    (``combine_grid`` gives the grid); each program writes its row = (SM id, start, first read of a partial — after
+    its wait for phase 1 under ``pdl`` —, end), ``%globaltimer`` nanoseconds (CUDA only)."""
     bs, sq, H = out.shape[:3]
     dv = part_o.shape[3]
     one = lse  # any float32 pointer: read only with descale_k
-    block_s, cdv = combine_tile(bs * sq * H) if tile is None else check_combine_tile(tile)
-    cdv = min(cdv, _next_pow2(dv))
-    chunks = -(-dv // cdv)
     project = w is not None
-    n_out = out.shape[3] if project else dv
-    block_no = _next_pow2(n_out) if project else 16
-    if project and (n_out > FUSED_PROJECTION_MAX_COLUMNS or cdv * block_no > 64 * FUSED_PROJECTION_MAX_COLUMNS):
-        raise ValueError(f"the fused output projection takes at most {FUSED_PROJECTION_MAX_COLUMNS} output columns "
-                         f"(w's N) and a [columns, N] weight block of at most 64 x {FUSED_PROJECTION_MAX_COLUMNS} "
-                         f"(tile columns {cdv}), got N = {n_out}: project after the combine (ops.head_matmul)")
-    ws = torch.empty(bs * sq * H * chunks * block_no if project else 1, dtype=torch.float32, device=out.device)
-    _splitkv_combine_kernel[(bs * sq * H, chunks)](
+    grid, meta = combine_meta(bs=bs, sq=sq, heads=H, dv=dv, tile=tile, kv8=descale_k is not None, pdl=pdl,
+                              n_out=out.shape[3] if project else None, fence=project and out.is_cuda,
+                              probe=probe is not None)
+    if probe is not None and (probe.dtype != torch.int64 or probe.device != out.device
+                              or tuple(probe.shape) != grid + (4,)):
+        raise ValueError(f"probe must be an int64 [{grid[0]}, {grid[1]}, 4] tensor on {out.device} (output rows, "
+                         f"column blocks, 4), got {probe.dtype} {tuple(probe.shape)} on {probe.device}")
+    ws = torch.empty(grid[0] * grid[1] * meta["BLOCK_NO"] if project else 1, dtype=torch.float32, device=out.device)
+    _splitkv_combine_kernel[grid](
         part_o, part_lse2, split_offsets, out, lse, one if descale_k is None else descale_k,
-        w if project else one, ws, counters if project else split_offsets,
+        w if project else one, ws, counters if project else split_offsets, split_offsets if probe is None else probe,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse2.stride(0), part_lse2.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         w.stride(0) if project else 0, w.stride(1) if project else 0,
-        H=H, SQ=sq, DV=dv, N_OUT=n_out, BLOCK_S=block_s, BLOCK_DV=cdv, BLOCK_NO=block_no,
-        KV8=descale_k is not None, PDL=pdl, PROJECT=project, FENCE=project and out.is_cuda,
-        num_warps=4 if block_s * cdv <= 4096 else 8, **launch_options(pdl),
+        **meta,
     )

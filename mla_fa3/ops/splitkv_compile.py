@@ -29,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .splitkv_combine_triton import _splitkv_combine_kernel, combine_meta
 from .splitkv_config import KernelConfig, choose_config
 from .splitkv_kernel_triton import _splitkv_partial_kernel
 from .splitkv_triton import phase1_meta
@@ -76,6 +77,23 @@ def compile_for_hopper(config: KernelConfig, *, heads: int = 16, sq: int = 1, kv
                and name not in _NOT_ALIGNED]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = ASTSource(fn=fn, signature=types, constexprs=meta, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def compile_combine_for_hopper(*, bs: int = 4, heads: int = 16, half_partials: bool = True, pdl: bool = True,
+                               probe: bool = False, capability: int = 90):
+    """The combine of a ``bs``-request, one-token step (``splitkv_combine_triton.combine_meta``, the rule's tile)
+    compiled for ``GPUTarget("cuda", capability, 32)`` without a GPU: bf16 out, bf16 partials with
+    ``half_partials``, a bf16 cache; ``probe``: with the timeline stamps (``combine_splits(probe=)``)."""
+    _, meta = combine_meta(bs=bs, sq=1, heads=heads, dv=LATENT, tile=None, kv8=False, pdl=pdl, probe=probe)
+    options = {"num_warps": meta.pop("num_warps")}
+    meta.pop("launch_pdl", None)
+    fn = _splitkv_combine_kernel
+    types = {name: "i32" for name in fn.arg_names}
+    types.update(PartO="*bf16" if half_partials else "*fp32", PartLse2="*fp32", SplitOffsets="*i32", Out="*bf16",
+                 Lse="*fp32", DescaleK="*fp32", W="*bf16", Ws="*fp32", Count="*i32", Probe="*i64")
+    types.update({name: "constexpr" for name in meta})
+    src = ASTSource(fn=fn, signature=types, constexprs=meta)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
