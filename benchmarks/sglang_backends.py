@@ -12,10 +12,12 @@ timed by CUDA events around graph replays (median of ``--iters``). Every backend
 ``--shapes heads:bs:ctx,...`` replaces the sweep, ``--kv`` picks the cache dtypes, ``--profile`` also prints each
 backend's kernels in its metadata graph and its layer graph (torch's profiler over graph replays).
 
-``--ab FIELD=V1,V2,...`` (a ``KernelConfig`` switch, as ``bench.splitkv --ab``): the split-KV launch config A/B-tested
-inside SGLang's step instead of kernel alone — per shape and round (``--ab-rounds``), fa3 once and then mla_fa3 once
-per value, the config table's row for the shape (``splitkv_config.table_key``) set to that value while its backend is
-built, captured and timed (values in reverse order every other round). Columns: heads, bs, ctx, kv, round, config
+``--ab FIELD=V1,V2,...`` (a ``KernelConfig`` switch, as ``bench.splitkv --ab``; or variants that change several
+switches at once, ``F=V+G=W,F=V2+G=W2``, e.g. ``num_stages=3+waves=2,num_stages=2+waves=3+max_registers=168``): the
+split-KV launch config A/B-tested inside SGLang's step instead of kernel alone — per shape and round
+(``--ab-rounds``), fa3 once and then mla_fa3 once per value, the config table's row for the shape
+(``splitkv_config.table_key``) changed by that value while its backend is built, captured and timed (values in
+reverse order every other round). Columns: heads, bs, ctx, kv, round, config
 (the label), value, stacked_us, fa3_stacked_us, ratio_stacked, kernel.
 
     python benchmarks/sglang_backends.py --out out/ab.csv --kv bf16 --shapes 16:4:32768 --ab combine_tile=rule,64x64
@@ -55,7 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from benchmarks.splitkv_probe import SplitKVProbe  # noqa: E402
-from mla_fa3.bench.splitkv_candidates import parse_ab  # noqa: E402
+from mla_fa3.bench.splitkv_candidates import ab_text, parse_ab  # noqa: E402
 
 SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 16384), (64, 32768)]
 QUICK = [(1, 65536), (4, 32768), (64, 16384)]
@@ -232,15 +234,16 @@ class With:
 
 
 @contextlib.contextmanager
-def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, field: str, value):
-    """The split-KV config table's row for (heads, bs, ctx) with ``field`` = ``value`` inside the block (restored
-    after); yields that config. A backend built, captured and run inside plans its schedules with it."""
+def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, changes: dict):
+    """The split-KV config table's row for (heads, bs, ctx) with ``changes`` (field -> value, a ``parse_ab`` value)
+    inside the block (restored after); yields that config. A backend built, captured and run inside plans its
+    schedules with it."""
     from mla_fa3.ops import splitkv_config
 
     table = splitkv_config.E4M3_CONFIG_TABLE if fp8 else splitkv_config.CONFIG_TABLE
     key = splitkv_config.table_key(heads, bs, ctx, table)
     saved = table[key]
-    table[key] = saved.with_(**{field: value})
+    table[key] = saved.with_(**changes)
     try:
         yield table[key]
     finally:
@@ -260,9 +263,9 @@ def time_ours(fx, registry, args, stack: int, probes: list, **labels) -> dict:
 
 
 def ab_rows(args, ab, kit, registry, mode, shapes, probes: list) -> list[dict]:
-    """``--ab``: per shape and round, fa3's stacked step and mla_fa3's with each value of the switch ``ab`` = (field,
-    values)."""
-    field, values = ab
+    """``--ab``: per shape and round, fa3's stacked step and mla_fa3's with each value of ``ab`` = (name, one dict of
+    config changes per value: ``parse_ab``)."""
+    _, values = ab
     rows = []
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
@@ -270,8 +273,8 @@ def ab_rows(args, ab, kit, registry, mode, shapes, probes: list) -> list[dict]:
             for rnd in range(args.ab_rounds):
                 base = _time_backend("fa3", fx, registry, args.iters, False, args.layers, args.stack_iters)
                 for value in (values if rnd % 2 == 0 else values[::-1]):
-                    text = "x".join(map(str, value)) if isinstance(value, tuple) else value
-                    with table_row_with(heads, bs, ctx, fp8, field, value) as config:
+                    text = ab_text(value)
+                    with table_row_with(heads, bs, ctx, fp8, value) as config:
                         r = time_ours(fx, registry, args, args.layers, probes, heads=heads, bs=bs, ctx=ctx,
                                       kv="fp8" if fp8 else "bf16", round=rnd, value=text)
                     row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", round=rnd,

@@ -191,24 +191,40 @@ def test_latent_chunks_apply_to_whole_narrow_chunks_only(dv, rows, chunks, expec
 
 
 def test_bench_ab_spec_parses_each_field_and_refuses_bad_ones():
-    from mla_fa3.bench.splitkv_candidates import parse_ab
+    from mla_fa3.bench.splitkv_candidates import ab_text, parse_ab
 
-    assert parse_ab("latent_chunks") == ("latent_chunks", (1, 2, 4))
-    assert parse_ab("latent_chunks=1,2") == ("latent_chunks", (1, 2))
-    assert parse_ab("pdl") == ("pdl", (True, False)) and parse_ab("pdl=off") == ("pdl", (False,))
+    def one(field, *values):
+        return field, tuple({field: v} for v in values)
+
+    assert parse_ab("latent_chunks") == one("latent_chunks", 1, 2, 4)
+    assert parse_ab("latent_chunks=1,2") == one("latent_chunks", 1, 2)
+    assert parse_ab("pdl") == one("pdl", True, False) and parse_ab("pdl=off") == one("pdl", False)
     with pytest.raises(ValueError, match="latent_chunks must be 1, 2 or 4"):
         parse_ab("latent_chunks=3")
-    assert parse_ab("waves=1,1.5") == ("waves", (1.0, 1.5)) and parse_ab("num_stages") == ("num_stages", (2, 3, 4))
+    assert parse_ab("waves=1,1.5") == one("waves", 1.0, 1.5) and parse_ab("num_stages") == one("num_stages", 2, 3, 4)
     with pytest.raises(ValueError, match="bad num_warps / num_stages / waves"):
         parse_ab("waves=0")
     with pytest.raises(ValueError, match="is not one of"):
-        parse_ab("block_n=16")
-    assert parse_ab("combine_tile=rule,64x64,128X32") == ("combine_tile", (None, (64, 64), (128, 32)))
+        parse_ab("max_rows=16")
+    assert parse_ab("combine_tile=rule,64x64,128X32") == one("combine_tile", None, (64, 64), (128, 32))
     with pytest.raises(ValueError, match="two powers of two"):
         parse_ab("combine_tile=48x64")
     with pytest.raises(ValueError, match="SPLITSxCOLUMNS"):
         parse_ab("combine_tile=64")
-    assert parse_ab("num_warps=4,8") == ("num_warps", (4, 8))
+    assert parse_ab("num_warps=4,8") == one("num_warps", 4, 8)
+    assert parse_ab("max_registers=none,168") == one("max_registers", None, 168)
+    # variants: several switches changed together, each item naming its fields
+    name, variants = parse_ab("num_stages=3+waves=2,num_stages=2+waves=3+max_registers=168")
+    assert name == "num_stages+waves+max_registers"
+    assert variants == ({"num_stages": 3, "waves": 2.0}, {"num_stages": 2, "waves": 3.0, "max_registers": 168})
+    assert [ab_text(v) for v in variants] == ["num_stages=3+waves=2.0", "num_stages=2+waves=3.0+max_registers=168"]
+    assert parse_ab("block_n=32,block_n=64+warp_specialized=1+waves=1")[1][1] == dict(block_n=64, warp_specialized=True,
+                                                                                     waves=1.0)
+    with pytest.raises(ValueError, match="warp_specialized needs block_n 64"):
+        parse_ab("warp_specialized=1")  # one switch alone: the default block_n 32
+    with pytest.raises(ValueError, match="is not one of"):
+        parse_ab("waves=1,max_rows=16+waves=2")
+    assert [ab_text(v) for v in parse_ab("combine_tile=rule,64x64")[1]] == ["rule", "64x64"]
 
 
 def test_the_in_step_ab_sets_the_shapes_table_row_only_inside_its_block():
@@ -220,15 +236,15 @@ def test_the_in_step_ab_sets_the_shapes_table_row_only_inside_its_block():
 
     before, wide, e4m3 = choose_config(16, 4, 65536), choose_config(128, 4, 65536), choose_config(16, 4, 65536,
                                                                                                     kv_fp8=True)
-    with table_row_with(16, 4, 65536, False, "waves", 3.0) as config:
+    with table_row_with(16, 4, 65536, False, {"waves": 3.0}) as config:
         assert config == before.with_(waves=3.0) and choose_config(16, 4, 65536) == config
         assert choose_config(128, 4, 65536) == wide and choose_config(16, 4, 65536, kv_fp8=True) == e4m3
         sched = ops.get_splitkv_schedule([65536] * 4, num_heads=16, page_size=64, num_sms=100)
         assert sched.config == config and sched.target == 300
     assert choose_config(16, 4, 65536) == before
     with pytest.raises(RuntimeError, match="inside"):
-        with table_row_with(16, 4, 65536, False, "combine_tile", (64, 64)):
-            assert choose_config(16, 4, 65536).combine_tile == (64, 64)
+        with table_row_with(16, 4, 65536, False, {"combine_tile": (64, 64), "num_stages": 2}):
+            assert choose_config(16, 4, 65536) == before.with_(combine_tile=(64, 64), num_stages=2)
             raise RuntimeError("inside")
     assert choose_config(16, 4, 65536) == before
 

@@ -13,7 +13,9 @@ bf16, DeepSeek-V3 latent r = 512 + d_rope = 64, one query token, equal lengths):
 
 ``--ab FIELD[=V1,V2,...]``: every shape once per value of a ``KernelConfig`` field on the table's config, side by side
 (``pdl``: programmatic dependent launch, ``half_partials``, ``reload_kv``: on and off; ``latent_chunks``: 1, 2, 4;
-``waves``: 1, 2, 3 programs per SM, which sets the split count; ``num_stages``: 2, 3, 4).
+``waves``: 1, 2, 3 programs per SM, which sets the split count; ``num_stages``: 2, 3, 4; the rest:
+``splitkv_candidates.AB_FIELDS``); or variants that change several fields at once, ``F=V+G=W,F=V2+G=W2``
+(``splitkv_candidates.parse_ab``).
 
 ``--fp8``: an e4m3 cache (random values, descale 1/32): split-KV reads it with the bf16 q (the tile converted in
 registers), FlashMLA FP8 with q quantized once to e4m3 outside the timed region (the backend quantizes per
@@ -307,7 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--reload-kv", action="store_true")
     p.add_argument("--latent-chunks", type=int, choices=(1, 2, 4))
     p.add_argument("--ab", metavar="FIELD[=V1,V2]",
-                   help=f"each shape once per value of a KernelConfig field on the table's config ({sorted(AB_FIELDS)})")
+                   help=f"each shape once per value of a KernelConfig field on the table's config ({sorted(AB_FIELDS)}); "
+                        "or variants changing several: F=V+G=W,F=V2+G=W2")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--min-calls", type=int, default=MIN_CALLS_PER_REPLAY,
                    help="kernel calls per graph replay, at least (1: a replay of the rotated copies once)")
@@ -331,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         checks += [(16, c) for c in SWEEP_NARROW_E4M3 if c.num_warps == 8][:2] + \
             [(16, c) for c in SWEEP_NARROW_E4M3 if c.warp_specialized]
     if ab:  # every side of the switch checked before any is timed, at the head counts timed
-        checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**{ab[0]: v})) for h in sorted(set(a.heads))
+        checks += [(h, choose_config(h, 1, 65536, kv_fp8=a.fp8).with_(**v)) for h in sorted(set(a.heads))
                    for v in ab[1]]
     if not a.no_check and check_correctness(device, checks, a.fp8) < 0.9999:
         print("splitkv bench: the split-KV kernel disagrees with the reference; not timing", file=sys.stderr)
@@ -350,7 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not ab:
             return fixed
         table = choose_config(h, bs, ctx, kv_fp8=a.fp8)
-        return [table.with_(**{ab[0]: v}) for v in ab[1]]
+        return [table.with_(**v) for v in ab[1]]
 
     rows = run(shapes, configs, device=device, iters=a.iters, peers=True, quiet=a.quiet, fp8=a.fp8,
                min_calls=a.min_calls)

@@ -83,12 +83,14 @@ SWEEP_WIDE = (
 AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": (True, False),
              "latent_chunks": (1, 2, 4), "waves": (1.0, 2.0, 3.0), "num_stages": (2, 3, 4),
              "prefetch_pages": (True, False), "num_warps": (4, 8),
-             "combine_tile": (None, (16, 64), (64, 64), (128, 32))}  # combine_tile values: rule (None) or SxC
+             "combine_tile": (None, (16, 64), (64, 64), (128, 32)),  # combine_tile values: rule (None) or SxC
+             "block_n": (16, 32, 64), "max_registers": (None, 168, 128),  # max_registers: none (None) or a count
+             "warp_specialized": (False, True)}
 
 
 def _ab_value(field: str, text: str):
     """One value of ``--ab FIELD=...`` as the field's type: a bool (1/true/on), a combine tile (``rule``: None, or
-    ``SxC``), else the type of the field's first default value."""
+    ``SxC``), a register cap (``none``: None), else the type of the field's first default value."""
     text = text.strip()
     if field == "combine_tile":
         if text.lower() == "rule":
@@ -97,21 +99,56 @@ def _ab_value(field: str, text: str):
         if not (splits.isdigit() and cols.isdigit()):
             raise ValueError(f"--ab combine_tile: {text!r} is not 'rule' or SPLITSxCOLUMNS (e.g. 64x64)")
         return int(splits), int(cols)
+    if field == "max_registers":
+        return None if text.lower() == "none" else int(text)
     kind = type(AB_FIELDS[field][0])
     return text.lower() in ("1", "true", "on") if kind is bool else kind(text)
 
 
-def parse_ab(spec: str) -> tuple[str, tuple]:
-    """``FIELD`` (its default values) or ``FIELD=V1,V2,...`` -> (field, values); a bad spec raises ValueError."""
-    field, _, values = spec.partition("=")
+def _ab_field(field: str) -> str:
     if field not in AB_FIELDS:
         raise ValueError(f"--ab: {field!r} is not one of {sorted(AB_FIELDS)}")
-    if not values:
-        return field, AB_FIELDS[field]
-    parsed = tuple(_ab_value(field, v) for v in values.split(","))
-    for v in parsed:
-        KernelConfig().with_(**{field: v})  # each value a valid config (KernelConfig checks it)
-    return field, parsed
+    return field
+
+
+def parse_ab(spec: str) -> tuple[str, tuple[dict, ...]]:
+    """An ``--ab`` spec -> (its name, one dict of ``KernelConfig`` changes per value); a bad spec raises ValueError.
+
+    ``FIELD`` (the field's default values) or ``FIELD=V1,V2,...`` (one switch), or variants that each name what they
+    change, several switches at once joined by ``+``: ``num_stages=3+waves=2,num_stages=2+waves=3+max_registers=168``
+    (every comma-separated item holds ``=``). The name is the fields, joined by ``+`` in the order first named. Each
+    value must make a valid config from the defaults (``KernelConfig`` checks it)."""
+    items = spec.split(",")
+    if len(items) > 1 and all("=" in item for item in items):  # variants, each naming its fields
+        variants = []
+        for item in items:
+            changes = {}
+            for part in item.split("+"):
+                field, _, text = part.partition("=")
+                field = _ab_field(field.strip())
+                changes[field] = _ab_value(field, text)
+            variants.append(changes)
+        name = "+".join(dict.fromkeys(f for changes in variants for f in changes))
+    else:
+        field, _, values = spec.partition("=")
+        name = _ab_field(field)
+        variants = [{field: v} for v in (_ab_value(field, v) for v in values.split(","))] if values else \
+            [{field: v} for v in AB_FIELDS[field]]
+    for changes in variants:
+        KernelConfig().with_(**changes)  # each value a valid config (KernelConfig checks it)
+    return name, tuple(variants)
+
+
+def ab_text(changes: dict) -> str:
+    """A value of ``parse_ab`` as a table cell: the value of a one-switch change (a tile as SxC, ``rule`` / ``none``
+    for None), else ``FIELD=VALUE`` joined by ``+``."""
+    def text(field, v):
+        return "x".join(map(str, v)) if isinstance(v, tuple) else \
+            {"combine_tile": "rule", "max_registers": "none"}.get(field, "None") if v is None else str(v)
+    if len(changes) == 1:
+        (field, v), = changes.items()
+        return text(field, v)
+    return "+".join(f"{field}={text(field, v)}" for field, v in changes.items())
 
 
 def sweep_candidates(heads: int, fp8: bool = False) -> Sequence[KernelConfig]:
