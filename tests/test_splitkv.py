@@ -34,12 +34,23 @@ I32 = torch.int32
 # ------------------------------------------------------------------------------------------ planner
 
 
+def fit_by_scan(lens, *, target, granule, min_split_tokens):
+    """The planner's chunk by a linear scan (the module docstring's rule, not its bisection): the even share rounded up
+    to the granule, or the first chunk up to a quarter (in granules) larger that cuts ``lens`` into <= target
+    splits, when the share itself does not and such a chunk exists."""
+    g0 = math.ceil(max(min_split_tokens, math.ceil(sum(lens) / target), 1) / granule)
+    for g in range(g0, g0 + g0 // 4 + 1):
+        if sum(math.ceil(L / (g * granule)) for L in lens) <= target:
+            return g * granule
+    return g0 * granule
+
+
 def brute_force_check(lens, work, offsets, chunk, *, target, granule, min_split_tokens):
     """Check a plan token by token (independent of the planner's arithmetic)."""
     bs = len(lens)
     assert len(offsets) == bs + 1 and offsets[0] == 0 and offsets[-1] == len(work)
     assert chunk % granule == 0
-    assert chunk == granule * math.ceil(max(min_split_tokens, math.ceil(sum(lens) / target), 1) / granule)
+    assert chunk == fit_by_scan(lens, target=target, granule=granule, min_split_tokens=min_split_tokens)
     assert len(work) <= sp.capacity_for(bs, target)
     owners = [[0] * L for L in lens]
     for slot, (b, s, e, w_slot) in enumerate(work):
@@ -72,6 +83,11 @@ PLAN_CASES = {
     "bs1_128k": ([131072], 132, 64),
     "huge": ([2**31 - 1, 5], 132, 64),
     "skewed": ([131072 >> k for k in range(8)], 132, 64),
+    # the fit: 16 x 64k and 64 x 16k over 264 slots (chunk0 4032 gives 272 and 320 splits; 4096 gives 256), and
+    # 300 short requests beside a long one (no chunk up to a quarter larger fits: chunk0 stays)
+    "fit_bs16_64k": ([65536] * 16, 264, 64),
+    "fit_bs64_16k": ([16384] * 64, 264, 64),
+    "fit_fails": ([100] * 300 + [131072], 264, 64),
 }
 
 
@@ -92,6 +108,27 @@ def test_planner_random_brute_force():
         bs = rng.randint(1, 9)
         lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 5000)]) for _ in range(bs)]
         _plan(lens, target=rng.randint(1, 140), page=rng.choice([1, 2, 16, 64, 128]), min_split=rng.choice([1, 64, 128]))
+
+
+def test_planner_fits_the_target_where_a_quarter_more_suffices():
+    work, _, chunk = _plan([65536] * 16, target=264, page=64)
+    assert chunk == 4096 and len(work) == 256, "16 splits a request, not 17 (272 > 264 slots)"
+    work, _, chunk = _plan([16384] * 64, target=264, page=64)
+    assert chunk == 4096 and len(work) == 256
+    work, _, chunk = _plan([100] * 300 + [131072], target=264, page=64)
+    assert chunk == 640 and len(work) == 300 + 205, "chunk0 (161,072 / 264 -> 640): at 768, still 471 splits"
+    rng = random.Random(3)
+    fitted = 0
+    for _ in range(60):  # long requests of similar lengths: the chunk grows just enough, never past a quarter
+        bs, target = rng.randint(1, 40), rng.randint(40, 300)
+        lens = [rng.randint(8000, 20000) for _ in range(bs)]
+        work, _, chunk = _plan(lens, target=target, page=64, min_split=128)
+        chunk0 = 64 * math.ceil(max(128, math.ceil(sum(lens) / target)) / 64)
+        assert chunk0 <= chunk <= chunk0 + 64 * (chunk0 // 64 // 4)
+        if chunk > chunk0:
+            fitted += 1
+            assert len(work) <= target and sum(math.ceil(L / (chunk - 64)) for L in lens) > target
+    assert fitted >= 10, fitted
 
 
 def test_planner_balances_one_long_request_over_the_sms():
@@ -279,6 +316,8 @@ REPLAN_CASES = [  # (lens, max_batch, page, num_sms): the host planner's cases, 
     ([1000, 0, 70], 4, 16, 8), ([1], 1, 64, 132), ([63, 64, 65, 127, 129], 8, 64, 132), ([1, 2, 3, 4097], 4, 1, 66),
     ([127, 128, 129, 100_000], 5, 128, 132), ([0, 0, 0], 3, 16, 132), ([], 2, 64, 132), ([131072], 1, 64, 132),
     ([2**31 - 1, 5], 2, 64, 132), ([131072 >> k for k in range(8)], 16, 64, 132),
+    ([65536] * 16, 16, 64, 132), ([16384] * 64, 64, 64, 132), ([100] * 30 + [131072], 31, 64, 13),  # the fit
+    ([9000, 12000, 15000, 20000], 4, 16, 7),
 ]
 
 

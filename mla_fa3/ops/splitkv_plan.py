@@ -6,18 +6,28 @@ SM. This module decides the cut from the **host copy** of the lengths (no device
 
     total   = Σ_b L_b                                        (KV tokens of the step)
     target  = max(1, floor(num_sms · waves / head_tiles))    (splits that fill the GPU once)
-    chunk   = round_up(max(min_split_tokens, ceil(total / target)), granule)
+    chunk0  = round_up(max(min_split_tokens, ceil(total / target)), granule)
+    chunk   = the least multiple of granule in [chunk0, chunk0 + granule · floor(chunk0 / granule / 4)]
+              with Σ_b ceil(L_b / chunk) <= target; chunk0 if none is          (the fit, below)
     n_b     = ceil(L_b / chunk)                              (0 for an empty request)
     size_b  = round_up(ceil(L_b / n_b), granule)             (<= chunk: near-equal splits)
     splits of b = [s, min(L_b, s + size_b)) for s = 0, size_b, 2·size_b, ...
 
 ``granule`` = max(page_size, ``SPLIT_GRANULE``): split starts fall on whole pages and whole key blocks.
 Every token of every request lies in exactly one split, every split holds at most ``chunk`` tokens,
-and the number of splits is at most ``target + bs`` (Σ ceil(L_b/chunk) <= total/chunk + bs), which
+and the number of splits is at most ``target + bs`` (Σ ceil(L_b/chunk0) <= total/chunk0 + bs), which
 is the capacity a CUDA-graph schedule reserves for a batch of ``max_batch`` requests.
 
+**The fit.** ``target`` is what the programs' slots hold in the rounds ``waves`` asks for (at two waves of the 16-head
+kernel, the 2 programs an SM holds at once: one round). chunk0 alone often gives a few splits more — 16 requests of
+64k over 264 slots: chunk0 4032, 17 splits each, 272 programs — and those few then run after the rest, alone on their
+SMs, a whole split's time at a rate latency bounds (the H100's kernel-alone figures: 1.24-1.31x the bytes' time at
+every such shape — bs 16 x 64k, bs 64 x 16k-64k —, 1.09-1.17x where the plan fits). So the chunk grows, by at most a
+quarter, to the least that fits: 4096, 16 splits each, 256 programs. Where a quarter does not suffice (many short
+requests, one split each), chunk0 stays: the programs past the target are then short ones.
+
 Worked example (granule 64, min_split_tokens 128, target 8): lens = [1000, 0, 70]
-    total 1070 -> ceil(1070/8) = 134 -> chunk 192
+    total 1070 -> ceil(1070/8) = 134 -> chunk0 192: 6 + 1 = 7 splits <= 8, chunk 192
     b=0: n 6, size round_up(167, 64) = 192 -> [0,192) [192,384) [384,576) [576,768) [768,960) [960,1000)
     b=1: no split;  b=2: n 1, size 128 -> [0,70)
     work = [(0,0,192,0) … (0,960,1000,5), (2,0,70,6)], split_offsets = [0, 6, 6, 7]
@@ -89,13 +99,14 @@ def plan_splits(
         raise ValueError(f"target must be >= 1, got {target}")
     if granule < 1:
         raise ValueError(f"granule must be >= 1, got {granule}")
+    if any(L < 0 for L in lens):
+        b = next(b for b, L in enumerate(lens) if L < 0)
+        raise ValueError(f"seqlens[{b}] must be >= 0, got {lens[b]}")
     total = sum(lens)
-    chunk = -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule
+    chunk = fit_chunk(lens, -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule, target, granule)
     work: List[Tuple[int, int, int, int]] = []
     offsets = [0]
     for b, L in enumerate(lens):
-        if L < 0:
-            raise ValueError(f"seqlens[{b}] must be >= 0, got {L}")
         if L:
             n = -(-L // chunk)
             size = -(-(-(-L // n)) // granule) * granule
@@ -103,6 +114,23 @@ def plan_splits(
                 work.append((b, s, min(L, s + size), len(work)))
         offsets.append(len(work))
     return work, offsets, chunk
+
+
+def fit_chunk(lens: Sequence[int], chunk0: int, target: int, granule: int) -> int:
+    """The fit (module docstring): the least multiple of ``granule`` in [chunk0, chunk0 + granule · floor(chunk0 /
+    granule / 4)] that cuts ``lens`` into at most ``target`` splits, else ``chunk0`` — by bisection on the split count,
+    which only falls as the chunk grows (``replan_reference`` and the Triton planner run the same steps)."""
+    def splits(g):  # splits of a chunk of g granules
+        return sum(-(-L // (g * granule)) for L in lens)
+
+    lo = chunk0 // granule
+    hi = lo + lo // 4
+    if splits(lo) <= target or splits(hi) > target:
+        return chunk0
+    while hi - lo > 1:  # splits(lo) > target >= splits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if splits(mid) <= target else (mid, hi)
+    return hi * granule
 
 
 def capacity_for(max_batch: int, target: int) -> int:
@@ -295,6 +323,26 @@ def _cdiv(a: Tensor, b) -> Tensor:
     return torch.div(a + b - 1, b, rounding_mode="floor")
 
 
+FIT_STEPS = 32  # bisection steps of the device planners' fit: the range holds < 2^32 granules
+
+
+def _fit_chunk_reference(lens: Tensor, chunk0: Tensor, target: int, granule: int) -> Tensor:
+    """``fit_chunk`` in fixed-shape tensor ops (0-d int64 tensors, no host value read): ``FIT_STEPS`` bisection
+    steps, each a no-op once the range is one granule wide."""
+    def splits(g):
+        return _cdiv(lens, g * granule).sum()
+
+    lo = chunk0 // granule
+    hi = lo + lo // 4
+    search = (splits(lo) > target) & (splits(hi) <= target)
+    for _ in range(FIT_STEPS):
+        mid = (lo + hi) // 2
+        fits = splits(mid) <= target
+        live = hi - lo > 1
+        lo, hi = torch.where(live & ~fits, mid, lo), torch.where(live & fits, mid, hi)
+    return torch.where(search, hi * granule, chunk0)
+
+
 def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSchedule:
     """``plan_splits`` of the device lengths written into ``schedule`` by tensor ops on fixed shapes (no host value
     read: graph-legal on a GPU); the torch form of the Triton planner (``splitkv_replan_triton.replan_schedule``).
@@ -308,7 +356,8 @@ def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSched
     work[:, 3] = w
     if bs:
         g = schedule.granule
-        chunk = _cdiv(_cdiv(lens.sum(), schedule.target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
+        chunk = _fit_chunk_reference(lens, _cdiv(_cdiv(lens.sum(), schedule.target).clamp(
+            min=max(schedule.min_split_tokens, 1)), g) * g, schedule.target, g)
         n = _cdiv(lens, chunk)
         size = _cdiv(_cdiv(lens, n.clamp(min=1)), g) * g
         incl = torch.cumsum(n, 0)

@@ -29,6 +29,16 @@ def _splitkv_plan_kernel(
     total = tl.sum(lens, 0)
     chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
     chunk = (chunk + granule - 1) // granule * granule
+    # the fit (``splitkv_plan.fit_chunk``): the least chunk up to a quarter larger that gives <= target splits
+    lo = chunk // granule
+    hi = lo + lo // 4
+    if (tl.sum((lens + lo * granule - 1) // (lo * granule), 0) > target) & \
+            (tl.sum((lens + hi * granule - 1) // (hi * granule), 0) <= target):
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            fits = tl.sum((lens + mid * granule - 1) // (mid * granule), 0) <= target
+            lo, hi = tl.where(fits, lo, mid), tl.where(fits, mid, hi)
+        chunk = hi * granule
     n = ((lens + chunk - 1) // chunk).to(tl.int32)
     size = ((lens + tl.maximum(n, 1) - 1) // tl.maximum(n, 1) + granule - 1) // granule * granule
     incl = tl.cumsum(n, 0)
