@@ -21,10 +21,11 @@ is the capacity a CUDA-graph schedule reserves for a batch of ``max_batch`` requ
 **The fit.** ``target`` is what the programs' slots hold in the rounds ``waves`` asks for (at two waves of the 16-head
 kernel, the 2 programs an SM holds at once: one round). chunk0 alone often gives a few splits more — 16 requests of
 64k over 264 slots: chunk0 4032, 17 splits each, 272 programs — and those few then run after the rest, alone on their
-SMs, a whole split's time at a rate latency bounds (the H100's kernel-alone figures: 1.24-1.31x the bytes' time at
-every such shape — bs 16 x 64k, bs 64 x 16k-64k —, 1.09-1.17x where the plan fits). So the chunk grows, by at most a
-quarter, to the least that fits: 4096, 16 splits each, 256 programs. Where a quarter does not suffice (many short
-requests, one split each), chunk0 stays: the programs past the target are then short ones.
+SMs, a whole split's time at a rate latency bounds (the H100's kernel-alone figures of 2026-12-07, 16 heads, against
+the bytes' time at 3.0 TB/s: 1.24-1.31x at each such shape — bs 16 x 64k, bs 64 x 16k-64k —, 1.09-1.17x at bs 16 x
+16k-32k, where 256 splits fit; docs/DECODE_KERNEL.md). So the chunk grows, by at most a quarter, to the least that
+fits: 4096, 16 splits each, 256 programs. Where a quarter does not suffice (many short requests, one split each),
+chunk0 stays: the programs past the target are then short ones.
 
 Worked example (granule 64, min_split_tokens 128, target 8): lens = [1000, 0, 70]
     total 1070 -> ceil(1070/8) = 134 -> chunk0 192: 6 + 1 = 7 splits <= 8, chunk 192
