@@ -26,7 +26,7 @@ reverse order every other round). Columns: heads, bs, ctx, kv, round, config
 of a partial, end: ``benchmarks/splitkv_probe.py``); the last layer of its stacked step (the 61st) is summarized per
 shape (and per ``--ab`` value) into ``OUT.probe.csv`` beside the timings: programs per SM, start spread, time to the
 first key, duration, tail, the read rate, the hand-off to the combine and its time, and the gap from the layer
-before, µs.
+before, µs; every program's stamps (and the 60th layer's combine's) into ``OUT.probe_raw.csv``.
 
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
@@ -250,19 +250,20 @@ def table_row_with(heads: int, bs: int, ctx: int, fp8: bool, changes: dict):
         table[key] = saved
 
 
-def time_ours(fx, registry, args, stack: int, probes: list, **labels) -> dict:
+def time_ours(fx, registry, args, stack: int, probes: dict, **labels) -> dict:
     """``_time_backend`` of mla_fa3 (``stack`` layers stacked); with ``args.probe`` its split-KV timeline too, appended
-    to ``probes`` as one row (``labels`` first)."""
+    to ``probes["summary"]`` as one row and to ``probes["raw"]`` as one row per program (``labels`` first)."""
     with SplitKVProbe() if args.probe else contextlib.nullcontext() as probe:
         r = _time_backend("mla_fa3", fx, registry, args.iters, args.profile, stack, args.stack_iters)
     timeline = probe.summary() if probe else {}
     if timeline:
-        probes.append(dict(labels, **timeline))
-        print("probe," + ",".join(f"{k}={v}" for k, v in probes[-1].items()), flush=True)
+        probes["summary"].append(dict(labels, **timeline))
+        print("probe," + ",".join(f"{k}={v}" for k, v in probes["summary"][-1].items()), flush=True)
+        probes["raw"].extend(dict(labels, **row) for row in probe.timeline())
     return r
 
 
-def ab_rows(args, ab, kit, registry, mode, shapes, probes: list) -> list[dict]:
+def ab_rows(args, ab, kit, registry, mode, shapes, probes: dict) -> list[dict]:
     """``--ab``: per shape and round, fa3's stacked step and mla_fa3's with each value of ``ab`` = (name, one dict of
     config changes per value: ``parse_ab``)."""
     _, values = ab
@@ -297,6 +298,15 @@ def write_rows(path: str, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def write_probes(out: str, probes: dict) -> None:
+    """``--probe``'s files beside ``out``: ``OUT.probe.csv`` (a summary per timed step) and ``OUT.probe_raw.csv`` (its
+    programs' stamps), when any was taken."""
+    if probes["summary"]:
+        write_rows(out + ".probe.csv", probes["summary"])
+    if probes["raw"]:
+        write_rows(out + ".probe_raw.csv", probes["raw"])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="CSV path")
@@ -328,12 +338,11 @@ def main(argv=None) -> int:
     shapes = [(h, bs, ctx) for h in args.heads for bs, ctx in (QUICK if args.quick else SHAPES)]
     if args.shapes:
         shapes = [tuple(int(v) for v in item.split(":")) for item in args.shapes.split(",")]
-    probes: list = []
+    probes: dict = {"summary": [], "raw": []}
     if ab:
         rows = ab_rows(args, ab, kit, ATTENTION_BACKENDS, ForwardMode.DECODE, shapes, probes)
         write_rows(args.out, rows)
-        if probes:
-            write_rows(args.out + ".probe.csv", probes)
+        write_probes(args.out, probes)
         return 0
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
@@ -370,8 +379,7 @@ def main(argv=None) -> int:
             del fx
             torch.cuda.empty_cache()
     write_rows(args.out, rows)
-    if probes:
-        write_rows(args.out + ".probe.csv", probes)
+    write_probes(args.out, probes)
     return 0
 
 

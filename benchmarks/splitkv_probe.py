@@ -138,6 +138,48 @@ class SplitKVProbe:
         return out
 
 
+    def timeline(self) -> list:
+        """The latest step's stamps, one dict per program, µs from its first phase-1 program's start ([] when none
+        ran): ``phase`` (``phase1``; ``combine``; ``combine_before``: the previous step's combine), ``row`` (phase 1: the
+        work row; the combine: the output row b·sq·H + i·H + h), ``block`` (the head tile; the column block),
+        ``request``, ``keys`` (phase 1: the keys its split read), ``sm``, ``start_us``, ``first_us`` (first key load;
+        first read of a partial) and ``end_us`` — what ``sglang_backends.py --probe`` writes to ``OUT.probe_raw.csv``
+        for questions the summary does not answer."""
+        if not self._steps:
+            return []
+        step = self._steps[-1]
+        if step["phase1"].is_cuda:
+            torch.cuda.synchronize(step["phase1"].device)
+        sched = step["schedule"]
+        n = int(sched.num_work.item())
+        stamps = step["phase1"][:n].cpu()
+        if not bool((stamps[..., 0] >= 0).any()):
+            return []
+        t0 = int(stamps[..., 1][stamps[..., 0] >= 0].min())
+        work = sched.work[:n].cpu().to(torch.int64)
+        lens = step["call"].cache_seqlens.cpu().to(torch.int64)
+        keys = (torch.minimum(work[:, 2], lens[work[:, 0]]) - work[:, 1]).clamp(min=0)
+        rows = []
+
+        def add(phase, stamps, row, block, request, keys):
+            if stamps[0] >= 0:
+                rows.append(dict(phase=phase, row=row, block=block, request=request, keys=keys, sm=int(stamps[0]),
+                                 **{f"{k}_us": round((int(stamps[i]) - t0) / 1e3, 3)
+                                    for i, k in ((1, "start"), (2, "first"), (3, "end"))}))
+
+        for w in range(n):
+            for tile in range(stamps.shape[1]):
+                add("phase1", stamps[w, tile].tolist(), w, tile, int(work[w, 0]), int(keys[w]))
+        per_request = step["call"].q.shape[1] * step["call"].q.shape[2]  # sq·H output rows a request
+        for phase, s in (("combine", step), ("combine_before", self._steps[0] if len(self._steps) == 2 else {})):
+            if "combine" in s:
+                comb = s["combine"].cpu()
+                for r in range(comb.shape[0]):
+                    for vb in range(comb.shape[1]):
+                        add(phase, comb[r, vb].tolist(), r, vb, r // per_request, "")
+        return rows
+
+
 def _bytes(call, schedule, window_us) -> dict:
     """``keys_max``, ``read_mb`` and ``read_tb_s`` of a step (see ``SplitKVProbe.summary``): each live work row reads
     keys start .. min(end, its request's length) of D columns."""

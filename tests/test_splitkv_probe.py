@@ -94,6 +94,15 @@ def test_summary_of_two_steps_worked_out_by_hand(monkeypatch):
         combine_programs=512, combine_start_us=10.5, combine_read_us=12.4, combine_read_median_us=12.5,
         combine_end_us=13.5, handoff_us=0.4, combine_us=1.1, step_us=13.5,
         gap_us=0.5)  # step 1's last combine end (500 ns) to step 2's first start (1000 ns)
+    rows = probe.timeline()
+    assert [r["phase"] for r in rows] == ["phase1"] * 3 + ["combine"] * 512 + ["combine_before"] * 512
+    assert rows[1] == dict(phase="phase1", row=1, block=0, request=0, keys=36, sm=5, start_us=0.5, first_us=1.5,
+                           end_us=8.5)
+    assert rows[2]["request"] == 1 and rows[2]["keys"] == 60
+    # the combine's rows in (output row, column block) order: 16 heads x 16 blocks a request
+    assert rows[3 + 300] == dict(phase="combine", row=18, block=12, request=1, keys="", sm=9, start_us=10.6,
+                                 first_us=12.4, end_us=13.5)
+    assert rows[-1]["end_us"] == -0.5 and rows[-1]["request"] == 1
 
 
 def test_stamp_buffers_of_the_wrong_grid_are_refused_before_the_launch():
