@@ -15,18 +15,19 @@
 # bash tools/device_sglang_run.sh ... (it skips the kit when /tmp/site/sgl_kernel exists)
 # `device_pack.sh kit`: sgl-kernel alone, re-cut into .upk1 .upk2 .upk3 (at most 58 MB each, so that each fits beside
 # the working tree); upload each as above, then bash tools/device_kit_setup.sh
-# `device_pack.sh base REV`: the package as it was at REV, in .base/mla_fa3 (~2 MB), for an A/B of REV against the
-# working tree inside one run: take .base along, then `AB_ARGS=... bash tools/device_sglang_run.sh ab`
+# `device_pack.sh base REV`: the package and the benchmarks as they were at REV, in .base/mla_fa3 and .base/benchmarks
+# (~2 MB), for an A/B of REV against the working tree inside one run: take .base along, then
+# `AB_ARGS=... bash tools/device_sglang_run.sh ab` (each tree times itself with its own benchmarks)
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
 if [ "${1:-}" = base ]; then
   rev=${2:?usage: device_pack.sh base REV}
   rm -rf "$repo/.base" && mkdir -p "$repo/.base"
-  git -C "$repo" archive "$rev" mla_fa3 | tar -x -C "$repo/.base"
+  git -C "$repo" archive "$rev" mla_fa3 benchmarks | tar -x -C "$repo/.base"
   git -C "$repo" rev-parse "$rev" > "$repo/.base/REV"
   ex="$(git -C "$repo" rev-parse --git-dir)/info/exclude"
   grep -qx '/.base/' "$ex" 2>/dev/null || echo '/.base/' >> "$ex"
-  echo ".base/mla_fa3 at $(cat "$repo/.base/REV"): take it along as carry .base"
+  echo ".base/mla_fa3 and .base/benchmarks at $(cat "$repo/.base/REV"): take them along as carry .base"
   exit 0
 fi
 if [ "${1:-}" = kit ]; then

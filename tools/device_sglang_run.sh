@@ -75,7 +75,9 @@ if [[ "$modes" == *" ab "* ]]; then  # the package at .base (tools/device_pack.s
   # sglang_backends.py with AB_ARGS in each, alternating, AB_ROUNDS rounds; each tree runs from its own directory (the
   # bench puts its own checkout first on sys.path, so PYTHONPATH cannot select the package)
   [ -d .base/mla_fa3 ] || { echo "ab: .base/mla_fa3 missing (tools/device_pack.sh base REV, carry .base)" >&2; exit 3; }
+  # the base's own benchmarks when packed with it (device_pack.sh base), else this tree's
   rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && cp -r benchmarks tests tools /tmp/ab_base/ && cp -r .base/mla_fa3 /tmp/ab_base/
+  [ -d .base/benchmarks ] && rm -rf /tmp/ab_base/benchmarks && cp -r .base/benchmarks /tmp/ab_base/
   for i in $(seq 1 ${AB_ROUNDS:-2}); do
     for v in base new; do
       d=$PWD; [ $v = base ] && d=/tmp/ab_base
