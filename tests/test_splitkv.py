@@ -37,11 +37,27 @@ I32 = torch.int32
 def fit_by_scan(lens, *, target, granule, min_split_tokens):
     """The planner's chunk by a linear scan (the module docstring's rule, not its bisection): the even share rounded up
     to the granule, or the first chunk up to a quarter (in granules) larger that cuts ``lens`` into <= target
-    splits, when the share itself does not and such a chunk exists."""
+    splits, when the share itself does not, such a chunk exists and the rounds' model says it ends sooner: the first
+    ``target`` splits in request order take the slots, the rest wait for the shortest of them."""
+    def sizes(chunk):
+        out = []
+        for L in lens:
+            if L:
+                n = math.ceil(L / chunk)
+                size = granule * math.ceil(math.ceil(L / n) / granule)
+                out += [min(size, L - s) for s in range(0, L, size)]
+        return out
+
+    def rounds(chunk):
+        first, later = sizes(chunk)[:target], sizes(chunk)[target:]
+        return max(first + [min(first) + x for x in later]) if first else 0
+
     g0 = math.ceil(max(min_split_tokens, math.ceil(sum(lens) / target), 1) / granule)
-    for g in range(g0, g0 + g0 // 4 + 1):
+    if sum(math.ceil(L / (g0 * granule)) for L in lens) <= target:
+        return g0 * granule
+    for g in range(g0 + 1, g0 + g0 // 4 + 1):
         if sum(math.ceil(L / (g * granule)) for L in lens) <= target:
-            return g * granule
+            return g * granule if rounds(g * granule) < rounds(g0 * granule) else g0 * granule
     return g0 * granule
 
 
@@ -117,6 +133,12 @@ def test_planner_fits_the_target_where_a_quarter_more_suffices():
     assert chunk == 4096 and len(work) == 256
     work, _, chunk = _plan([100] * 300 + [131072], target=264, page=64)
     assert chunk == 640 and len(work) == 300 + 205, "chunk0 (161,072 / 264 -> 640): at 768, still 471 splits"
+    # 4 long requests and 20 short: at chunk0 (1024) the 12 splits past 264 are short ones (100 keys), started as
+    # soon as the first-round short ones end: 1024 keys in all; the fit (1088) would make every long split longer
+    work, _, chunk = _plan([65536] * 4 + [100] * 20, target=264, page=64)
+    assert chunk == 1024 and len(work) == 276
+    work, _, chunk = _plan([100] * 20 + [65536] * 4, target=264, page=64)  # the long splits last: 12 of them wait
+    assert chunk == 1088 and len(work) == 264
     rng = random.Random(3)
     fitted = 0
     for _ in range(60):  # long requests of similar lengths: the chunk grows just enough, never past a quarter
@@ -317,6 +339,7 @@ REPLAN_CASES = [  # (lens, max_batch, page, num_sms): the host planner's cases, 
     ([127, 128, 129, 100_000], 5, 128, 132), ([0, 0, 0], 3, 16, 132), ([], 2, 64, 132), ([131072], 1, 64, 132),
     ([2**31 - 1, 5], 2, 64, 132), ([131072 >> k for k in range(8)], 16, 64, 132),
     ([65536] * 16, 16, 64, 132), ([16384] * 64, 64, 64, 132), ([100] * 30 + [131072], 31, 64, 13),  # the fit
+    ([65536] * 4 + [100] * 20, 24, 64, 132), ([100] * 20 + [65536] * 4, 24, 64, 132),
     ([9000, 12000, 15000, 20000], 4, 16, 7),
 ]
 

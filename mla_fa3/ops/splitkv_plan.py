@@ -7,8 +7,9 @@ SM. This module decides the cut from the **host copy** of the lengths (no device
     total   = Σ_b L_b                                        (KV tokens of the step)
     target  = max(1, floor(num_sms · waves / head_tiles))    (splits that fill the GPU once)
     chunk0  = round_up(max(min_split_tokens, ceil(total / target)), granule)
-    chunk   = the least multiple of granule in [chunk0, chunk0 + granule · floor(chunk0 / granule / 4)]
-              with Σ_b ceil(L_b / chunk) <= target; chunk0 if none is          (the fit, below)
+    chunk1  = the least multiple of granule in [chunk0, chunk0 + granule · floor(chunk0 / granule / 4)]
+              with Σ_b ceil(L_b / chunk1) <= target, if chunk0 gives more splits than that
+    chunk   = chunk1 where the rounds' model says its plan ends sooner, else chunk0     (the fit, below)
     n_b     = ceil(L_b / chunk)                              (0 for an empty request)
     size_b  = round_up(ceil(L_b / n_b), granule)             (<= chunk: near-equal splits)
     splits of b = [s, min(L_b, s + size_b)) for s = 0, size_b, 2·size_b, ...
@@ -23,9 +24,14 @@ kernel, the 2 programs an SM holds at once: one round). chunk0 alone often gives
 64k over 264 slots: chunk0 4032, 17 splits each, 272 programs — and those few then run after the rest, alone on their
 SMs, a whole split's time at a rate latency bounds (the H100's kernel-alone figures of 2026-12-07, 16 heads, against
 the bytes' time at 3.0 TB/s: 1.24-1.31x at each such shape — bs 16 x 64k, bs 64 x 16k-64k —, 1.09-1.17x at bs 16 x
-16k-32k, where 256 splits fit; docs/DECODE_KERNEL.md). So the chunk grows, by at most a quarter, to the least that
-fits: 4096, 16 splits each, 256 programs. Where a quarter does not suffice (many short requests, one split each),
-chunk0 stays: the programs past the target are then short ones.
+16k-32k, where 256 splits fit; docs/DECODE_KERNEL.md). So the chunk may grow, by at most a quarter, to the least that
+fits: 4096, 16 splits each, 256 programs. It does where a model of the rounds (``rounds_makespan``, in keys) says the
+fitted plan ends sooner: the first ``target`` splits in launch order (work rows are in request order) hold the slots
+at once, a later split starts when the shortest of them ends — max(first-round longest, first-round shortest +
+longest later split) against the fitted plan's longest split. 16 x 64k: 3072 + 3904 = 6976 against 4096, so fitted;
+4 x 64k followed by 20 requests of 100 keys: the 12 splits past the target are short ones started early (1024 in
+all), so chunk0 stays rather than every long split growing to 1088. Where a quarter cannot fit (many short
+requests, one split each), chunk0 stays as well.
 
 Worked example (granule 64, min_split_tokens 128, target 8): lens = [1000, 0, 70]
     total 1070 -> ceil(1070/8) = 134 -> chunk0 192: 6 + 1 = 7 splits <= 8, chunk 192
@@ -52,6 +58,7 @@ split w - off[b] of it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -104,23 +111,47 @@ def plan_splits(
         b = next(b for b, L in enumerate(lens) if L < 0)
         raise ValueError(f"seqlens[{b}] must be >= 0, got {lens[b]}")
     total = sum(lens)
-    chunk = fit_chunk(lens, -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule, target, granule)
+    chunk = -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule
+    work = _cut(lens, chunk, granule)
+    fitted = fit_chunk(lens, chunk, target, granule)
+    if fitted != chunk:
+        other = _cut(lens, fitted, granule)
+        if rounds_makespan([e - s for _, s, e, _ in other], target) < \
+                rounds_makespan([e - s for _, s, e, _ in work], target):
+            work, chunk = other, fitted
+    counts = [0] * len(lens)
+    for b, *_ in work:
+        counts[b] += 1
+    return work, list(itertools.accumulate(counts, initial=0)), chunk
+
+
+def _cut(lens: Sequence[int], chunk: int, granule: int) -> List[Tuple[int, int, int, int]]:
+    """The work rows of ``lens`` cut at ``chunk`` (``n_b`` near-equal splits of ``size_b`` each, in request order)."""
     work: List[Tuple[int, int, int, int]] = []
-    offsets = [0]
     for b, L in enumerate(lens):
         if L:
             n = -(-L // chunk)
             size = -(-(-(-L // n)) // granule) * granule
             for s in range(0, L, size):
                 work.append((b, s, min(L, s + size), len(work)))
-        offsets.append(len(work))
-    return work, offsets, chunk
+    return work
+
+
+def rounds_makespan(sizes: Sequence[int], target: int) -> int:
+    """The fit's model of a plan's time, in keys: the first ``target`` splits (in launch order) take the slots at
+    once; a later one starts when the first slot frees (the shortest of them ends) — max(first-round max,
+    first-round min + the longest later split); a plan within the target is its longest split."""
+    if not sizes:
+        return 0
+    first, later = sizes[:target], sizes[target:]
+    return max(max(first), min(first) + max(later)) if later else max(first)
 
 
 def fit_chunk(lens: Sequence[int], chunk0: int, target: int, granule: int) -> int:
-    """The fit (module docstring): the least multiple of ``granule`` in [chunk0, chunk0 + granule · floor(chunk0 /
-    granule / 4)] that cuts ``lens`` into at most ``target`` splits, else ``chunk0`` — by bisection on the split count,
-    which only falls as the chunk grows (``replan_reference`` and the Triton planner run the same steps)."""
+    """chunk1 of the fit (module docstring): the least multiple of ``granule`` in [chunk0, chunk0 + granule ·
+    floor(chunk0 / granule / 4)] that cuts ``lens`` into at most ``target`` splits, where chunk0 does not and one does;
+    else ``chunk0`` — by bisection on the split count, which only falls as the chunk grows (``replan_reference`` and
+    the Triton planner run the same steps). ``plan_splits`` then takes it where ``rounds_makespan`` says so."""
     def splits(g):  # splits of a chunk of g granules
         return sum(-(-L // (g * granule)) for L in lens)
 
@@ -344,6 +375,30 @@ def _fit_chunk_reference(lens: Tensor, chunk0: Tensor, target: int, granule: int
     return torch.where(search, hi * granule, chunk0)
 
 
+def _rows_reference(lens: Tensor, chunk: Tensor, granule: int, w: Tensor):
+    """``_cut`` at ``chunk`` as tensors over the row indices ``w``: (owner, start, end — of every row, live or not —,
+    the live count [1], the per-request inclusive split counts)."""
+    n = _cdiv(lens, chunk)
+    size = _cdiv(_cdiv(lens, n.clamp(min=1)), granule) * granule
+    incl = torch.cumsum(n, 0)
+    owner = torch.searchsorted(incl, w, right=True).clamp(max=lens.shape[0] - 1)  # off[b] <= w < off[b + 1]
+    start = (w - (incl - n)[owner]) * size[owner]
+    return owner, start, torch.minimum(lens[owner], start + size[owner]), incl[-1:], incl
+
+
+def _makespan_reference(owner, start, end, num, incl, w: Tensor, target: int) -> Tensor:
+    """``rounds_makespan`` of the rows (``_rows_reference``), as a 0-d tensor."""
+    del owner, incl
+    sizes = end - start
+    live = w < num
+    first, later = live & (w < target), live & (w >= target)
+    big = torch.iinfo(torch.int64).max
+    first_max = torch.where(first, sizes, 0).max()
+    first_min = torch.where(first, sizes, big).min()
+    later_max = torch.where(later, sizes, 0).max()
+    return torch.where(later.any(), torch.maximum(first_max, first_min + later_max), first_max)
+
+
 def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSchedule:
     """``plan_splits`` of the device lengths written into ``schedule`` by tensor ops on fixed shapes (no host value
     read: graph-legal on a GPU); the torch form of the Triton planner (``splitkv_replan_triton.replan_schedule``).
@@ -356,21 +411,18 @@ def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSched
     work = torch.zeros(cap, 4, dtype=torch.int64, device=dev)
     work[:, 3] = w
     if bs:
-        g = schedule.granule
-        chunk = _fit_chunk_reference(lens, _cdiv(_cdiv(lens.sum(), schedule.target).clamp(
-            min=max(schedule.min_split_tokens, 1)), g) * g, schedule.target, g)
-        n = _cdiv(lens, chunk)
-        size = _cdiv(_cdiv(lens, n.clamp(min=1)), g) * g
-        incl = torch.cumsum(n, 0)
-        num = incl[-1:]
+        g, target = schedule.granule, schedule.target
+        chunk0 = _cdiv(_cdiv(lens.sum(), target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
+        fitted = _fit_chunk_reference(lens, chunk0, target, g)
+        plans = [_rows_reference(lens, c, g, w) for c in (chunk0, fitted)]
+        take = _makespan_reference(*plans[1], w, target) < _makespan_reference(*plans[0], w, target)
+        owner, start, end, num, incl = (torch.where(take, b, a) for a, b in zip(*plans))
         offsets[1 : bs + 1] = incl
         offsets[bs + 1 :] = num
-        owner = torch.searchsorted(incl, w, right=True).clamp(max=bs - 1)  # off[b] <= w < off[b + 1]
-        start = (w - (incl - n)[owner]) * size[owner]
         live = w < num
         work[:, 0] = torch.where(live, owner, 0)
         work[:, 1] = torch.where(live, start, 0)
-        work[:, 2] = torch.where(live, torch.minimum(lens[owner], start + size[owner]), 0)
+        work[:, 2] = torch.where(live, end, 0)
         schedule.num_work.copy_(num)
     else:
         schedule.num_work.zero_()

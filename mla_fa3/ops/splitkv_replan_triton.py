@@ -19,6 +19,48 @@ Tensor = torch.Tensor
 
 
 @triton.jit
+def _cut(lens, chunk, granule):
+    """Per request: split count n_b, split size and the inclusive / exclusive prefix sums of n_b at ``chunk``."""
+    n = ((lens + chunk - 1) // chunk).to(tl.int32)
+    size = ((lens + tl.maximum(n, 1) - 1) // tl.maximum(n, 1) + granule - 1) // granule * granule
+    incl = tl.cumsum(n, 0)
+    return n, size, incl, incl - n
+
+
+@triton.jit
+def _rows(w, lens, size, incl, excl, offs_b):
+    """(owner, start, end) of work rows ``w`` for a cut (``_cut``): the request b with off[b] <= w < off[b + 1]."""
+    owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)
+    pick = offs_b[None, :] == owner[:, None]
+    first = tl.sum(tl.where(pick, excl[None, :], 0), 1)
+    size_w = tl.sum(tl.where(pick, size[None, :], 0), 1)
+    len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
+    start = (w - first).to(tl.int64) * size_w
+    return owner, start, tl.minimum(len_w, start + size_w)
+
+
+@triton.jit
+def _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W: tl.constexpr):
+    """``splitkv_plan.rounds_makespan`` of the cut at ``chunk``: over its rows in ``BLOCK_W`` blocks, the first
+    round's longest and shortest split and the longest later one."""
+    n, size, incl, excl = _cut(lens, chunk, granule)
+    num = tl.sum(n, 0)
+    first_max = tl.zeros([], tl.int64)
+    first_min = tl.full([], 2**62, tl.int64)
+    later_max = tl.full([], -1, tl.int64)
+    for w0 in range(0, capacity, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        owner, start, end = _rows(w, lens, size, incl, excl, offs_b)
+        sizes = end - start
+        first = (w < num) & (w < target)
+        later = (w < num) & (w >= target)
+        first_max = tl.maximum(first_max, tl.max(tl.where(first, sizes, 0), 0))
+        first_min = tl.minimum(first_min, tl.min(tl.where(first, sizes, 2**62), 0))
+        later_max = tl.maximum(later_max, tl.max(tl.where(later, sizes, -1), 0))
+    return tl.where(later_max >= 0, tl.maximum(first_max, first_min + later_max), first_max)
+
+
+@triton.jit
 def _splitkv_plan_kernel(
     SeqLens, Work, NumWork, SplitOffsets, bs, capacity, max_batch, target, granule, min_split,
     BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -29,7 +71,8 @@ def _splitkv_plan_kernel(
     total = tl.sum(lens, 0)
     chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
     chunk = (chunk + granule - 1) // granule * granule
-    # the fit (``splitkv_plan.fit_chunk``): the least chunk up to a quarter larger that gives <= target splits
+    # the fit (``splitkv_plan.fit_chunk``): the least chunk up to a quarter larger that gives <= target splits, taken
+    # where it ends sooner by the rounds' model (``rounds_makespan``)
     lo = chunk // granule
     hi = lo + lo // 4
     if (tl.sum((lens + lo * granule - 1) // (lo * granule), 0) > target) & \
@@ -38,24 +81,17 @@ def _splitkv_plan_kernel(
             mid = (lo + hi) // 2
             fits = tl.sum((lens + mid * granule - 1) // (mid * granule), 0) <= target
             lo, hi = tl.where(fits, lo, mid), tl.where(fits, mid, hi)
-        chunk = hi * granule
-    n = ((lens + chunk - 1) // chunk).to(tl.int32)
-    size = ((lens + tl.maximum(n, 1) - 1) // tl.maximum(n, 1) + granule - 1) // granule * granule
-    incl = tl.cumsum(n, 0)
-    excl = incl - n
+        if _makespan(lens, hi * granule, granule, target, capacity, offs_b, BLOCK_W) < \
+                _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W):
+            chunk = hi * granule
+    n, size, incl, excl = _cut(lens, chunk, granule)
     num = tl.sum(n, 0)
     tl.store(NumWork, num)
     tl.store(SplitOffsets, 0)
     tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
     for w0 in range(0, capacity, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)  # off[b] <= w < off[b + 1]
-        pick = offs_b[None, :] == owner[:, None]
-        first = tl.sum(tl.where(pick, excl[None, :], 0), 1)
-        size_w = tl.sum(tl.where(pick, size[None, :], 0), 1)
-        len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
-        start = (w - first).to(tl.int64) * size_w
-        end = tl.minimum(len_w, start + size_w)
+        owner, start, end = _rows(w, lens, size, incl, excl, offs_b)
         live = w < num
         row = Work + w.to(tl.int64) * 4
         ok = w < capacity
