@@ -3,8 +3,8 @@
 ``replan_schedule`` writes ``splitkv_plan.plan_splits`` of the DEVICE lengths into a schedule's buffers — the work
 rows ``(request, start, end, slot)``, their count and the per-request split offsets — reading no host value, so a
 captured CUDA graph plans each replay's splits from the lengths it is replayed with. Its torch form (the same math in
-fixed-shape tensor ops) is ``splitkv_plan.replan_reference``; ``ops.replan_splitkv_schedule`` checks the arguments
-(``splitkv_plan.check_replan``) and picks one of the two.
+fixed-shape tensor ops) is ``splitkv_replan.replan_reference``; ``ops.replan_splitkv_schedule`` checks the arguments
+(``splitkv_replan.check_replan``) and picks one of the two.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _splitkv_plan_kernel(
 
 
 def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
-    """Re-plan ``schedule`` from the device ``seqlens`` (checked by ``splitkv_plan.check_replan``): one launch, no
+    """Re-plan ``schedule`` from the device ``seqlens`` (checked by ``splitkv_replan.check_replan``): one launch, no
     host value read, capturable. The host records become the device plan's (``chunk`` / ``planned_work`` None)."""
     bs_pad = max(16, _next_pow2(max(schedule.max_batch, seqlens.shape[0], 1)))
     _splitkv_plan_kernel[(1,)](

@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fp8, reference, splitkv_plan, validate, validate_fp8, validate_matmul
+from . import fp8, reference, splitkv_plan, splitkv_replan, validate, validate_fp8, validate_matmul
 from .selection import ImplLike, coerce, get_impl, ran
 from .splitkv_config import FUSED_PROJECTION_MAX_COLUMNS, FUSED_PROJECTION_MAX_TOKENS, KernelConfig
 from .splitkv_plan import SplitKVSchedule
@@ -151,17 +151,17 @@ def replan_splitkv_schedule(cache_seqlens: Tensor, schedule: SplitKVSchedule, *,
     cache_seqlens ``[bs] int32`` on the schedule's device, bs <= ``schedule.max_batch``; the capacity must hold any
     plan of bs requests (a schedule from ``get_splitkv_schedule(..., max_batch=)``). No host value is read and nothing
     syncs: legal inside a CUDA graph, so a captured step plans its splits from the lengths it is replayed with.
-    TRITON: one launch of one program; REFERENCE: fixed-shape tensor ops (``splitkv_plan.replan_reference``). The
+    TRITON: one launch of one program; REFERENCE: fixed-shape tensor ops (``splitkv_replan.replan_reference``). The
     split count then lives on the device only (``planned_work`` / ``chunk`` become None). Returns ``schedule``.
     """
-    splitkv_plan.check_replan(cache_seqlens, schedule)
+    splitkv_replan.check_replan(cache_seqlens, schedule)
     planner = _triton_module("replan")
     chosen = _resolve_triton(impl, schedule.device, planner, "split-KV planner")
     if chosen is Impl.TRITON:
         with _on(schedule.device):
             planner.replan_schedule(cache_seqlens, schedule)
     else:
-        splitkv_plan.replan_reference(cache_seqlens, schedule)
+        splitkv_replan.replan_reference(cache_seqlens, schedule)
     ran(chosen)
     return schedule
 
