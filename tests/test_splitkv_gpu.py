@@ -309,6 +309,29 @@ def test_device_planner_in_a_graph_follows_new_lengths():
         check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+def test_the_device_planner_fits_as_the_host_does():
+    """The fit (``splitkv_plan``'s module docstring) compiled for this GPU: captured with the largest batch, each
+    replay's Triton plan of long requests (where chunk0 would cut more splits than the target) and of mixed batches
+    (where the rounds' model keeps chunk0 or takes the fit) is exactly ``plan_splits`` of the same lengths."""
+    cases = [[65536] * 16, [16384] * 64, [65536] * 4 + [100] * 20, [100] * 20 + [65536] * 4, [9000, 12000, 15000, 20000]]
+    sched = ops.get_splitkv_schedule([65536] * 64, num_heads=16, page_size=64, device=DEV, max_batch=64)
+    seqlens = torch.zeros(64, dtype=torch.int32, device=DEV)
+    graph, _ = capture(lambda: ops.replan_splitkv_schedule(seqlens, sched, impl="triton"))
+    fitted = 0
+    for lens in cases:
+        padded = lens + [0] * (64 - len(lens))
+        seqlens.copy_(torch.tensor(padded, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        work, offsets, chunk = sp.plan_splits(padded, target=sched.target, granule=sched.granule,
+                                              min_split_tokens=sched.min_split_tokens)
+        assert sched.num_work.item() == len(work) and sched.split_offsets.tolist() == offsets, lens[:4]
+        assert sched.work[: len(work)].tolist() == [list(r) for r in work], lens[:4]
+        g = sched.granule
+        fitted += chunk != g * -(-max(sched.min_split_tokens, -(-sum(lens) // sched.target)) // g)
+    assert fitted >= 2, "no case took the fit"
+
+
 @pytest.mark.parametrize("fp8", [False, "kv"])
 def test_programmatic_dependent_launch_changes_nothing(fp8):
     """With PDL (the table's choice at 16 heads) phase 1 is launched while the kernel before it still runs and the
