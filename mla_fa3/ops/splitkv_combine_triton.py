@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options
+from .probe_triton import write_stamp
 from .splitkv_config import FUSED_PROJECTION_MAX_COLUMNS, check_combine_tile, combine_tile
 from .splitkv_plan import _next_pow2
 
@@ -144,11 +145,7 @@ def _splitkv_combine_kernel(
         lse = tl.where(live, (top + tl.log2(tl.where(live, denom, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + b.to(tl.int64) * stride_lseb + i * stride_lses + h, lse)
     if PROBE:
-        stamp = Probe + (row.to(tl.int64) * tl.num_programs(1) + vb) * 4
-        tl.store(stamp, tl.extra.cuda.smid().to(tl.int64))
-        tl.store(stamp + 1, t_start)
-        tl.store(stamp + 2, t_read)
-        tl.store(stamp + 3, tl.extra.cuda.globaltimer())
+        write_stamp(Probe, row.to(tl.int64) * tl.num_programs(1) + vb, t_start, t_read)
 
 
 def _launch_tile(rows: int, dv: int, tile: Optional[Tuple[int, int]]) -> Tuple[int, int]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .probe_triton import write_stamp
+
 
 @triton.jit
 def _page_ids(PageTable, pt_row, n0, end, offs_n, PAGE: tl.constexpr, CONTIG: tl.constexpr):
@@ -223,11 +225,7 @@ def _splitkv_partial_kernel(
                      mask=row_ok[:, None] & v_ok[None, :])
         tl.store(PartLse2 + slot.to(tl.int64) * stride_lw + qi * stride_ls + hh, lse2, mask=row_ok)
         if PROBE:
-            stamp = Probe + (w.to(tl.int64) * tl.num_programs(0) + tile) * 4
-            tl.store(stamp, tl.extra.cuda.smid().to(tl.int64))
-            tl.store(stamp + 1, t_start)
-            tl.store(stamp + 2, t_keys)
-            tl.store(stamp + 3, tl.extra.cuda.globaltimer())
+            write_stamp(Probe, w.to(tl.int64) * tl.num_programs(0) + tile, t_start, t_keys)
 
 
 @triton.jit
