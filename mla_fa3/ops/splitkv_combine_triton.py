@@ -167,7 +167,7 @@ def combine_meta(*, bs: int, sq: int, heads: int, dv: int, tile: Optional[Tuple[
     what ``combine_splits`` launches with, and ``splitkv_compile`` compiles. ``n_out``: the fused projection's output
     columns (None: no projection; more than ``FUSED_PROJECTION_MAX_COLUMNS`` is a ValueError)."""
     block_s, cdv = _launch_tile(bs * sq * heads, dv, tile)
-    grid = combine_grid(bs * sq * heads, dv, tile)
+    grid = (bs * sq * heads, -(-dv // cdv))  # combine_grid's
     project = n_out is not None
     block_no = _next_pow2(n_out) if project else 16
     if project and (n_out > FUSED_PROJECTION_MAX_COLUMNS or cdv * block_no > 64 * FUSED_PROJECTION_MAX_COLUMNS):

@@ -147,7 +147,7 @@ def rounds_makespan(sizes: Sequence[int], target: int) -> int:
 def fit_chunk(lens: Sequence[int], chunk0: int, target: int, granule: int) -> int:
     """chunk1 of the fit (module docstring): the least multiple of ``granule`` in [chunk0, chunk0 + granule ·
     floor(chunk0 / granule / 4)] that cuts ``lens`` into at most ``target`` splits, where chunk0 does not and one does;
-    else ``chunk0`` — by bisection on the split count, which only falls as the chunk grows (``replan_reference`` and
+    else ``chunk0`` — by bisection on the split count, which only falls as the chunk grows (``splitkv_replan`` and
     the Triton planner run the same steps). ``plan_splits`` then takes it where ``rounds_makespan`` says so."""
     def splits(g):  # splits of a chunk of g granules
         return sum(-(-L // (g * granule)) for L in lens)
