@@ -13,11 +13,19 @@ SGLang's step runs unchanged but for four stores per program. The steps alternat
 that in a graph of many layers the last two layers' stamps survive: the summary's ``gap_us`` is the time from the
 previous layer's last combine program to this layer's first phase-1 program (the next layer's store and launches).
 GPU only (the interpreter has no timer).
+
+``python benchmarks/splitkv_probe.py OUT.probe_raw.csv`` reads the stamps ``sglang_backends.py --probe`` kept and
+prints, per timed step, how phase 1's work and its end spread over the SMs (``per_sm``): whether an SM's last end
+follows the keys it read (each SM streaming at its own rate: a plan that evens the keys per SM would shorten the
+step) or not (the card's bandwidth shared: only the total counts).
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import statistics
+import sys
 
 import torch
 
@@ -192,3 +200,63 @@ def _bytes(call, schedule, window_us) -> dict:
     window = float(window_us)
     return dict(keys_max=int(keys.max()) if n else 0, read_mb=round(total / 1e6, 2),
                 read_tb_s=round(total / (window * 1e6), 3) if window > 0 else float("nan"))
+
+
+LABELS = ("heads", "bs", "ctx", "kv", "round", "value")  # the columns sglang_backends.py --probe puts first
+
+
+def per_sm(rows, row_bytes: int = 1152) -> dict:
+    """Phase 1's stamps (``SplitKVProbe.timeline`` rows; others ignored) summed up per SM: the keys an SM read
+    (``sm_keys_min`` / ``_median`` / ``_max``), the median last end of the SMs that ran 1 and 2 programs
+    (``end_sm1_us`` / ``end_sm2_us``), the least-squares line of an SM's last end on its keys (``end_us_per_kkey``,
+    ``end_fit_r2``: near 1 when each SM streams at its own rate) and the median program's rate from its first key
+    load to its end (``program_gb_s``, ``row_bytes`` a key)."""
+    sms: dict = {}
+    rates = []
+    for r in rows:
+        if r["phase"] != "phase1":
+            continue
+        keys, first, end = int(r["keys"]), float(r["first_us"]), float(r["end_us"])
+        n, k, e = sms.get(int(r["sm"]), (0, 0, float("-inf")))
+        sms[int(r["sm"])] = (n + 1, k + keys, max(e, end))
+        if end > first:
+            rates.append(keys * row_bytes / (end - first) / 1e3)
+    if not sms:
+        return {}
+    keys = [k for _, k, _ in sms.values()]
+    ends = [e for _, _, e in sms.values()]
+    out = dict(sms=len(sms), sm_keys_min=min(keys), sm_keys_median=statistics.median(keys), sm_keys_max=max(keys))
+    for count in (1, 2):
+        group = [e for n, _, e in sms.values() if n == count]
+        if group:
+            out[f"end_sm{count}_us"] = round(statistics.median(group), 2)
+    mk, me = statistics.fmean(keys), statistics.fmean(ends)
+    sxx = sum((k - mk) ** 2 for k in keys)
+    if sxx > 0:
+        slope = sum((k - mk) * (e - me) for k, e in zip(keys, ends)) / sxx
+        syy = sum((e - me) ** 2 for e in ends)
+        out["end_us_per_kkey"] = round(slope * 1e3, 4)
+        out["end_fit_r2"] = round(slope * slope * sxx / syy, 3) if syy > 0 else 1.0
+    if rates:
+        out["program_gb_s"] = round(statistics.median(rates), 2)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="per-SM summary of the stamps sglang_backends.py --probe kept")
+    p.add_argument("raw", help="OUT.probe_raw.csv")
+    p.add_argument("--row-bytes", type=int, default=1152, help="bytes a key (576 bf16: 1152; an e4m3 pool: 576)")
+    a = p.parse_args(argv)
+    with open(a.raw, newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps: dict = {}
+    for r in rows:
+        steps.setdefault(tuple(r.get(k, "") for k in LABELS), []).append(r)
+    for label, group in steps.items():
+        print(",".join(f"{k}={v}" for k, v in zip(LABELS, label) if v) + ": " +
+              ", ".join(f"{k}={v}" for k, v in per_sm(group, a.row_bytes).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

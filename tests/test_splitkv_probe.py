@@ -7,6 +7,8 @@ GPU-only: ``tests/test_splitkv_gpu.py``."""
 
 from __future__ import annotations
 
+import csv
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -124,3 +126,33 @@ def test_stamp_buffers_of_the_wrong_grid_are_refused_before_the_launch():
         with pytest.raises(ValueError, match=r"^probe must be an int64 \[32, 16, 4\] tensor"):
             combine_splits(part_o, part_lse2, sched.split_offsets, out, lse, probe=probe)
     assert bool((out == 7.0).all()) and bool((lse == 7.0).all()), "nothing launched"
+
+
+def test_per_sm_sums_the_work_and_the_ends_by_sm_worked_out_by_hand(tmp_path, capsys):
+    from benchmarks.splitkv_probe import main, per_sm
+
+    def row(sm, keys, first, end, phase="phase1"):
+        return dict(phase=phase, sm=sm, keys=keys, first_us=first, end_us=end)
+
+    # SM 0: two programs (1000 + 1000 keys), last end 20 µs; SM 1: one of 1000, ends 11; SM 2: two (1000 + 500), 16
+    rows = [row(0, 1000, 1.0, 19.0), row(0, 1000, 2.0, 20.0), row(1, 1000, 1.0, 11.0), row(2, 1000, 1.5, 16.0),
+            row(2, 500, 1.5, 8.0), row(9, "", 0.0, 99.0, phase="combine")]
+    got = per_sm(rows, row_bytes=1000)
+    # keys per SM 2000, 1000, 1500 (mean 1500), ends 20, 11, 16 (mean 47/3): slope = (500·(13/3) + 500·(14/3)) / 500000
+    # = 0.009 µs a key; r² = slope² · sxx / syy = 40.5 / (18.78 + 21.78 + 0.11) = 0.996
+    assert got == dict(sms=3, sm_keys_min=1000, sm_keys_median=1500, sm_keys_max=2000, end_sm1_us=11.0,
+                       end_sm2_us=18.0, end_us_per_kkey=9.0, end_fit_r2=0.996,
+                       program_gb_s=round(statistics.median([1000e3 / 18 / 1e3, 1000e3 / 18 / 1e3, 1000e3 / 10 / 1e3,
+                                                            1000e3 / 14.5 / 1e3, 500e3 / 6.5 / 1e3]), 2))
+    assert per_sm([row(9, "", 0.0, 1.0, phase="combine")]) == {}
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["heads", "bs", "ctx", "kv", "round", "value", "phase", "sm", "keys",
+                                          "first_us", "end_us"])
+        w.writeheader()
+        for value in ("1.0", "2.0"):
+            for r in rows:
+                w.writerow(dict(heads=16, bs=4, ctx=32768, kv="bf16", round=0, value=value, **r))
+    assert main([str(path), "--row-bytes", "1000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("heads=16,bs=4,ctx=32768,kv=bf16,round=0,value=2.0: sms=3,")
