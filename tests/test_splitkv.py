@@ -153,6 +153,56 @@ def test_planner_fits_the_target_where_a_quarter_more_suffices():
     assert fitted >= 10, fitted
 
 
+def even_cut_check(lens, work, offsets, chunk, *, target, granule, min_split_tokens):
+    """Check an even cut token by token (independent of the planner's arithmetic): every token of a request in
+    exactly one of its splits, contiguous slots in request order, starts on the granule; request b has
+    n_b = max(1, min(u_b, max(1, L_b // min_split_tokens), target · u_b // U)) splits (u_b its granules) whose
+    granule counts differ by at most one, the longer first; ``chunk`` is the longest split."""
+    bs = len(lens)
+    units = [math.ceil(L / granule) for L in lens]
+    assert len(offsets) == bs + 1 and offsets[0] == 0 and offsets[-1] == len(work) <= target + bs
+    owners = [[0] * L for L in lens]
+    for slot, (b, s, e, w_slot) in enumerate(work):
+        assert w_slot == slot and offsets[b] <= slot < offsets[b + 1] and 0 <= s < e <= lens[b] and s % granule == 0
+        for j in range(s, e):
+            owners[b][j] += 1
+    for b, own in enumerate(owners):
+        assert all(o == 1 for o in own), f"request {b}: every token in exactly one split"
+        n = max(1, min(units[b], max(1, lens[b] // min_split_tokens), target * units[b] // sum(units))) if lens[b] else 0
+        assert offsets[b + 1] - offsets[b] == n
+        grains = [math.ceil((e - s) / granule) for _, s, e, _ in work[offsets[b]: offsets[b + 1]]]
+        assert max(grains, default=0) - min(grains, default=0) <= 1 and grains == sorted(grains, reverse=True)
+    assert chunk == max((e - s for _, s, e, _ in work), default=granule)
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_the_even_cut_brute_force(name):
+    lens, target, page = PLAN_CASES[name]
+    if name == "huge":
+        return  # too many tokens to enumerate (the device re-plans check it against the host)
+    for granule in (16, 32, 64):
+        work, offsets, chunk = sp.plan_splits(lens, target=target, granule=granule, min_split_tokens=128, even=True)
+        even_cut_check(lens, work, offsets, chunk, target=target, granule=granule, min_split_tokens=128)
+
+
+def test_the_even_cut_fills_the_target_with_splits_a_block_apart():
+    work, offsets, chunk = sp.plan_splits([65536] * 4, target=264, granule=32, even=True)
+    sizes = [e - s for _, s, e, _ in work]
+    assert len(work) == 264 and offsets == [0, 66, 132, 198, 264] and chunk == 1024
+    assert sorted(set(sizes)) == [992, 1024] and sizes.count(1024) == 8, "65536 = 2 x 1024 + 64 x 992, per request"
+    config = choose_config(16, 4, 65536).with_(even_splits=True)
+    sched = ops.get_splitkv_schedule([65536] * 4, num_heads=16, page_size=64, num_sms=132, config=config)
+    assert sched.granule == config.block_n == 32 and sched.planned_work == 264
+    assert config.label().endswith("-e") and "-e" not in choose_config(16, 4, 65536).label()
+    rng = random.Random(5)
+    for _ in range(100):
+        bs, target = rng.randint(1, 12), rng.randint(1, 300)
+        lens = [rng.choice([0, 1, rng.randint(1, 300), rng.randint(1, 20000)]) for _ in range(bs)]
+        granule = rng.choice([16, 32, 64])
+        work, offsets, chunk = sp.plan_splits(lens, target=target, granule=granule, min_split_tokens=128, even=True)
+        even_cut_check(lens, work, offsets, chunk, target=target, granule=granule, min_split_tokens=128)
+
+
 def test_planner_balances_one_long_request_over_the_sms():
     work, _, chunk = _plan([65536], target=132, page=64)
     sizes = [e - s for _, s, e, _ in work]
@@ -353,18 +403,22 @@ def _replan_cases(n_random=150):
         yield lens, bs + rng.randint(0, 3) or 1, rng.choice([1, 2, 16, 64, 128]), rng.randint(1, 140)
 
 
-def replan_mismatch(lens, max_batch, page, num_sms, impl) -> str | None:
+def replan_mismatch(lens, max_batch, page, num_sms, impl, even=False) -> str | None:
     """Re-plan a graph-sized schedule on the device from ``lens``; None when it holds exactly ``plan_splits(lens)``
-    (the brute-force-checked host plan) with idle rows past it and empty requests past ``lens``, else what differs."""
+    (the brute-force-checked host plan) with idle rows past it and empty requests past ``lens``, else what differs.
+    ``even``: a schedule of the even cut (``KernelConfig.even_splits``)."""
     dev = "cpu"
-    sched = ops.get_splitkv_schedule([1] * max_batch, num_heads=16, page_size=page, num_sms=num_sms, max_batch=max_batch)
+    config = choose_config(16, max(1, max_batch), 65536).with_(even_splits=even)
+    sched = ops.get_splitkv_schedule([1] * max_batch, num_heads=16, page_size=page, num_sms=num_sms, max_batch=max_batch,
+                                     config=config)
     sched.work.fill_(-5)  # stale values: every entry must be rewritten
     sched.split_offsets.fill_(-5)
     work, offsets, chunk = sp.plan_splits(lens, target=sched.target, granule=sched.granule,
-                                          min_split_tokens=sched.min_split_tokens)
+                                          min_split_tokens=sched.min_split_tokens, even=even)
     if sum(lens) < 10**6:  # small enough to enumerate: the host plan itself, token by token
-        brute_force_check(lens, work, offsets, chunk, target=sched.target, granule=sched.granule,
-                          min_split_tokens=sched.min_split_tokens)
+        check = even_cut_check if even else brute_force_check
+        check(lens, work, offsets, chunk, target=sched.target, granule=sched.granule,
+              min_split_tokens=sched.min_split_tokens)
     out = ops.replan_splitkv_schedule(torch.tensor(lens, dtype=I32, device=dev), sched, impl=impl)
     n = len(work)
     got = (sched.num_work.tolist(), sched.work.tolist(), sched.split_offsets.tolist())
@@ -376,8 +430,9 @@ def replan_mismatch(lens, max_batch, page, num_sms, impl) -> str | None:
 
 
 def test_device_replan_reference_is_the_host_plan():
-    for lens, max_batch, page, num_sms in _replan_cases():
-        assert replan_mismatch(lens, max_batch, page, num_sms, "reference") is None
+    for even in (False, True):
+        for lens, max_batch, page, num_sms in _replan_cases():
+            assert replan_mismatch(lens, max_batch, page, num_sms, "reference", even) is None
 
 
 def test_device_replan_is_a_graph_replay_update():
@@ -589,6 +644,11 @@ INTERPRETER_CASES = {  # name -> (lens, sq, heads, page, dtype, fp8, padded grap
     "fp16_r64_chunks2_padded": ((63, 65, 129), 1, 4, 64, "float16", False, True),
     "fp8_r128_chunks4": ((33, 70), 1, 4, 16, "float32", True, False),
     "fp8kv_bf16_r128_chunks2_reload": ((33, 70, 5), 1, 4, 16, "bfloat16", "kv", False),
+    # the even cut (KernelConfig.even_splits): splits on 32-key blocks, so half of them start mid-page (page 64), re-
+    # planned on the device; a page below the block (16: a page id per key); an e4m3 cache read with a bf16 q
+    "fp32_page64_even_block32_padded": ((2500, 70, 129), 1, 4, 64, "float32", False, True, 16),
+    "fp16_page16_even_verify_sq2": ((700, 33, 1), 2, 4, 16, "float16", False, False, 16),
+    "fp8kv_bf16_page64_even": ((2500, 70), 1, 4, 64, "bfloat16", "kv", False, 16),
 }
 LATENT_WIDTH = {"fp32_r128_chunks4_verify_sq2": 128, "fp16_r64_chunks2_padded": 64, "fp8_r128_chunks4": 128,
                 "fp8kv_bf16_r128_chunks2_reload": 128}  # r of the case (default 32)
@@ -604,6 +664,9 @@ INTERPRETER_CONFIGS = {  # name -> KernelConfig fields (others: the table's choi
     "fp8_r128_chunks4": dict(latent_chunks=4, block_n=16),
     "fp8kv_bf16_r128_chunks2_reload": dict(latent_chunks=2, reload_kv=True),
     "fp32_40_splits_combine_tile_4x16": dict(combine_tile=(4, 16)),
+    "fp32_page64_even_block32_padded": dict(block_n=32, even_splits=True),
+    "fp16_page16_even_verify_sq2": dict(block_n=32, even_splits=True),
+    "fp8kv_bf16_page64_even": dict(block_n=32, even_splits=True),
 }
 
 
@@ -779,11 +842,13 @@ def _interpreter_run() -> dict:
                                ("plan_past_the_lengths", plan_past_the_lengths_case))))
 
     def replan_agrees(case):
-        why = replan_mismatch(*case, "triton")
+        why = replan_mismatch(*(case if len(case) > 4 else case + ("triton",)))
         assert ops.last_impl() is Impl.TRITON and why is None, why
 
     failures.update(run_cases((f"replan_{i}", lambda c=case: replan_agrees(c))  # the Triton planner vs the host plan
                               for i, case in enumerate(_replan_cases(n_random=40))))
+    failures.update(run_cases((f"replan_even_{i}", lambda c=case: replan_agrees(c + ("triton", True)))
+                              for i, case in enumerate(_replan_cases(n_random=20))))
     return failures
 
 
@@ -794,3 +859,20 @@ def test_triton_kernels_under_the_interpreter():
 
 if __name__ == "__main__":  # the interpreter subprocess (TRITON_INTERPRET=1 set before triton is imported)
     interpreter_main(_interpreter_run)
+
+
+def test_a_config_whose_blocks_straddle_the_schedules_splits_is_refused():
+    """An even-cut schedule starts splits on 32-key blocks; launched with 64-key blocks, a block would cross a split's
+    start (and a 64-key page): a named error before the launch, which writes nothing."""
+    pytest.importorskip("triton")
+    from mla_fa3.ops import splitkv_triton as kt
+
+    c, args, kw, _ = _op_args(heads=16, lens=(3000, 70), page=64, dtype=torch.float32)
+    config = choose_config(16, 2, 3000).with_(even_splits=True)
+    sched = ops.get_splitkv_schedule([3000, 70], num_heads=16, page_size=64, num_sms=8, config=config)
+    assert sched.granule == 32 and any(s % 64 for _, s, _, _ in sched.work[: sched.planned_work].tolist())
+    call = validate.check_splitkv(*args, head_dim_v=kw["head_dim_v"], schedule=sched, softmax_scale=0.2, causal=True,
+                                  descale_q=None, descale_k=None, impl=Impl.TRITON)
+    with pytest.raises(ValueError, match="^the schedule's splits start on multiples of 32 keys, not of the config's "
+                                         "block_n 64"):
+        kt.splitkv_partials(call, sched, config.with_(block_n=64))

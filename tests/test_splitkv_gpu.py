@@ -309,6 +309,40 @@ def test_device_planner_in_a_graph_follows_new_lengths():
         check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+@pytest.mark.parametrize("fp8", [False, "kv"])
+def test_the_even_cut_in_a_graph_reads_what_the_oracle_reads(fp8):
+    """``KernelConfig.even_splits``: splits on 32-key blocks (half of them start mid-page), re-planned on the device
+    inside a captured graph for each replay's lengths — exactly ``plan_splits(even=True)`` — and the output within the
+    oracle's tolerance, over a bf16 and an e4m3 cache (NaN in every slot past each end)."""
+    max_lens, heads, page = (70000, 4097, 700, 65), 16, 64
+    q, kv, table, _, dense_max, extra = build(max_lens, 1, heads, page, fp8=fp8, seed=21)
+    seqlens = torch.tensor(max_lens, dtype=torch.int32, device=DEV)
+    config = KernelConfig(block_n=32, num_stages=3, half_partials=True, latent_chunks=2 if fp8 else 4,
+                             even_splits=True)
+    sched = ops.get_splitkv_schedule(list(max_lens), num_heads=heads, page_size=page, device=DEV, max_batch=4,
+                                     config=config, kv_fp8=bool(fp8))
+    assert sched.granule == 32
+    graph_kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, impl="triton", **extra)
+
+    def step():
+        ops.replan_splitkv_schedule(seqlens, sched, impl="triton")
+        return ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **graph_kw)
+
+    graph, (out, lse) = capture(step)
+    for lens in [(70000, 4097, 700, 65), (33, 70000, 1, 9000)]:
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        work, offsets, _ = sp.plan_splits(list(lens), target=sched.target, granule=32,
+                                          min_split_tokens=sched.min_split_tokens, even=True)
+        assert sched.work[: len(work)].tolist() == [list(r) for r in work] and sched.split_offsets.tolist() == offsets
+        assert any(s % 64 for _, s, _, _ in work)
+        dense = [(q_b, kv_b[:L]) for (q_b, kv_b), L in zip(dense_max, lens)]
+        ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+        ref_impl, _ = run_reference(q, kv, table, seqlens, **extra)
+        check(out, lse, ref_out, ref_lse, lowp, ref_impl)
+
+
 def test_the_device_planner_fits_as_the_host_does():
     """The fit (``splitkv_plan``'s module docstring) compiled for this GPU: captured with the largest batch, each
     replay's Triton plan of long requests (where chunk0 would cut more splits than the target) and of mixed batches

@@ -76,6 +76,11 @@ class KernelConfig:
                   prefetch_pages / reload_kv do not (its warps, ring and registers are its own)
     combine_tile  (splits per load, columns) of the combine's programs, two powers of two; None: ``combine_tile``'s
                   rule by output rows
+    even_splits   the planner's even cut (``splitkv_plan._cut_even``): each request gets its share of the target
+                  in splits that differ by at most one key block (``block_n``), instead of chunk-sized splits on
+                  64-key (or page) starts — so that every program slot holds a split and every SM about the same
+                  keys (at bs 4 x 64k on 132 SMs: 264 splits of 31 or 32 blocks instead of 256 of 32, where 8 SMs
+                  hold one split and 124 hold two)
     """
 
     block_n: int = 32
@@ -92,6 +97,7 @@ class KernelConfig:
     fused_projection: bool = False
     warp_specialized: bool = False
     combine_tile: Optional[Tuple[int, int]] = None
+    even_splits: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -121,7 +127,8 @@ class KernelConfig:
                  + (f"-c{self.latent_chunks}" if self.latent_chunks > 1 else "")
                  + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
                  + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else "")
-                 + ("-t{}x{}".format(*self.combine_tile) if self.combine_tile else ""))
+                 + ("-t{}x{}".format(*self.combine_tile) if self.combine_tile else "")
+                 + ("-e" if self.even_splits else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

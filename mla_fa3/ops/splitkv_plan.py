@@ -94,11 +94,12 @@ def target_splits(num_sms: int, tiles: int, waves: float) -> int:
 
 
 def plan_splits(
-    lens: Sequence[int], *, target: int, granule: int, min_split_tokens: int = MIN_SPLIT_TOKENS
+    lens: Sequence[int], *, target: int, granule: int, min_split_tokens: int = MIN_SPLIT_TOKENS, even: bool = False,
 ) -> Tuple[List[Tuple[int, int, int, int]], List[int], int]:
-    """Cut requests of ``lens`` tokens into splits (pure host; see the module docstring).
+    """Cut requests of ``lens`` tokens into splits (pure host; see the module docstring; ``even``: the even cut,
+    ``KernelConfig.even_splits``).
 
-    Returns (work rows (request, start, end, slot), split_offsets [bs + 1], chunk).
+    Returns (work rows (request, start, end, slot), split_offsets [bs + 1], chunk: the longest split).
     """
     if target < 1:
         raise ValueError(f"target must be >= 1, got {target}")
@@ -107,19 +108,29 @@ def plan_splits(
     if any(L < 0 for L in lens):
         b = next(b for b, L in enumerate(lens) if L < 0)
         raise ValueError(f"seqlens[{b}] must be >= 0, got {lens[b]}")
-    total = sum(lens)
-    chunk = -(-max(min_split_tokens, -(-total // target), 1) // granule) * granule
+    if even:
+        work = _cut_even(lens, target, granule, min_split_tokens)
+        chunk = max((e - s for _, s, e, _ in work), default=granule)
+    else:
+        work, chunk = _cut_fitted(lens, target, granule, min_split_tokens)
+    counts = [0] * len(lens)
+    for b, *_ in work:
+        counts[b] += 1
+    return work, list(itertools.accumulate(counts, initial=0)), chunk
+
+
+def _cut_fitted(lens: Sequence[int], target: int, granule: int, min_split_tokens: int):
+    """(work rows, chunk) of the chunked cut: at chunk0, or at the fit's chunk1 where ``rounds_makespan`` says that
+    plan ends sooner (module docstring)."""
+    chunk = -(-max(min_split_tokens, -(-sum(lens) // target), 1) // granule) * granule
     work = _cut(lens, chunk, granule)
     fitted = fit_chunk(lens, chunk, target, granule)
     if fitted != chunk:
         other = _cut(lens, fitted, granule)
         if rounds_makespan([e - s for _, s, e, _ in other], target) < \
                 rounds_makespan([e - s for _, s, e, _ in work], target):
-            work, chunk = other, fitted
-    counts = [0] * len(lens)
-    for b, *_ in work:
-        counts[b] += 1
-    return work, list(itertools.accumulate(counts, initial=0)), chunk
+            return other, fitted
+    return work, chunk
 
 
 def _cut(lens: Sequence[int], chunk: int, granule: int) -> List[Tuple[int, int, int, int]]:
@@ -131,6 +142,25 @@ def _cut(lens: Sequence[int], chunk: int, granule: int) -> List[Tuple[int, int, 
             size = -(-(-(-L // n)) // granule) * granule
             for s in range(0, L, size):
                 work.append((b, s, min(L, s + size), len(work)))
+    return work
+
+
+def _cut_even(lens: Sequence[int], target: int, granule: int, min_split_tokens: int) -> List[Tuple[int, int, int, int]]:
+    """The even cut: request b (u_b = ceil(L_b / granule) granules of the U in all) gets n_b = floor(target · u_b / U)
+    splits, at least 1, at most u_b and at most L_b / min_split_tokens (at least 1), of q or q + 1 granules (q, r =
+    divmod(u_b, n_b): the first r take q + 1) — every split of the step within a granule of the others where the
+    lengths allow, as many in all as the target (up to the rounding down, and one for each request too short for its
+    share)."""
+    units = [-(-L // granule) for L in lens]
+    total = sum(units)
+    work: List[Tuple[int, int, int, int]] = []
+    for b, (L, u) in enumerate(zip(lens, units)):
+        if L:
+            n = max(1, min(u, max(1, L // min_split_tokens), target * u // total))
+            q, r = divmod(u, n)
+            for k in range(n):
+                g0 = k * q + min(k, r)
+                work.append((b, g0 * granule, min(L, (g0 + q + (k < r)) * granule), len(work)))
     return work
 
 
@@ -313,9 +343,16 @@ def plan_schedule(
     # the warp-specialized kernel holds every (token, head) row of a request in one program: one head tile
     tiles = 1 if config.warp_specialized else head_tiles(num_heads, num_q_tokens, config.max_rows)
     target = target_splits(num_sms, tiles, config.waves)
-    work, offsets, chunk = plan_splits(seqlens, target=target, granule=max(page_size, SPLIT_GRANULE),
-                                       min_split_tokens=min_split_tokens)
+    granule = split_granule(config, page_size)
+    work, offsets, chunk = plan_splits(seqlens, target=target, granule=granule, min_split_tokens=min_split_tokens,
+                                       even=config.even_splits)
     capacity = None if max_batch is None else capacity_for(max_batch, target)
     return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity,
-                                     config=config, target=target, granule=max(page_size, SPLIT_GRANULE),
-                                     min_split_tokens=min_split_tokens)
+                                     config=config, target=target, granule=granule, min_split_tokens=min_split_tokens)
+
+
+def split_granule(config: KernelConfig, page_size: int) -> int:
+    """Split starts are multiples of this: ``max(page_size, SPLIT_GRANULE)``, or with ``config.even_splits`` the key
+    block (``block_n``: a block then still lies in one page of >= block_n keys, and the warp-specialized kernel's
+    block is its 64-key tile)."""
+    return config.block_n if config.even_splits else max(page_size, SPLIT_GRANULE)

@@ -6,7 +6,8 @@ reading no host value, so that a captured CUDA graph plans each replay's splits 
 (``splitkv_replan_triton.py``) or, on a CPU or without Triton, ``replan_reference``: the same arithmetic in
 fixed-shape tensor ops — Σ L_b, chunk0, the fit (a fixed number of bisection steps, and the rounds' model of both
 cuts), per request n_b and size_b, their prefix sum as ``split_offsets``, and work row w belongs to the request b
-with off[b] <= w < off[b + 1], split w - off[b] of it.
+with off[b] <= w < off[b + 1], split w - off[b] of it; or, with ``KernelConfig.even_splits``, the even cut's
+shares and their near-equal splits.
 """
 
 from __future__ import annotations
@@ -78,6 +79,21 @@ def _rows_reference(lens: Tensor, chunk: Tensor, granule: int, w: Tensor):
     return owner, start, torch.minimum(lens[owner], start + size[owner]), incl[-1:], incl
 
 
+def _rows_even_reference(lens: Tensor, target: int, granule: int, min_split: int, w: Tensor):
+    """``_cut_even`` as tensors over the row indices ``w`` (``_rows_reference``'s outputs)."""
+    units = _cdiv(lens, granule)
+    share = target * units // units.sum().clamp(min=1)
+    n = torch.where(lens > 0, torch.minimum(torch.minimum(units, (lens // max(min_split, 1)).clamp(min=1)), share)
+                    .clamp(min=1), 0)
+    incl = torch.cumsum(n, 0)
+    owner = torch.searchsorted(incl, w, right=True).clamp(max=lens.shape[0] - 1)
+    k = w - (incl - n)[owner]
+    q, r = units // n.clamp(min=1), units % n.clamp(min=1)
+    g0 = k * q[owner] + torch.minimum(k, r[owner])
+    g1 = g0 + q[owner] + (k < r[owner]).to(torch.int64)
+    return owner, g0 * granule, torch.minimum(lens[owner], g1 * granule), incl[-1:], incl
+
+
 def _makespan_reference(owner, start, end, num, incl, w: Tensor, target: int) -> Tensor:
     """``rounds_makespan`` of the rows (``_rows_reference``), as a 0-d tensor."""
     del owner, incl
@@ -104,11 +120,14 @@ def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSched
     work[:, 3] = w
     if bs:
         g, target = schedule.granule, schedule.target
-        chunk0 = _cdiv(_cdiv(lens.sum(), target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
-        fitted = _fit_chunk_reference(lens, chunk0, target, g)
-        plans = [_rows_reference(lens, c, g, w) for c in (chunk0, fitted)]
-        take = _makespan_reference(*plans[1], w, target) < _makespan_reference(*plans[0], w, target)
-        owner, start, end, num, incl = (torch.where(take, b, a) for a, b in zip(*plans))
+        if schedule.config.even_splits:
+            owner, start, end, num, incl = _rows_even_reference(lens, target, g, schedule.min_split_tokens, w)
+        else:
+            chunk0 = _cdiv(_cdiv(lens.sum(), target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
+            fitted = _fit_chunk_reference(lens, chunk0, target, g)
+            plans = [_rows_reference(lens, c, g, w) for c in (chunk0, fitted)]
+            take = _makespan_reference(*plans[1], w, target) < _makespan_reference(*plans[0], w, target)
+            owner, start, end, num, incl = (torch.where(take, b, a) for a, b in zip(*plans))
         offsets[1 : bs + 1] = incl
         offsets[bs + 1 :] = num
         live = w < num

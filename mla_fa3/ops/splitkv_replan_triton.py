@@ -40,6 +40,23 @@ def _rows(w, lens, size, incl, excl, offs_b):
 
 
 @triton.jit
+def _rows_even(w, lens, units, n, incl, excl, granule, offs_b):
+    """(owner, start, end) of work rows ``w`` for the even cut (``splitkv_plan._cut_even``): split k of request b
+    covers granules k·q + min(k, r) .. + q + (k < r), q, r = divmod(u_b, n_b)."""
+    owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)
+    pick = offs_b[None, :] == owner[:, None]
+    k = (w - tl.sum(tl.where(pick, excl[None, :], 0), 1)).to(tl.int64)
+    u_w = tl.sum(tl.where(pick, units[None, :], 0), 1)
+    n_w = tl.maximum(tl.sum(tl.where(pick, n[None, :], 0), 1), 1).to(tl.int64)
+    len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
+    q = u_w // n_w
+    r = u_w % n_w
+    g0 = k * q + tl.minimum(k, r)
+    g1 = g0 + q + (k < r).to(tl.int64)
+    return owner, g0 * granule, tl.minimum(len_w, g1 * granule)
+
+
+@triton.jit
 def _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W: tl.constexpr):
     """``splitkv_plan.rounds_makespan`` of the cut at ``chunk``: over its rows in ``BLOCK_W`` blocks, the first
     round's longest and shortest split and the longest later one."""
@@ -63,11 +80,55 @@ def _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W: tl.conste
 @triton.jit
 def _splitkv_plan_kernel(
     SeqLens, Work, NumWork, SplitOffsets, bs, capacity, max_batch, target, granule, min_split,
-    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """One program: ``plan_splits`` of the device lengths into the schedule's buffers (``replan_reference``'s math)."""
+    """One program: ``plan_splits`` of the device lengths into the schedule's buffers (``replan_reference``'s math;
+    ``EVEN``: the even cut)."""
     offs_b = tl.arange(0, BS_PAD)
     lens = tl.maximum(tl.load(SeqLens + offs_b, mask=offs_b < bs, other=0), 0).to(tl.int64)  # rows >= bs: no split
+    if EVEN:
+        _write_even(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
+                    BLOCK_W)
+    else:
+        _write_fitted(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
+                      BLOCK_W)
+
+
+@triton.jit
+def _write_even(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
+                BLOCK_W: tl.constexpr):
+    """The even cut's rows, count and offsets into the schedule's buffers."""
+    units = (lens + granule - 1) // granule
+    share = target * units // tl.maximum(tl.sum(units, 0), 1)
+    n = tl.minimum(tl.minimum(units, tl.maximum(lens // tl.maximum(min_split, 1), 1)), share)
+    n = tl.where(lens > 0, tl.maximum(n, 1), 0).to(tl.int32)
+    incl = tl.cumsum(n, 0)
+    num = tl.sum(n, 0)
+    tl.store(NumWork, num)
+    tl.store(SplitOffsets, 0)
+    tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
+    for w0 in range(0, capacity, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        owner, start, end = _rows_even(w, lens, units, n, incl, incl - n, granule, offs_b)
+        _write_rows(Work, w, owner, start, end, num, capacity)
+
+
+@triton.jit
+def _write_rows(Work, w, owner, start, end, num, capacity):
+    """Work rows ``w``: (owner, start, end, w) where live (< num), else (0, 0, 0, w)."""
+    live = w < num
+    row = Work + w.to(tl.int64) * 4
+    ok = w < capacity
+    tl.store(row, tl.where(live, owner, 0), mask=ok)
+    tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
+    tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
+    tl.store(row + 3, w, mask=ok)
+
+
+@triton.jit
+def _write_fitted(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
+                  BLOCK_W: tl.constexpr):
+    """The chunked cut's rows (at chunk0 or the fit's chunk1), count and offsets into the schedule's buffers."""
     total = tl.sum(lens, 0)
     chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
     chunk = (chunk + granule - 1) // granule * granule
@@ -92,13 +153,7 @@ def _splitkv_plan_kernel(
     for w0 in range(0, capacity, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
         owner, start, end = _rows(w, lens, size, incl, excl, offs_b)
-        live = w < num
-        row = Work + w.to(tl.int64) * 4
-        ok = w < capacity
-        tl.store(row, tl.where(live, owner, 0), mask=ok)
-        tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
-        tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
-        tl.store(row + 3, w, mask=ok)
+        _write_rows(Work, w, owner, start, end, num, capacity)
 
 
 def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
@@ -108,6 +163,6 @@ def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
     _splitkv_plan_kernel[(1,)](
         seqlens, schedule.work, schedule.num_work, schedule.split_offsets, seqlens.shape[0], schedule.capacity,
         schedule.max_batch, schedule.target, schedule.granule, schedule.min_split_tokens,
-        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), num_warps=4,
+        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), EVEN=schedule.config.even_splits, num_warps=4,
     )
     schedule.chunk, schedule.planned_work, schedule.planned_batch = None, None, seqlens.shape[0]

@@ -79,7 +79,7 @@ from .pdl import launch_options, pdl_capable
 from .splitkv_combine_triton import combine_splits
 from .splitkv_config import NARROW_ROWS, KernelConfig, latent_chunks
 from .splitkv_kernel_triton import _splitkv_partial_kernel
-from .splitkv_plan import SPLIT_GRANULE, SplitKVSchedule, _next_pow2, head_block
+from .splitkv_plan import SplitKVSchedule, _next_pow2, head_block, split_granule
 from .types import KernelUnavailableError
 from .validate_gluon import unsupported
 
@@ -149,9 +149,10 @@ def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, 
         H=heads, SQ=sq, DV=dv, DR=dr, PAGE=page,
         BLOCK_H=block_h, SQ_PAD=sq_pad, BLOCK_DV=max(16, _next_pow2(dv)), BLOCK_DR=max(16, _next_pow2(dr)),
         BLOCK_N=config.block_n, CAUSAL=causal, Q8=q8, KV8=kv8, IEEE=ieee,
-        # split starts are multiples of SPLIT_GRANULE and of the page (the planner's granule), block_n <= 64:
-        # with page >= block_n every key block lies in one page
-        CONTIG=page >= config.block_n and SPLIT_GRANULE % config.block_n == 0,
+        # split starts are multiples of the planner's granule (splitkv_plan.split_granule: the page and
+        # SPLIT_GRANULE, or with even_splits block_n itself), a multiple of block_n <= 64: with page >= block_n
+        # every key block lies in one page
+        CONTIG=page >= config.block_n and split_granule(config, page) % config.block_n == 0,
         # e4m3 under mma.sync (< 64 rows): the tile is loaded twice, so that each load feeds one dot and keeps its
         # asynchronous copy (see the kernel); with >= 64 rows (wgmma) the one load is pipelined as it is
         RELOAD=config.reload_kv or (kv8 and narrow), NARROW=narrow,
@@ -193,6 +194,9 @@ def splitkv_partials(
     bs, sq, H = q.shape[:3]
     if bs == 0 or sq == 0 or H == 0:
         raise ValueError(f"splitkv_partials needs >= 1 request, query token and head, got q of shape {tuple(q.shape)}")
+    if schedule.granule % config.block_n:  # a key block must not straddle a split's start (nor, so, a page)
+        raise ValueError(f"the schedule's splits start on multiples of {schedule.granule} keys, not of the config's "
+                         f"block_n {config.block_n}: launch it with the config it was planned with (schedule.config)")
     D = dv + q_rope.shape[3]
     page = kv.shape[1]
     cap = schedule.capacity
