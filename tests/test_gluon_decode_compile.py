@@ -159,6 +159,20 @@ def test_pdl_variant_signals_its_dependents_once_after_the_key_loop(kv8, compile
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
 
 
+@pytest.mark.parametrize("kv8", [False, True])
+def test_after_the_store_the_producer_waits_for_it_before_its_first_tma(kv8):
+    """``wait=True`` (``gluon_partials(follows_store=True)`` with PDL: launched as a programmatic dependent of the pool
+    store): one ``griddepcontrol.wait``, before the first TMA box — the producer's; the rest of the kernel (the
+    consumer's q loads, the dots) unchanged; still no spills."""
+    kernel = gd.compile_for_hopper(kv8=kv8, pdl=True, wait=True)
+    ptx = kernel.asm["ptx"]
+    assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
+    assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
+    assert _count(ptx, "cp.async.bulk.tensor") == 9 and _count(ptx, "wgmma.mma_async") == 68
+    usage, _ = _usage_and_sass(kernel)
+    assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
+
+
 def test_two_query_tokens_widen_wgmma_n_to_32_rows():
     """``sq=2`` (MTP verify, a one-token draft): the query rows (token, head) are wgmma's N = 32; the same 68 wgmma
     (m64n32k16) and 9 TMA boxes, the causal limit per row, q and P in 16 KB / 4 KB more shared memory. No spills

@@ -26,6 +26,7 @@ from mla_fa3.batch import ForwardBatch, ForwardMode
 from mla_fa3.ops import Impl, KernelConfig
 from mla_fa3.ops import fp8 as fp8_ref
 from mla_fa3.ops import splitkv_plan as sp
+from mla_fa3.ops.splitkv_config import choose_config
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -473,15 +474,21 @@ def _slow_store_kernel(Flat, Slots, Rows, spin_ns, D_: tl.constexpr, BLOCK: tl.c
     tl.store(Flat + slot * D_ + cols, tl.load(Rows + i * D_ + cols, mask=cols < D_), mask=cols < D_)
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["triton", "warp_specialized"])
 @pytest.mark.parametrize("sq,fp8", [(1, False), (2, False), (1, "kv")])
-def test_a_slow_store_is_waited_for_before_the_keys(sq, fp8):
+def test_a_slow_store_is_waited_for_before_the_keys(sq, fp8, ws):
     """``follows_store`` with a store that takes 20 ms (launched before split-KV, letting it launch at its start):
-    phase 1 reads its prologue while the store spins and must wait for it before its key tiles. The output is the
-    fp64 oracle's over the rows as stored and equals the in-order launches bit for bit; a phase 1 that read a newest
-    row before the store wrote it would see the old row there (a different one)."""
+    phase 1 reads its prologue while the store spins and must wait for it before its key tiles — the Triton kernel's
+    programs, or the warp-specialized kernel's producer warp before its first TMA. The output is the fp64 oracle's
+    over the rows as stored and equals the in-order launches bit for bit; a phase 1 that read a newest row before the
+    store wrote it would see the old row there (a different one)."""
     lens, heads, page = (9000, 1, 4097, 65, 96), 16, 64
     q, kv, table, seqlens, _, extra = build(lens, sq, heads, page, fp8=fp8, seed=13)
-    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, device=DEV)
+    config = choose_config(heads, len(lens), max(lens), kv_fp8=bool(fp8))
+    if ws:
+        config = config.with_(block_n=64, waves=1.0, warp_specialized=True)
+    sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, device=DEV,
+                                     config=config)
     off = ops.get_splitkv_schedule(list(lens), num_heads=heads, num_q_tokens=sq, page_size=page, device=DEV,
                                    config=sched.config.with_(pdl=False))
     assert sched.config.pdl and sched.planned_work > 2 * len(lens)

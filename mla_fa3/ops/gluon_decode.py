@@ -17,7 +17,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_decode_kernel import (CW, NUM_WARPS, PRODUCER_REGS, STAGES, STAGES_FP8, STAGES_FP8_REG,
                                   gluon_mla_decode_kernel)
-from .pdl import pdl_capable
+from .pdl import launch_options, pdl_capable
 from .splitkv_combine_triton import combine_splits
 from .splitkv_plan import SplitKVSchedule
 from .validate_gluon import HEADS, LATENT, PAGE, ROPE, check_supported
@@ -38,18 +38,19 @@ def _kv_layout(kv8: bool = False):
 
 
 def _constexprs(num_heads: int = HEADS, kv8: bool = False, pdl: bool = False, sq: int = 1,
-                reg_a: bool = False) -> dict:
+                reg_a: bool = False, wait: bool = False) -> dict:
     if reg_a and not kv8:
         raise ValueError("reg_a is the e4m3 cache's read (a bf16 tile goes to wgmma from shared memory)")
     stages = (STAGES_FP8_REG if reg_a else STAGES_FP8) if kv8 else STAGES
     return dict(H=num_heads, SQ=sq, R=LATENT, DR=ROPE, NSTAGES=stages, PRODUCER_NREG=PRODUCER_REGS, KV8=kv8,
-                REG_A=reg_a, PDL=pdl)
+                REG_A=reg_a, PDL=pdl, WAIT=wait)
 
 
 def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = False, half: bool = False,
-                       sq: int = 1, reg_a: bool = False):
+                       sq: int = 1, reg_a: bool = False, wait: bool = False):
     """Compile the kernel (``kv8``: the e4m3-cache variant; ``pdl``: it lets its dependents launch; ``half``: bf16
-    partial outputs; ``sq``: query tokens per request) for ``GPUTarget("cuda", capability, 32)`` without a
+    partial outputs; ``sq``: query tokens per request; ``wait``: launched as a programmatic dependent of the pool
+    store, its producer waits for it before the first TMA) for ``GPUTarget("cuda", capability, 32)`` without a
     GPU -> triton's CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.n_regs`` / ``.n_spills`` where this
     triton fills them in)."""
     from triton.backends.compiler import GPUTarget
@@ -62,14 +63,14 @@ def compile_for_hopper(capability: int = 90, kv8: bool = False, pdl: bool = Fals
                  "max_pages", "stride_ow", "stride_os", "stride_oh", "stride_lw", "stride_ls"):
         sig[name] = "i32"
     sig["scale_log2"] = "fp32"
-    consts = _constexprs(kv8=kv8, pdl=pdl, sq=sq, reg_a=reg_a)
+    consts = _constexprs(kv8=kv8, pdl=pdl, sq=sq, reg_a=reg_a, wait=wait)
     sig.update({k: "constexpr" for k in consts})
     src = GluonASTSource(fn=gluon_mla_decode_kernel, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
 def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False, half: bool = False,
-                   reg_a: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+                   reg_a: Optional[bool] = None, follows_store: bool = False) -> Tuple[Tensor, Tensor]:
     """Phase 1 on a call ``check_supported`` passed -> (part_o [capacity, sq, H, r] float32 — bf16 with ``half``:
     half the workspace traffic, one more rounding per split —, part_lse2 [capacity, sq, H] float32, base 2): the
     workspace ``combine_splits`` reads (slot s: split s's normalized output and LSE).
@@ -79,7 +80,10 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False, half: 
     An e4m3 cache (``call.kv_fp8``): ``call.descale_k`` is folded into the scores here; the partial outputs are NOT
     scaled by it — the combine applies it (``combine_splits(..., call.descale_k)``, as split-KV's launch does).
     ``reg_a`` (e4m3 only; None: from ``FP8_REG_A_MIN_ROWS`` query rows on): the tile converted in wgmma's A
-    registers instead of staged as fp16 in shared memory."""
+    registers instead of staged as fp16 in shared memory. ``follows_store`` (with ``pdl``; the caller's word, as
+    ``splitkv_triton.splitkv_partials``'): the launch just before is the pool store of the rows this call reads, which
+    lets its dependents launch at its start; the kernel is then launched as one, and its producer waits for the store
+    before the first TMA while the prologue (schedule row, length, page ids, q) runs beside it."""
     q, kv = call.q, call.kv_cache
     kv8 = bool(call.kv_fp8)
     if reg_a is None:
@@ -98,7 +102,8 @@ def gluon_partials(call, schedule: SplitKVSchedule, *, pdl: bool = False, half: 
             q.stride(0), q.stride(1), q.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
             call.page_table.stride(0), call.page_table.shape[1],
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse2.stride(0), part_lse2.stride(1),
-            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl, sq, reg_a), num_warps=NUM_WARPS,
+            call.softmax_scale * LOG2E, **_constexprs(H, kv8, pdl, sq, reg_a, wait=pdl and follows_store),
+            num_warps=NUM_WARPS, **launch_options(pdl and follows_store),
         )
     return part_o, part_lse2
 

@@ -101,11 +101,16 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 @gluon.jit
 def _producer(kv_desc, ring, rope, ready, empty, pt, first_page, n_tiles, CHUNKS: gl.constexpr,
-              NSTAGES: gl.constexpr):
+              NSTAGES: gl.constexpr, WAIT: gl.constexpr):
     """The load warp: for each tile, wait for a free ring slot, then 9 TMA boxes of the tile's page into it (the 8
-    value chunks into ring[s · 8 ..], k_rope into rope[s])."""
+    value chunks into ring[s · 8 ..], k_rope into rope[s]). ``WAIT``: launched as a programmatic dependent of the pool
+    store (``gluon_partials(follows_store=True)``), the warp waits for that store (``griddepcontrol.wait``) before
+    its first box: everything before — the schedule row, the length, the page ids, q — was written before the store
+    began, and only the pool's rows are read after."""
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
+    if WAIT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     page_next = first_page
     for i in range(n_tiles):
         page = page_next
@@ -366,7 +371,7 @@ def gluon_mla_decode_kernel(
     stride_oh, stride_lw, stride_ls,
     scale_log2,
     H: gl.constexpr, SQ: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, NSTAGES: gl.constexpr,
-    PRODUCER_NREG: gl.constexpr, KV8: gl.constexpr, REG_A: gl.constexpr, PDL: gl.constexpr,
+    PRODUCER_NREG: gl.constexpr, KV8: gl.constexpr, REG_A: gl.constexpr, PDL: gl.constexpr, WAIT: gl.constexpr,
 ):
     BN: gl.constexpr = kv_desc.block_type.shape[0]
     BW: gl.constexpr = kv_desc.block_type.shape[1]
@@ -411,5 +416,5 @@ def gluon_mla_decode_kernel(
         (_consumer, (q_row, qr_row, stride_qs, stride_qh, stride_qrs, stride_qrh, ring, rope, stg, q_smem, p_smem,
                      ready, empty, o_row, stride_os, stride_oh, lse_row, stride_ls, start, end, seqlen, n_tiles, live,
                      scale_log2, DescaleK, H, SQ, R, CHUNKS, NSTAGES, BN, BW, KV8, REG_A, PDL)),
-        (_producer, (kv_desc, ring, rope, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES)),
+        (_producer, (kv_desc, ring, rope, ready, empty, pt, first_page, n_tiles, CHUNKS, NSTAGES, WAIT)),
     ], [1], [PRODUCER_NREG])

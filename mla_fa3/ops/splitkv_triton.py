@@ -110,7 +110,7 @@ def splitkv_mla_with_kvcache(
     pdl = config.pdl and pdl_capable(q.device)
     if config.warp_specialized:
         half = config.half_partials and call.out_dtype == torch.bfloat16
-        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl, half)
+        part_o, part_lse2 = _warp_specialized_partials(call, schedule, w_uv, pdl, half, follows_store)
     else:
         part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters, follows_store=follows_store)
     kv8 = call.kv_fp8 or call.is_fp8
@@ -120,10 +120,11 @@ def splitkv_mla_with_kvcache(
 
 
 def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_uv: Optional[Tensor], pdl: bool,
-                               half: bool):
+                               half: bool, follows_store: bool):
     """Phase 1 of a schedule planned with ``KernelConfig.warp_specialized``: the Gluon kernel (imported here, on
     first use: triton >= 3.6 with Gluon; its absence is a named error), its shape checked before the launch
-    (``pdl``: it lets the combine launch once its key loops are done; ``half``: bf16 partial outputs)."""
+    (``pdl``: it lets the combine launch once its key loops are done; ``half``: bf16 partial outputs;
+    ``follows_store``: as ``splitkv_partials``', its producer waiting for the store before the first TMA)."""
     if w_uv is not None:
         raise ValueError("KernelConfig.warp_specialized: the output projection is not fused into its combine")
     why = unsupported(call, schedule)
@@ -134,7 +135,7 @@ def _warp_specialized_partials(call: FlashMLACall, schedule: SplitKVSchedule, w_
     except Exception as exc:  # ImportError (a triton without Gluon) or a broken install
         raise KernelUnavailableError(f"the warp-specialized decode kernel needs triton >= 3.6 with Gluon: "
                                      f"{type(exc).__name__}: {exc}") from exc
-    return gluon_decode.gluon_partials(call, schedule, pdl=pdl, half=half)
+    return gluon_decode.gluon_partials(call, schedule, pdl=pdl, half=half, follows_store=follows_store)
 
 
 def phase1_meta(config: KernelConfig, *, heads: int, sq: int, dv: int, dr: int, page: int, q8: bool, kv8: bool,
