@@ -4,7 +4,7 @@ One DeepSeek attention layer's decode step as SGLang runs it — the backend's s
 attention core, in the form SGLang's DeepSeek model calls each backend (``fa3`` / ``mla_fa3``: q_lat and q_rope apart;
 ``flashmla``: one 576-wide query) — captured in a CUDA graph through each backend's own capture / replay hooks and
 timed by CUDA events around graph replays (median of ``--iters``). Every backend reads the same SGLang pool
-(``MLATokenToKVPool``, page 64) of ``bs`` requests at ``ctx`` tokens, built by SGLang's attention test kit.
+(``MLATokenToKVPool``, page 64 or ``--page``) of ``bs`` requests at ``ctx`` tokens, built by SGLang's attention test kit.
 
     python benchmarks/sglang_backends.py --out out/sglang_backends.csv [--quick]
     python benchmarks/sglang_backends.py --out out/one.csv --shapes 16:16:16384 --kv bf16 --profile
@@ -18,7 +18,7 @@ split-KV launch config A/B-tested inside SGLang's step instead of kernel alone �
 (``--ab-rounds``), fa3 once and then mla_fa3 once per value, the config table's row for the shape
 (``splitkv_config.table_key``) changed by that value while its backend is built, captured and timed (values in
 reverse order every other round). Columns: heads, bs, ctx, kv, round, config
-(the label), value, stacked_us, fa3_stacked_us, ratio_stacked, kernel.
+(the label), value, stacked_us, fa3_stacked_us, ratio_stacked, kernel, page.
 
     python benchmarks/sglang_backends.py --out out/ab.csv --kv bf16 --shapes 16:4:32768 --ab combine_tile=rule,64x64
 
@@ -27,6 +27,8 @@ of a partial, end: ``benchmarks/splitkv_probe.py``); the last layer of its stack
 shape (and per ``--ab`` value) into ``OUT.probe.csv`` beside the timings: programs per SM, start spread, time to the
 first key, duration, tail, the read rate, the hand-off to the combine and its time, and the gap from the layer
 before, µs; every program's stamps (and the 60th layer's combine's) into ``OUT.probe_raw.csv``.
+
+``--page N`` (default 64): the pool's page size; SGLang's own default is 1 (flashmla needs 64: an error row).
 
 Columns: heads, bs, ctx, kv (bf16 / fp8), backend, us (median replay of the backend's in-graph metadata half and one
 layer call in one graph), host_us (the replay update: the backend's ``init_forward_metadata_out_graph``),
@@ -38,7 +40,7 @@ metadata half once and ``--layers`` layer calls, layer i over pool layer i mod R
 many as it takes for the bytes read in a cycle to pass 3x the 50 MB L2), per layer (replay / ``--layers``; median
 of ``--stack-iters``). ``layer_us`` replays one layer call per graph, so it carries a graph launch and the event
 pair (the empty graph's ``meta_us`` of fa3, ~9-17 µs on an H100) that a model's step pays once, not per layer:
-``stacked_us`` is the per-layer figure; ``per_layer_us`` is what the tables of earlier runs show.
+``stacked_us`` is the per-layer figure; ``per_layer_us`` is what the tables of earlier runs show. Last, ``page``.
 GPU only; needs SGLang 0.5.17 and sgl-kernel.
 """
 
@@ -63,8 +65,9 @@ SHAPES = [(1, 65536), (1, 131072), (4, 32768), (4, 65536), (16, 16384), (64, 163
 QUICK = [(1, 65536), (4, 32768), (64, 16384)]
 
 
-def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda", pool_layers=1):
-    """SGLang's pools (the kit's MockMLAModelRunner) for ``bs`` requests of ``ctx`` tokens on shuffled pages of 64,
+def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda", pool_layers=1, page=64):
+    """SGLang's pools (the kit's MockMLAModelRunner) for ``bs`` requests of ``ctx`` tokens on shuffled pages of
+    ``page`` tokens (1: every row of a request on its own slot, in shuffled order — SGLang's default page size),
     filled with random latent rows, and the decode batch writing token ``ctx - 1`` of each (vectorized: the kit's
     own fixture fills tables element by element). ``pool_layers`` > 1: the kit's one-layer pool gets more layer
     buffers of random rows (same page table), and ``layers`` one RadixAttention per pool layer."""
@@ -73,7 +76,8 @@ def decode_world(kit, mode, heads, bs, ctx, fp8, device="cuda", pool_layers=1):
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    page = 64
+    if ctx % page:
+        raise ValueError(f"ctx {ctx} is not a whole number of pages of {page}")
     c = kit.MLAAttentionCase(name=f"bench_{heads}_{bs}_{ctx}", backend="mla_fa3", forward_mode=mode,
                              num_heads=heads, page_size=page, prefix_lens=(ctx - 1,) * bs)
     cfg = kit.TinyMLAModelConfig(num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=64,
@@ -270,7 +274,8 @@ def ab_rows(args, ab, kit, registry, mode, shapes, probes: dict) -> list[dict]:
     rows = []
     for heads, bs, ctx in shapes:
         for fp8 in (kv == "fp8" for kv in args.kv):
-            fx = decode_world(kit, mode, heads, bs, ctx, fp8, pool_layers=pool_layers_for(bs, ctx, fp8))
+            fx = decode_world(kit, mode, heads, bs, ctx, fp8, pool_layers=pool_layers_for(bs, ctx, fp8),
+                              page=args.page)
             for rnd in range(args.ab_rounds):
                 base = _time_backend("fa3", fx, registry, args.iters, False, args.layers, args.stack_iters)
                 for value in (values if rnd % 2 == 0 else values[::-1]):
@@ -281,7 +286,8 @@ def ab_rows(args, ab, kit, registry, mode, shapes, probes: dict) -> list[dict]:
                     row = dict(heads=heads, bs=bs, ctx=ctx, kv="fp8" if fp8 else "bf16", round=rnd,
                                config=config.label(), value=text, stacked_us=round(r["stacked_us"], 2),
                                fa3_stacked_us=round(base["stacked_us"], 2),
-                               ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3), kernel=r["kernel"])
+                               ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3), kernel=r["kernel"],
+                               page=args.page)
                     rows.append(row)
                     print(",".join(str(v) for v in row.values()), flush=True)
             del fx
@@ -316,6 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=61, help="layers per step for per_layer_us (DeepSeek-V3: 61)")
     p.add_argument("--shapes", default="", help="heads:bs:ctx,... instead of the sweep (e.g. 16:4:32768)")
     p.add_argument("--kv", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--page", type=int, default=64, choices=(1, 16, 32, 64),
+                   help="the pool's page size (SGLang's default is 1; flashmla needs 64 and reports an error row)")
     p.add_argument("--profile", action="store_true", help="also each backend's kernels per graph (torch profiler)")
     p.add_argument("--stack-iters", type=int, default=10, help="replays of the stacked step (0: not timed)")
     p.add_argument("--ab", metavar="FIELD=V1,V2",
@@ -348,7 +356,7 @@ def main(argv=None) -> int:
         for fp8 in (kv == "fp8" for kv in args.kv):
             stack = args.layers if args.stack_iters else 0
             fx = decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, fp8,
-                              pool_layers=pool_layers_for(bs, ctx, fp8) if stack else 1)
+                              pool_layers=pool_layers_for(bs, ctx, fp8) if stack else 1, page=args.page)
             res = {}
             for name in ("fa3", "flashmla", "mla_fa3"):
                 try:
@@ -373,7 +381,7 @@ def main(argv=None) -> int:
                            ratio_per_layer=round(base["per_layer_us"] / r["per_layer_us"], 3),
                            stacked_us=round(r["stacked_us"], 2),
                            ratio_stacked=round(base["stacked_us"] / r["stacked_us"], 3),
-                           pool_layers=len(fx.layers), kernel=r["kernel"])
+                           pool_layers=len(fx.layers), kernel=r["kernel"], page=args.page)
                 rows.append(row)
                 print(",".join(str(v) for v in row.values()), flush=True)
             del fx

@@ -1,10 +1,11 @@
 """The world ``benchmarks/sglang_backends.py`` times (CPU, SGLang's kit and pools, our reference kernels): with more
 than one pool layer — its stacked step, a model's layers in one graph — every layer call must read and write its own
 layer buffer of SGLang's pool, as SGLang's DeepSeek layers do. Oracle: fp64 attention over that buffer's rows of the
-request (its page table), after the call stored the new row there."""
+request (its page table), after the call stored the new row there; on pages of 64 and of 1 (SGLang's default)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.sglang_world import needs_sglang
@@ -12,7 +13,8 @@ from tests.sglang_world import needs_sglang
 pytestmark = needs_sglang
 
 
-def test_each_stacked_layer_reads_its_own_pool_layer():
+@pytest.mark.parametrize("page", [64, 1])
+def test_each_stacked_layer_reads_its_own_pool_layer(page):
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -22,10 +24,14 @@ def test_each_stacked_layer_reads_its_own_pool_layer():
 
     bs, ctx, heads = 2, 256, 16
     assert sb.pool_layers_for(1, 65536, False) == 3 and sb.pool_layers_for(4, 65536, False) == 1
-    fx = sb.decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, False, device="cpu", pool_layers=3)
+    fx = sb.decode_world(kit, ForwardMode.DECODE, heads, bs, ctx, False, device="cpu", pool_layers=3, page=page)
     pool = fx.runner.token_to_kv_pool
     assert len(fx.layers) == pool.layer_num == len(pool.kv_buffer) == 3
     backend = ATTENTION_BACKENDS["mla_fa3"](fx.runner)
+    assert backend.page_size == page
+    table = fx.runner.req_to_token_pool.req_to_token[:bs, :ctx].long()
+    first_page = table[:, 1:64] - table[:, :63]  # slot steps within a request's first 64 tokens
+    assert bool((first_page == 1).all()) if page == 64 else bool((first_page != 1).any())  # pages of 1: shuffled
     g = torch.Generator().manual_seed(0)
     q_lat, q_rope = (torch.randn(bs, heads, w, dtype=torch.bfloat16, generator=g) for w in (512, 64))
     c_kv, k_rope = (torch.randn(bs, 1, w, dtype=torch.bfloat16, generator=g) for w in (512, 64))
