@@ -30,6 +30,18 @@ def test_the_tables_16_head_configs_stream_their_key_tiles(kv8, follows_store):
     assert census.mma > 0, census
 
 
+@pytest.mark.parametrize("kv8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_pages_smaller_than_a_key_block_still_stream_their_tiles(kv8, page):
+    """SGLang's default page size is 1: a page id per key (read one block ahead, a few synchronous loads of ids per
+    block), the tile itself still by asynchronous copies with one block in flight."""
+    config = choose_config(16, 4, 32768, kv_fp8=kv8)
+    census = loop_census(compile_for_hopper(config, kv8=kv8, page=page))
+    contiguous = loop_census(compile_for_hopper(config, kv8=kv8))
+    assert census.multi_buffered and census.cp_async == contiguous.cp_async, (census, contiguous)
+    assert census.mma == contiguous.mma and census.global_loads < census.cp_async, census
+
+
 def test_the_census_sees_a_loop_that_waits_out_each_tile():
     config = choose_config(16, 4, 32768)
     no_read_ahead = loop_census(compile_for_hopper(config.with_(prefetch_pages=False)))

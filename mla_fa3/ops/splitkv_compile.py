@@ -58,12 +58,12 @@ class LoopCensus:
 
 
 def compile_for_hopper(config: KernelConfig, *, heads: int = 16, sq: int = 1, kv8: bool = False, pdl: bool = True,
-                       follows_store: bool = False, probe: bool = False, capability: int = 90):
+                       follows_store: bool = False, probe: bool = False, page: int = PAGE, capability: int = 90):
     """Phase 1 for ``config`` compiled for ``GPUTarget("cuda", capability, 32)`` without a GPU -> triton's
     CompiledKernel (``.asm['ttgir' | 'ptx' | 'cubin']``): a bf16 q (its rope part apart), a bf16 cache or (``kv8``)
-    an e4m3 one, page 64, bf16 partials with ``config.half_partials``; ``probe``: with the timeline stamps
-    (``splitkv_partials(probe=)``)."""
-    _, meta = phase1_meta(config, heads=heads, sq=sq, dv=LATENT, dr=ROPE, page=PAGE, q8=False, kv8=kv8,
+    an e4m3 one, pages of ``page`` keys (below ``block_n``: a page id per key), bf16 partials with
+    ``config.half_partials``; ``probe``: with the timeline stamps (``splitkv_partials(probe=)``)."""
+    _, meta = phase1_meta(config, heads=heads, sq=sq, dv=LATENT, dr=ROPE, page=page, q8=False, kv8=kv8,
                           ieee=False, causal=True, pdl=pdl, early=pdl and follows_store, zero=False, probe=probe)
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     meta.pop("launch_pdl", None)  # a launch attribute, not a compile option
