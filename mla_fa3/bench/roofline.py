@@ -215,7 +215,8 @@ def decode_grid(rows: Sequence[DecodeRow], metric: str, *, heads: int, page: int
     return batches, contexts, values
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -226,13 +227,14 @@ def _pyplot():
     return plt
 
 
-def _k(n: int) -> str:
+def tokens_label(n: int) -> str:
+    """A token count as an axis label: 16384 -> "16k"."""
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def plot_decode_heatmaps(rows: Sequence[DecodeRow], path: str, metric: str, title: str = "") -> bool:
     """One heat map per (page, lengths) x heads of ``metric`` (see DECODE_METRICS); False without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     from matplotlib.colors import LogNorm, TwoSlopeNorm
@@ -259,7 +261,7 @@ def plot_decode_heatmaps(rows: Sequence[DecodeRow], path: str, metric: str, titl
                 for ci, v in enumerate(line):
                     if v is not None:
                         ax.text(ci, bi, f"{v:.2f}" if v < 10 else f"{v:.0f}", ha="center", va="center", fontsize=7)
-            ax.set_xticks(range(len(contexts)), [_k(c) for c in contexts], fontsize=8)
+            ax.set_xticks(range(len(contexts)), [tokens_label(c) for c in contexts], fontsize=8)
             ax.set_yticks(range(len(batches)), [str(b) for b in batches], fontsize=8)
             ax.set_title(f"H = {h}, page {page}, {lengths}", fontsize=9)
             if i == len(slices) - 1:
@@ -298,7 +300,7 @@ def read_prefill_csv(path: str) -> list[dict]:
 
 def plot_prefill(rows: Sequence[dict], path: str) -> bool:
     """Absorbed vs MHA time over the cached prefix, one panel per (heads, new tokens), auto's pick circled."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None or not rows:
         return False
     from matplotlib.ticker import FuncFormatter
@@ -321,7 +323,7 @@ def plot_prefill(rows: Sequence[dict], path: str) -> bool:
             ax.set_yscale("log")
             for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
                 axis(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "125" else ""))
-            ax.set_xticks(x, [_k(r["prefix"]) for r in cell], fontsize=8)
+            ax.set_xticks(x, [tokens_label(r["prefix"]) for r in cell], fontsize=8)
             ax.set_title(f"H = {h}, {n} new tokens", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
             if i == len(heads) - 1:
@@ -349,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-csv", help="prefill benchmark CSV (prefill.csv)")
     p.add_argument("--out", default=".", help="directory for the PNGs")
     args = p.parse_args(argv)
-    if _pyplot() is None:
+    if pyplot() is None:
         print("plots need matplotlib: pip install matplotlib (or the mla-fa3[plot] extra)", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)

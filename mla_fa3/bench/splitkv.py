@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from mla_fa3 import ops
-from mla_fa3.bench import roofline
+from mla_fa3.bench import kernel_roofline, roofline
 from mla_fa3.bench.smoke import refused
 from mla_fa3.bench.splitkv_candidates import (AB_FIELDS, SWEEP_NARROW, SWEEP_NARROW_E4M3, SWEEP_WIDE, parse_ab,
                                               sweep_candidates)
@@ -225,6 +225,8 @@ def write(rows: Sequence[Row], out_dir: str, stem: str) -> None:
         w.writerows(asdict(r) for r in rows)
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as fh:
         fh.write(markdown(rows))
+    kernel_roofline.plot([{k: "" if v is None else str(v) for k, v in asdict(r).items()} for r in rows],
+                         os.path.join(out_dir, f"{stem}_roofline.png"))  # where matplotlib is installed
 
 
 def run(shapes: Sequence[tuple], configs: Callable[[int, int, int], Sequence[Optional[KernelConfig]]], *, device,
