@@ -876,3 +876,26 @@ def test_a_config_whose_blocks_straddle_the_schedules_splits_is_refused():
     with pytest.raises(ValueError, match="^the schedule's splits start on multiples of 32 keys, not of the config's "
                                          "block_n 64"):
         kt.splitkv_partials(call, sched, config.with_(block_n=64))
+
+
+def test_the_combine_discards_only_whole_lines_of_its_own():
+    """``KernelConfig.discard_partials``: a partial row's column block may be dropped from the L2 only where it is whole
+    128-byte lines no other program reads (``whole_lines``), and only on CUDA (``discards_partials``)."""
+    from mla_fa3.ops.splitkv_combine_triton import discards_partials, whole_lines
+
+    base = torch.empty(4 * 1024 * 1024 + 128, dtype=torch.uint8)
+    shift = (-base.data_ptr()) % 128
+
+    def part(shape, dtype, offset=0):  # a workspace view whose first byte lies `offset` bytes past a 128-byte line
+        return base[shift + offset:].view(dtype)[: math.prod(shape)].view(shape)
+
+    assert whole_lines(part((8, 1, 16, 512), torch.bfloat16), 64)  # 64 bf16 = 128 bytes
+    assert whole_lines(part((8, 1, 16, 512), torch.float32), 64)  # 256 bytes: two lines
+    assert not whole_lines(part((8, 1, 16, 512), torch.bfloat16), 32)  # 64 bytes: half a line, shared with a neighbour
+    assert not whole_lines(part((8, 1, 16, 512), torch.bfloat16, offset=64), 64)  # the workspace off a line
+    assert not whole_lines(part((8, 1, 16, 40), torch.float32), 32)  # r = 40: the last block is cut short
+    assert not whole_lines(part((8, 1, 16, 520), torch.bfloat16), 64)  # rows 1040 bytes apart: off the lines
+    assert whole_lines(part((8, 1, 16, 1024), torch.bfloat16)[..., :512], 64)  # a wider row, still on its lines
+    assert not discards_partials(part((8, 1, 16, 512), torch.bfloat16), 64), "CPU tensors: never"
+    config = KernelConfig(discard_partials=True)
+    assert config.label().endswith("-d") and "-d" not in KernelConfig().label()

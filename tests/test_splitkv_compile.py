@@ -67,3 +67,20 @@ def test_the_timeline_stamps_compile_into_both_phases(pdl):
             waits = [i for i, line in enumerate(ptx.splitlines()) if "griddepcontrol.wait" in line]
             stamps = [i for i, line in enumerate(ptx.splitlines()) if "%globaltimer" in line]
             assert len(waits) == 1 and stamps[0] < waits[0] < stamps[1], (waits, stamps)
+
+
+@pytest.mark.parametrize("half_partials", [True, False], ids=["bf16", "fp32"])
+def test_the_combine_drops_its_partial_lines_after_a_barrier(half_partials):
+    """``combine_splits(discard=True)`` (``KernelConfig.discard_partials``): after its loads — behind a CTA barrier,
+    since a discarded line is undefined — one predicated ``discard.global.L2`` of 128 bytes per line of its column
+    block (bf16 partials: one line of 64 columns, fp32: two), in a loop over the splits; without it none."""
+    from mla_fa3.ops.splitkv_compile import compile_combine_for_hopper
+
+    ptx = compile_combine_for_hopper(half_partials=half_partials, discard=True).asm["ptx"]
+    plain = compile_combine_for_hopper(half_partials=half_partials).asm["ptx"]
+    assert "discard.global.L2" not in plain
+    assert ptx.count("discard.global.L2") == (1 if half_partials else 2), ptx.count("discard.global.L2")
+    assert "@p discard.global.L2" in ptx
+    lines = ptx.splitlines()
+    first = next(i for i, line in enumerate(lines) if "discard.global.L2" in line)
+    assert any("bar.sync" in line for line in lines[:first]), "no barrier before the discards"

@@ -344,6 +344,32 @@ def test_the_even_cut_in_a_graph_reads_what_the_oracle_reads(fp8):
         check(out, lse, ref_out, ref_lse, lowp, ref_impl)
 
 
+@pytest.mark.parametrize("half", [True, False])
+def test_discarding_the_partials_changes_no_bit(half):
+    """``KernelConfig.discard_partials``: the combine drops the partial lines it read from the L2 once it has read them
+    (behind a barrier); the step's out and lse are the same bits as without, step after step in a captured graph
+    (a line discarded before some program read it would make them differ), and within the oracle's tolerance."""
+    lens, heads, page = (70000, 1, 4097, 65), 16, 64
+    q, kv, table, seqlens, dense, extra = build(lens, 1, heads, page, seed=23)
+    from mla_fa3.ops.splitkv_combine_triton import discards_partials
+
+    outs = []
+    for discard in (False, True):
+        config = choose_config(heads, 4, 65536).with_(half_partials=half, discard_partials=discard)
+        sched = ops.get_splitkv_schedule(list(lens), num_heads=heads, page_size=page, device=DEV, config=config)
+        kw = dict(head_dim_v=R, schedule=sched, softmax_scale=SCALE, causal=True, impl="triton")
+        graph, (out, lse) = capture(lambda: ops.splitkv_mla_with_kvcache(q, kv, table, seqlens, **kw))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs.append((out.clone(), lse.clone()))
+    assert discards_partials(torch.empty(8, 1, heads, R, dtype=BF16 if half else torch.float32, device=DEV), 64)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref_out, ref_lse, lowp = oracle_and_lowp(dense)
+    ref_impl, _ = run_reference(q, kv, table, seqlens)
+    check(outs[1][0], outs[1][1], ref_out, ref_lse, lowp, ref_impl)
+
+
 def test_the_device_planner_fits_as_the_host_does():
     """The fit (``splitkv_plan``'s module docstring) compiled for this GPU: captured with the largest batch, each
     replay's Triton plan of long requests (where chunk0 would cut more splits than the target) and of mixed batches

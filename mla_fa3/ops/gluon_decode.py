@@ -138,5 +138,5 @@ def gluon_mla_decode(q: Tensor, kv_cache: Tensor, page_table: Tensor, cache_seql
     with torch.cuda.device(q.device):
         combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse,
                        call.descale_k if call.kv_fp8 else None, pdl=pdl,  # the e4m3 scale on the output, once
-                       tile=schedule.config.combine_tile)
+                       tile=schedule.config.combine_tile, discard=schedule.config.discard_partials)
     return out, lse

@@ -57,6 +57,15 @@ def _fence_gpu(x):
 
 
 @triton.jit
+def _discard_l2(ptr, pred):
+    """``discard.global.L2`` of the 128-byte line at ``ptr`` where ``pred`` is non-zero: the line is dropped from the
+    L2 without being written back to memory (its content becomes undefined)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.b32 $0, 0; }",
+        "=r,l,r", [ptr, pred], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _splitkv_combine_kernel(
     PartO, PartLse2, SplitOffsets, Out, Lse, DescaleK, W, Ws, Count, Probe,
     stride_ow, stride_os, stride_oh,
@@ -66,7 +75,7 @@ def _splitkv_combine_kernel(
     stride_wh, stride_wk,
     H: tl.constexpr, SQ: tl.constexpr, DV: tl.constexpr, N_OUT: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_NO: tl.constexpr, KV8: tl.constexpr, PDL: tl.constexpr,
-    PROJECT: tl.constexpr, FENCE: tl.constexpr, PROBE: tl.constexpr,
+    PROJECT: tl.constexpr, FENCE: tl.constexpr, PROBE: tl.constexpr, DISCARD: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, i, h) of the output
     vb = tl.program_id(1)
@@ -105,6 +114,13 @@ def _splitkv_combine_kernel(
         acc = acc * rescale + wgt[:, None] * part
         total = total * rescale + wgt
         top = new_top
+    if DISCARD:  # the partial lines this program alone read are dead: dropped from the L2, never written back
+        tl.debug_barrier()  # after every thread's loads of them (a discarded line is undefined)
+        LINE: tl.constexpr = 128 // (PartO.dtype.element_ty.primitive_bitwidth // 8)  # elements a 128-byte line
+        for c in range(s0, s1, BLOCK_S):
+            slots = c + tl.arange(0, BLOCK_S)
+            for j in tl.static_range(BLOCK_DV // LINE):
+                _discard_l2(o_base + slots * stride_ow + vb * BLOCK_DV + j * LINE, (slots < s1).to(tl.int32))
     top = tl.where(top == float("-inf"), 0.0, top)
     denom = tl.sum(total, 0)
     live = denom > 0.0
@@ -162,10 +178,12 @@ def combine_grid(rows: int, dv: int, tile: Optional[Tuple[int, int]] = None) -> 
 
 
 def combine_meta(*, bs: int, sq: int, heads: int, dv: int, tile: Optional[Tuple[int, int]], kv8: bool, pdl: bool,
-                 n_out: Optional[int] = None, fence: bool = False, probe: bool = False) -> Tuple[Tuple[int, int], dict]:
+                 n_out: Optional[int] = None, fence: bool = False, probe: bool = False,
+                 discard: bool = False) -> Tuple[Tuple[int, int], dict]:
     """(grid, the launch's keyword arguments: constexprs, warps and the PDL option) of the combine —
     what ``combine_splits`` launches with, and ``splitkv_compile`` compiles. ``n_out``: the fused projection's output
-    columns (None: no projection; more than ``FUSED_PROJECTION_MAX_COLUMNS`` is a ValueError)."""
+    columns (None: no projection; more than ``FUSED_PROJECTION_MAX_COLUMNS`` is a ValueError). ``discard``: the
+    partial lines dropped from the L2 once read (``discards_partials`` says where that is safe)."""
     block_s, cdv = _launch_tile(bs * sq * heads, dv, tile)
     grid = (bs * sq * heads, -(-dv // cdv))  # combine_grid's
     project = n_out is not None
@@ -175,15 +193,32 @@ def combine_meta(*, bs: int, sq: int, heads: int, dv: int, tile: Optional[Tuple[
                          f"(w's N) and a [columns, N] weight block of at most 64 x {FUSED_PROJECTION_MAX_COLUMNS} "
                          f"(tile columns {cdv}), got N = {n_out}: project after the combine (ops.head_matmul)")
     meta = dict(H=heads, SQ=sq, DV=dv, N_OUT=n_out if project else dv, BLOCK_S=block_s, BLOCK_DV=cdv,
-                BLOCK_NO=block_no, KV8=kv8, PDL=pdl, PROJECT=project, FENCE=fence, PROBE=probe,
+                BLOCK_NO=block_no, KV8=kv8, PDL=pdl, PROJECT=project, FENCE=fence, PROBE=probe, DISCARD=discard,
                 num_warps=4 if block_s * cdv <= 4096 else 8, **launch_options(pdl))
     return grid, meta
+
+
+def discards_partials(part_o: Tensor, columns: int) -> bool:
+    """Whether a combine over ``part_o [slots, sq, H, r]`` in blocks of ``columns`` may drop the partial lines it read
+    from the L2 (``KernelConfig.discard_partials``): on CUDA, where each program's column block of a (slot, token,
+    head) row is whole 128-byte lines that no other program reads — r a multiple of the block, the block of whole
+    lines, the row strides and the workspace's address multiples of a line."""
+    return part_o.is_cuda and whole_lines(part_o, columns)
+
+
+def whole_lines(part_o: Tensor, columns: int) -> bool:
+    """``discards_partials`` but for the device: each ``columns`` block of a row of ``part_o`` is whole 128-byte lines
+    of its own."""
+    size = part_o.element_size()
+    return (part_o.shape[3] % columns == 0 and (columns * size) % 128 == 0 and part_o.data_ptr() % 128 == 0
+            and part_o.stride(3) == 1 and all((part_o.stride(d) * size) % 128 == 0 for d in (0, 1, 2)))
 
 
 def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out: Tensor, lse: Tensor,
                    descale_k: Optional[Tensor] = None, *, pdl: bool = False,
                    tile: Optional[Tuple[int, int]] = None, w: Optional[Tensor] = None,
-                   counters: Optional[Tensor] = None, probe: Optional[Tensor] = None) -> None:
+                   counters: Optional[Tensor] = None, probe: Optional[Tensor] = None,
+                   discard: bool = False) -> None:
     """Phase 2 alone, into ``out [bs, sq, H, r]`` and ``lse [bs, sq, H]`` (natural log): request b's splits are the
     slots ``split_offsets[b] .. split_offsets[b + 1]`` of ``part_o [slots, sq, H, r]`` (float32 or the output
     dtype) and ``part_lse2 [slots, sq, H]`` (base 2; -inf: an empty split). ``descale_k``: an e4m3 cache's scale,
@@ -199,14 +234,19 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
 
     ``probe`` (benchmarks: ``benchmarks/splitkv_probe.py``): ``[bs·sq·H, column blocks, 4] int64`` on the GPU
     (``combine_grid`` gives the grid); each program writes its row = (SM id, start, first read of a partial — after
-    its wait for phase 1 under ``pdl`` —, end), ``%globaltimer`` nanoseconds (CUDA only)."""
+    its wait for phase 1 under ``pdl`` —, end), ``%globaltimer`` nanoseconds (CUDA only).
+
+    ``discard``: once read, the partial outputs are dropped from the L2 (``discard.global.L2``) instead of being
+    written back to memory when evicted — where ``discards_partials`` finds it safe, else ignored; ``part_o``'s
+    content is undefined afterwards (``KernelConfig.discard_partials``)."""
     bs, sq, H = out.shape[:3]
     dv = part_o.shape[3]
     one = lse  # any float32 pointer: read only with descale_k
     project = w is not None
     grid, meta = combine_meta(bs=bs, sq=sq, heads=H, dv=dv, tile=tile, kv8=descale_k is not None, pdl=pdl,
                               n_out=out.shape[3] if project else None, fence=project and out.is_cuda,
-                              probe=probe is not None)
+                              probe=probe is not None,
+                              discard=discard and discards_partials(part_o, _launch_tile(bs * sq * H, dv, tile)[1]))
     if probe is not None and (probe.dtype != torch.int64 or probe.device != out.device
                               or tuple(probe.shape) != grid + (4,)):
         raise ValueError(f"probe must be an int64 [{grid[0]}, {grid[1]}, 4] tensor on {out.device} (output rows, "

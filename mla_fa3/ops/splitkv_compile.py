@@ -81,11 +81,13 @@ def compile_for_hopper(config: KernelConfig, *, heads: int = 16, sq: int = 1, kv
 
 
 def compile_combine_for_hopper(*, bs: int = 4, heads: int = 16, half_partials: bool = True, pdl: bool = True,
-                               probe: bool = False, capability: int = 90):
+                               probe: bool = False, discard: bool = False, capability: int = 90):
     """The combine of a ``bs``-request, one-token step (``splitkv_combine_triton.combine_meta``, the rule's tile)
     compiled for ``GPUTarget("cuda", capability, 32)`` without a GPU: bf16 out, bf16 partials with
-    ``half_partials``, a bf16 cache; ``probe``: with the timeline stamps (``combine_splits(probe=)``)."""
-    _, meta = combine_meta(bs=bs, sq=1, heads=heads, dv=LATENT, tile=None, kv8=False, pdl=pdl, probe=probe)
+    ``half_partials``, a bf16 cache; ``probe``: with the timeline stamps (``combine_splits(probe=)``); ``discard``:
+    the partial lines dropped from the L2 once read (``combine_splits(discard=)``)."""
+    _, meta = combine_meta(bs=bs, sq=1, heads=heads, dv=LATENT, tile=None, kv8=False, pdl=pdl, probe=probe,
+                           discard=discard)
     options = {"num_warps": meta.pop("num_warps")}
     meta.pop("launch_pdl", None)
     fn = _splitkv_combine_kernel

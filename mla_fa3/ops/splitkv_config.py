@@ -81,6 +81,10 @@ class KernelConfig:
                   64-key (or page) starts — so that every program slot holds a split and every SM about the same
                   keys (at bs 4 x 64k on 132 SMs: 264 splits of 31 or 32 blocks instead of 256 of 32, where 8 SMs
                   hold one split and 124 hold two)
+    discard_partials the combine drops the partial outputs it read from the L2 (``discard.global.L2``) instead of
+                  letting them be written back to memory when the next layer's stream evicts them (at 16 heads, bs 4
+                  with bf16 partials: 4 MB a layer, 2.6 % of a 32k step's bytes); where its column blocks are whole
+                  128-byte lines no other program reads (``splitkv_combine_triton.discards_partials``), else ignored
     """
 
     block_n: int = 32
@@ -98,6 +102,7 @@ class KernelConfig:
     warp_specialized: bool = False
     combine_tile: Optional[Tuple[int, int]] = None
     even_splits: bool = False
+    discard_partials: bool = False
 
     def __post_init__(self):
         if self.block_n not in (16, 32, 64):
@@ -128,7 +133,7 @@ class KernelConfig:
                  + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
                  + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else "")
                  + ("-t{}x{}".format(*self.combine_tile) if self.combine_tile else "")
-                 + ("-e" if self.even_splits else ""))
+                 + ("-e" if self.even_splits else "") + ("-d" if self.discard_partials else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

@@ -115,7 +115,7 @@ def splitkv_mla_with_kvcache(
         part_o, part_lse2 = splitkv_partials(call, schedule, config, counters=counters, follows_store=follows_store)
     kv8 = call.kv_fp8 or call.is_fp8
     combine_splits(part_o, part_lse2, schedule.split_offsets, out, lse, call.descale_k if kv8 else None,
-                   pdl=pdl, tile=config.combine_tile, w=w_uv, counters=counters)
+                   pdl=pdl, tile=config.combine_tile, w=w_uv, counters=counters, discard=config.discard_partials)
     return out, lse
 
 
