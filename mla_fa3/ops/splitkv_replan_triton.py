@@ -87,53 +87,40 @@ def _splitkv_plan_kernel(
     offs_b = tl.arange(0, BS_PAD)
     lens = tl.maximum(tl.load(SeqLens + offs_b, mask=offs_b < bs, other=0), 0).to(tl.int64)  # rows >= bs: no split
     if EVEN:
-        _write_even(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
-                    BLOCK_W)
+        units = (lens + granule - 1) // granule
+        share = target * units // tl.maximum(tl.sum(units, 0), 1)
+        n = tl.minimum(tl.minimum(units, tl.maximum(lens // tl.maximum(min_split, 1), 1)), share)
+        n = tl.where(lens > 0, tl.maximum(n, 1), 0).to(tl.int32)
+        incl = tl.cumsum(n, 0)
     else:
-        _write_fitted(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
-                      BLOCK_W)
-
-
-@triton.jit
-def _write_even(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
-                BLOCK_W: tl.constexpr):
-    """The even cut's rows, count and offsets into the schedule's buffers."""
-    units = (lens + granule - 1) // granule
-    share = target * units // tl.maximum(tl.sum(units, 0), 1)
-    n = tl.minimum(tl.minimum(units, tl.maximum(lens // tl.maximum(min_split, 1), 1)), share)
-    n = tl.where(lens > 0, tl.maximum(n, 1), 0).to(tl.int32)
-    incl = tl.cumsum(n, 0)
+        n, size, incl, _ = _cut(lens, _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W),
+                                granule)
     num = tl.sum(n, 0)
     tl.store(NumWork, num)
     tl.store(SplitOffsets, 0)
     tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
     for w0 in range(0, capacity, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        owner, start, end = _rows_even(w, lens, units, n, incl, incl - n, granule, offs_b)
-        _write_rows(Work, w, owner, start, end, num, capacity)
+        if EVEN:
+            owner, start, end = _rows_even(w, lens, units, n, incl, incl - n, granule, offs_b)
+        else:
+            owner, start, end = _rows(w, lens, size, incl, incl - n, offs_b)
+        live = w < num
+        row = Work + w.to(tl.int64) * 4
+        ok = w < capacity
+        tl.store(row, tl.where(live, owner, 0), mask=ok)
+        tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
+        tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
+        tl.store(row + 3, w, mask=ok)
 
 
 @triton.jit
-def _write_rows(Work, w, owner, start, end, num, capacity):
-    """Work rows ``w``: (owner, start, end, w) where live (< num), else (0, 0, 0, w)."""
-    live = w < num
-    row = Work + w.to(tl.int64) * 4
-    ok = w < capacity
-    tl.store(row, tl.where(live, owner, 0), mask=ok)
-    tl.store(row + 1, tl.where(live, start, 0).to(tl.int32), mask=ok)
-    tl.store(row + 2, tl.where(live, end, 0).to(tl.int32), mask=ok)
-    tl.store(row + 3, w, mask=ok)
-
-
-@triton.jit
-def _write_fitted(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target, granule, min_split, offs_b,
-                  BLOCK_W: tl.constexpr):
-    """The chunked cut's rows (at chunk0 or the fit's chunk1), count and offsets into the schedule's buffers."""
+def _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W: tl.constexpr):
+    """The chunked cut's chunk: chunk0, or the fit's chunk1 where it ends sooner by the rounds' model
+    (``splitkv_plan.fit_chunk`` / ``rounds_makespan``)."""
     total = tl.sum(lens, 0)
     chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
     chunk = (chunk + granule - 1) // granule * granule
-    # the fit (``splitkv_plan.fit_chunk``): the least chunk up to a quarter larger that gives <= target splits, taken
-    # where it ends sooner by the rounds' model (``rounds_makespan``)
     lo = chunk // granule
     hi = lo + lo // 4
     if (tl.sum((lens + lo * granule - 1) // (lo * granule), 0) > target) & \
@@ -145,15 +132,7 @@ def _write_fitted(lens, Work, NumWork, SplitOffsets, capacity, max_batch, target
         if _makespan(lens, hi * granule, granule, target, capacity, offs_b, BLOCK_W) < \
                 _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W):
             chunk = hi * granule
-    n, size, incl, excl = _cut(lens, chunk, granule)
-    num = tl.sum(n, 0)
-    tl.store(NumWork, num)
-    tl.store(SplitOffsets, 0)
-    tl.store(SplitOffsets + 1 + offs_b, incl, mask=offs_b < max_batch)  # past bs: incl = num (no split)
-    for w0 in range(0, capacity, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        owner, start, end = _rows(w, lens, size, incl, excl, offs_b)
-        _write_rows(Work, w, owner, start, end, num, capacity)
+    return chunk
 
 
 def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
