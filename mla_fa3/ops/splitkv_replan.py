@@ -19,7 +19,6 @@ from .splitkv_plan import SplitKVSchedule, capacity_for
 Tensor = torch.Tensor
 
 
-
 def check_replan(seqlens, schedule) -> None:
     """Host checks of a device re-plan (``ops.replan_splitkv_schedule``), before any kernel; values are not read.
 
