@@ -200,10 +200,11 @@ def combine_meta(*, bs: int, sq: int, heads: int, dv: int, tile: Optional[Tuple[
 
 def discards_partials(part_o: Tensor, columns: int) -> bool:
     """Whether a combine over ``part_o [slots, sq, H, r]`` in blocks of ``columns`` may drop the partial lines it read
-    from the L2 (``KernelConfig.discard_partials``): on CUDA, where each program's column block of a (slot, token,
-    head) row is whole 128-byte lines that no other program reads — r a multiple of the block, the block of whole
-    lines, the row strides and the workspace's address multiples of a line."""
-    return part_o.is_cuda and whole_lines(part_o, columns)
+    from the L2 (``KernelConfig.discard_partials``): on CUDA from sm_80, where each program's column block of a
+    (slot, token, head) row is whole 128-byte lines that no other program reads — r a multiple of the block, the
+    block of whole lines, the row strides and the workspace's address multiples of a line."""
+    return (part_o.is_cuda and torch.cuda.get_device_capability(part_o.device)[0] >= 8  # discard: sm_80 and later
+            and whole_lines(part_o, columns))
 
 
 def whole_lines(part_o: Tensor, columns: int) -> bool:
