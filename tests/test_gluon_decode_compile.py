@@ -168,6 +168,10 @@ def test_after_the_store_the_producer_waits_for_it_before_its_first_tma(kv8):
     ptx = kernel.asm["ptx"]
     assert _count(ptx, "griddepcontrol.wait") == 1 and _count(ptx, "griddepcontrol.launch_dependents") == 1
     assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    regs = [line for line in lines[:wait] if "setmaxnreg" in line]
+    assert regs and "setmaxnreg.dec" in regs[-1], "the wait is not in the producer (the partition that gives up registers)"
     assert _count(ptx, "cp.async.bulk.tensor") == 9 and _count(ptx, "wgmma.mma_async") == 68
     usage, _ = _usage_and_sass(kernel)
     assert re.search(r"\bLOCAL:0\b", usage) and re.search(r"\bSTACK:0\b", usage), usage
