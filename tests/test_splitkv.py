@@ -10,6 +10,7 @@ no split exceeds ``chunk`` and the count never exceeds ``target + bs`` (the grap
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -61,12 +62,15 @@ def fit_by_scan(lens, *, target, granule, min_split_tokens):
     return g0 * granule
 
 
-def brute_force_check(lens, work, offsets, chunk, *, target, granule, min_split_tokens):
-    """Check a plan token by token (independent of the planner's arithmetic)."""
+def brute_force_check(lens, work, offsets, chunk, *, target, granule, min_split_tokens, fit=True):
+    """Check a plan token by token (independent of the planner's arithmetic); ``fit`` False: the plan without the
+    fit, at the even share rounded up to the granule."""
     bs = len(lens)
     assert len(offsets) == bs + 1 and offsets[0] == 0 and offsets[-1] == len(work)
     assert chunk % granule == 0
-    assert chunk == fit_by_scan(lens, target=target, granule=granule, min_split_tokens=min_split_tokens)
+    chunk0 = granule * math.ceil(max(min_split_tokens, math.ceil(sum(lens) / target), 1) / granule)
+    assert chunk == (fit_by_scan(lens, target=target, granule=granule, min_split_tokens=min_split_tokens) if fit
+                     else chunk0)
     assert len(work) <= sp.capacity_for(bs, target)
     owners = [[0] * L for L in lens]
     for slot, (b, s, e, w_slot) in enumerate(work):
@@ -129,6 +133,9 @@ def test_planner_random_brute_force():
 def test_planner_fits_the_target_where_a_quarter_more_suffices():
     work, _, chunk = _plan([65536] * 16, target=264, page=64)
     assert chunk == 4096 and len(work) == 256, "16 splits a request, not 17 (272 > 264 slots)"
+    work, _, chunk = sp.plan_splits([65536] * 16, target=264, granule=64, fit=False)  # KernelConfig.fit_splits off
+    assert chunk == 4032 and len(work) == 272
+    assert KernelConfig(fit_splits=False).label().endswith("-nofit") and "fit" not in KernelConfig().label()
     work, _, chunk = _plan([16384] * 64, target=264, page=64)
     assert chunk == 4096 and len(work) == 256
     work, _, chunk = _plan([100] * 300 + [131072], target=264, page=64)
@@ -403,20 +410,20 @@ def _replan_cases(n_random=150):
         yield lens, bs + rng.randint(0, 3) or 1, rng.choice([1, 2, 16, 64, 128]), rng.randint(1, 140)
 
 
-def replan_mismatch(lens, max_batch, page, num_sms, impl, even=False) -> str | None:
+def replan_mismatch(lens, max_batch, page, num_sms, impl, even=False, fit=True) -> str | None:
     """Re-plan a graph-sized schedule on the device from ``lens``; None when it holds exactly ``plan_splits(lens)``
     (the brute-force-checked host plan) with idle rows past it and empty requests past ``lens``, else what differs.
-    ``even``: a schedule of the even cut (``KernelConfig.even_splits``)."""
+    ``even``: a schedule of the even cut (``KernelConfig.even_splits``); ``fit``: ``KernelConfig.fit_splits``."""
     dev = "cpu"
-    config = choose_config(16, max(1, max_batch), 65536).with_(even_splits=even)
+    config = choose_config(16, max(1, max_batch), 65536).with_(even_splits=even, fit_splits=fit)
     sched = ops.get_splitkv_schedule([1] * max_batch, num_heads=16, page_size=page, num_sms=num_sms, max_batch=max_batch,
                                      config=config)
     sched.work.fill_(-5)  # stale values: every entry must be rewritten
     sched.split_offsets.fill_(-5)
     work, offsets, chunk = sp.plan_splits(lens, target=sched.target, granule=sched.granule,
-                                          min_split_tokens=sched.min_split_tokens, even=even)
+                                          min_split_tokens=sched.min_split_tokens, even=even, fit=fit)
     if sum(lens) < 10**6:  # small enough to enumerate: the host plan itself, token by token
-        check = even_cut_check if even else brute_force_check
+        check = even_cut_check if even else functools.partial(brute_force_check, fit=fit)
         check(lens, work, offsets, chunk, target=sched.target, granule=sched.granule,
               min_split_tokens=sched.min_split_tokens)
     out = ops.replan_splitkv_schedule(torch.tensor(lens, dtype=I32, device=dev), sched, impl=impl)
@@ -430,9 +437,9 @@ def replan_mismatch(lens, max_batch, page, num_sms, impl, even=False) -> str | N
 
 
 def test_device_replan_reference_is_the_host_plan():
-    for even in (False, True):
+    for even, fit in ((False, True), (True, True), (False, False)):
         for lens, max_batch, page, num_sms in _replan_cases():
-            assert replan_mismatch(lens, max_batch, page, num_sms, "reference", even) is None
+            assert replan_mismatch(lens, max_batch, page, num_sms, "reference", even, fit) is None
 
 
 def test_device_replan_is_a_graph_replay_update():
@@ -849,6 +856,8 @@ def _interpreter_run() -> dict:
                               for i, case in enumerate(_replan_cases(n_random=40))))
     failures.update(run_cases((f"replan_even_{i}", lambda c=case: replan_agrees(c + ("triton", True)))
                               for i, case in enumerate(_replan_cases(n_random=20))))
+    failures.update(run_cases((f"replan_nofit_{i}", lambda c=case: replan_agrees(c + ("triton", False, False)))
+                              for i, case in enumerate(REPLAN_CASES)))
     return failures
 
 

@@ -85,7 +85,8 @@ AB_FIELDS = {"pdl": (True, False), "half_partials": (True, False), "reload_kv": 
              "prefetch_pages": (True, False), "num_warps": (4, 8),
              "combine_tile": (None, (16, 64), (64, 64), (128, 32)),  # combine_tile values: rule (None) or SxC
              "block_n": (16, 32, 64), "max_registers": (None, 168, 128),  # max_registers: none (None) or a count
-             "warp_specialized": (False, True), "even_splits": (False, True), "discard_partials": (False, True)}
+             "warp_specialized": (False, True), "even_splits": (False, True), "discard_partials": (False, True),
+             "fit_splits": (True, False)}
 
 
 def _ab_value(field: str, text: str):

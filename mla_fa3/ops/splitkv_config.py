@@ -76,6 +76,9 @@ class KernelConfig:
                   prefetch_pages / reload_kv do not (its warps, ring and registers are its own)
     combine_tile  (splits per load, columns) of the combine's programs, two powers of two; None: ``combine_tile``'s
                   rule by output rows
+    fit_splits    the planner's fit (``splitkv_plan.fit_chunk``): a chunk up to a quarter longer where that keeps the
+                  splits within the target's slots and a model of the rounds says the plan ends sooner; off: the even
+                  share rounded up to the granule, whatever the count (the plan before 2026-12-08)
     even_splits   the planner's even cut (``splitkv_plan._cut_even``): each request gets its share of the target
                   in splits that differ by at most one key block (``block_n``), instead of chunk-sized splits on
                   64-key (or page) starts — so that every program slot holds a split and every SM about the same
@@ -101,6 +104,7 @@ class KernelConfig:
     fused_projection: bool = False
     warp_specialized: bool = False
     combine_tile: Optional[Tuple[int, int]] = None
+    fit_splits: bool = True
     even_splits: bool = False
     discard_partials: bool = False
 
@@ -133,7 +137,8 @@ class KernelConfig:
                  + ({None: "", True: "-pf", False: "-nopf"}[self.prefetch_pages])
                  + ("-fp" if self.fused_projection else "") + ("-ws" if self.warp_specialized else "")
                  + ("-t{}x{}".format(*self.combine_tile) if self.combine_tile else "")
-                 + ("-e" if self.even_splits else "") + ("-d" if self.discard_partials else ""))
+                 + ("" if self.fit_splits else "-nofit") + ("-e" if self.even_splits else "")
+                 + ("-d" if self.discard_partials else ""))
         return (f"n{self.block_n}-w{self.num_warps or 'auto'}-s{self.num_stages}-v{self.waves:g}-m{self.max_rows}"
                 f"{extra}")
 

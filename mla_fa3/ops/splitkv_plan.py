@@ -95,9 +95,10 @@ def target_splits(num_sms: int, tiles: int, waves: float) -> int:
 
 def plan_splits(
     lens: Sequence[int], *, target: int, granule: int, min_split_tokens: int = MIN_SPLIT_TOKENS, even: bool = False,
+    fit: bool = True,
 ) -> Tuple[List[Tuple[int, int, int, int]], List[int], int]:
     """Cut requests of ``lens`` tokens into splits (pure host; see the module docstring; ``even``: the even cut,
-    ``KernelConfig.even_splits``).
+    ``KernelConfig.even_splits``; ``fit``: the fit of the chunked cut, ``KernelConfig.fit_splits``).
 
     Returns (work rows (request, start, end, slot), split_offsets [bs + 1], chunk: the longest split).
     """
@@ -112,19 +113,19 @@ def plan_splits(
         work = _cut_even(lens, target, granule, min_split_tokens)
         chunk = max((e - s for _, s, e, _ in work), default=granule)
     else:
-        work, chunk = _cut_fitted(lens, target, granule, min_split_tokens)
+        work, chunk = _cut_fitted(lens, target, granule, min_split_tokens, fit)
     counts = [0] * len(lens)
     for b, *_ in work:
         counts[b] += 1
     return work, list(itertools.accumulate(counts, initial=0)), chunk
 
 
-def _cut_fitted(lens: Sequence[int], target: int, granule: int, min_split_tokens: int):
-    """(work rows, chunk) of the chunked cut: at chunk0, or at the fit's chunk1 where ``rounds_makespan`` says that
-    plan ends sooner (module docstring)."""
+def _cut_fitted(lens: Sequence[int], target: int, granule: int, min_split_tokens: int, fit: bool = True):
+    """(work rows, chunk) of the chunked cut: at chunk0, or (``fit``) at the fit's chunk1 where ``rounds_makespan``
+    says that plan ends sooner (module docstring)."""
     chunk = -(-max(min_split_tokens, -(-sum(lens) // target), 1) // granule) * granule
     work = _cut(lens, chunk, granule)
-    fitted = fit_chunk(lens, chunk, target, granule)
+    fitted = fit_chunk(lens, chunk, target, granule) if fit else chunk
     if fitted != chunk:
         other = _cut(lens, fitted, granule)
         if rounds_makespan([e - s for _, s, e, _ in other], target) < \
@@ -345,7 +346,7 @@ def plan_schedule(
     target = target_splits(num_sms, tiles, config.waves)
     granule = split_granule(config, page_size)
     work, offsets, chunk = plan_splits(seqlens, target=target, granule=granule, min_split_tokens=min_split_tokens,
-                                       even=config.even_splits)
+                                       even=config.even_splits, fit=config.fit_splits)
     capacity = None if max_batch is None else capacity_for(max_batch, target)
     return SplitKVSchedule.from_plan(work, offsets, chunk, device=device, max_batch=max_batch, capacity=capacity,
                                      config=config, target=target, granule=granule, min_split_tokens=min_split_tokens)

@@ -123,7 +123,7 @@ def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSched
             owner, start, end, num, incl = _rows_even_reference(lens, target, g, schedule.min_split_tokens, w)
         else:
             chunk0 = _cdiv(_cdiv(lens.sum(), target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
-            fitted = _fit_chunk_reference(lens, chunk0, target, g)
+            fitted = _fit_chunk_reference(lens, chunk0, target, g) if schedule.config.fit_splits else chunk0
             plans = [_rows_reference(lens, c, g, w) for c in (chunk0, fitted)]
             take = _makespan_reference(*plans[1], w, target) < _makespan_reference(*plans[0], w, target)
             owner, start, end, num, incl = (torch.where(take, b, a) for a, b in zip(*plans))

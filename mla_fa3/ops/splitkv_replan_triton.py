@@ -80,7 +80,7 @@ def _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W: tl.conste
 @triton.jit
 def _splitkv_plan_kernel(
     SeqLens, Work, NumWork, SplitOffsets, bs, capacity, max_batch, target, granule, min_split,
-    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
+    BS_PAD: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr, FIT: tl.constexpr,
 ):
     """One program: ``plan_splits`` of the device lengths into the schedule's buffers (``replan_reference``'s math;
     ``EVEN``: the even cut)."""
@@ -93,7 +93,7 @@ def _splitkv_plan_kernel(
         n = tl.where(lens > 0, tl.maximum(n, 1), 0).to(tl.int32)
         incl = tl.cumsum(n, 0)
     else:
-        n, size, incl, _ = _cut(lens, _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W),
+        n, size, incl, _ = _cut(lens, _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W, FIT),
                                 granule)
     num = tl.sum(n, 0)
     tl.store(NumWork, num)
@@ -115,23 +115,24 @@ def _splitkv_plan_kernel(
 
 
 @triton.jit
-def _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W: tl.constexpr):
-    """The chunked cut's chunk: chunk0, or the fit's chunk1 where it ends sooner by the rounds' model
+def _fitted_chunk(lens, target, granule, min_split, capacity, offs_b, BLOCK_W: tl.constexpr, FIT: tl.constexpr):
+    """The chunked cut's chunk: chunk0, or (``FIT``) the fit's chunk1 where it ends sooner by the rounds' model
     (``splitkv_plan.fit_chunk`` / ``rounds_makespan``)."""
     total = tl.sum(lens, 0)
     chunk = tl.maximum((total + target - 1) // target, tl.maximum(min_split, 1))
     chunk = (chunk + granule - 1) // granule * granule
-    lo = chunk // granule
-    hi = lo + lo // 4
-    if (tl.sum((lens + lo * granule - 1) // (lo * granule), 0) > target) & \
-            (tl.sum((lens + hi * granule - 1) // (hi * granule), 0) <= target):
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            fits = tl.sum((lens + mid * granule - 1) // (mid * granule), 0) <= target
-            lo, hi = tl.where(fits, lo, mid), tl.where(fits, mid, hi)
-        if _makespan(lens, hi * granule, granule, target, capacity, offs_b, BLOCK_W) < \
-                _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W):
-            chunk = hi * granule
+    if FIT:
+        lo = chunk // granule
+        hi = lo + lo // 4
+        if (tl.sum((lens + lo * granule - 1) // (lo * granule), 0) > target) & \
+                (tl.sum((lens + hi * granule - 1) // (hi * granule), 0) <= target):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                fits = tl.sum((lens + mid * granule - 1) // (mid * granule), 0) <= target
+                lo, hi = tl.where(fits, lo, mid), tl.where(fits, mid, hi)
+            if _makespan(lens, hi * granule, granule, target, capacity, offs_b, BLOCK_W) < \
+                    _makespan(lens, chunk, granule, target, capacity, offs_b, BLOCK_W):
+                chunk = hi * granule
     return chunk
 
 
@@ -142,6 +143,7 @@ def replan_schedule(seqlens: Tensor, schedule: SplitKVSchedule) -> None:
     _splitkv_plan_kernel[(1,)](
         seqlens, schedule.work, schedule.num_work, schedule.split_offsets, seqlens.shape[0], schedule.capacity,
         schedule.max_batch, schedule.target, schedule.granule, schedule.min_split_tokens,
-        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), EVEN=schedule.config.even_splits, num_warps=4,
+        BS_PAD=bs_pad, BLOCK_W=max(16, min(128, 4096 // bs_pad)), EVEN=schedule.config.even_splits,
+        FIT=schedule.config.fit_splits, num_warps=4,
     )
     schedule.chunk, schedule.planned_work, schedule.planned_batch = None, None, seqlens.shape[0]
