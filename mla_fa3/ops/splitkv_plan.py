@@ -9,12 +9,15 @@ SM. This module decides the cut from the **host copy** of the lengths (no device
     chunk0  = round_up(max(min_split_tokens, ceil(total / target)), granule)
     chunk1  = the least multiple of granule in [chunk0, chunk0 + granule · floor(chunk0 / granule / 4)]
               with Σ_b ceil(L_b / chunk1) <= target, if chunk0 gives more splits than that
-    chunk   = chunk1 where the rounds' model says its plan ends sooner, else chunk0     (the fit, below)
+    chunk   = chunk1 where the rounds' model says its plan ends sooner, else chunk0     (the fit, below;
+              ``KernelConfig.fit_splits`` off: chunk0)
     n_b     = ceil(L_b / chunk)                              (0 for an empty request)
     size_b  = round_up(ceil(L_b / n_b), granule)             (<= chunk: near-equal splits)
     splits of b = [s, min(L_b, s + size_b)) for s = 0, size_b, 2·size_b, ...
 
-``granule`` = max(page_size, ``SPLIT_GRANULE``): split starts fall on whole pages and whole key blocks.
+``granule`` = max(page_size, ``SPLIT_GRANULE``): split starts fall on whole pages and whole key blocks. With
+``KernelConfig.even_splits`` the cut is another (``_cut_even``: each request's share of the target in splits a key
+block apart, on ``block_n`` starts).
 Every token of every request lies in exactly one split, every split holds at most ``chunk`` tokens,
 and the number of splits is at most ``target + bs`` (Σ ceil(L_b/chunk0) <= total/chunk0 + bs), which
 is the capacity a CUDA-graph schedule reserves for a batch of ``max_batch`` requests.
