@@ -164,9 +164,7 @@ class SplitKVProbe:
         if not bool((stamps[..., 0] >= 0).any()):
             return []
         t0 = int(stamps[..., 1][stamps[..., 0] >= 0].min())
-        work = sched.work[:n].cpu().to(torch.int64)
-        lens = step["call"].cache_seqlens.cpu().to(torch.int64)
-        keys = (torch.minimum(work[:, 2], lens[work[:, 0]]) - work[:, 1]).clamp(min=0)
+        work, keys = _keys(step["call"], sched)
         rows = []
 
         def add(phase, stamps, row, block, request, keys):
@@ -188,13 +186,18 @@ class SplitKVProbe:
         return rows
 
 
+def _keys(call, schedule):
+    """(the live work rows, the keys each reads: start .. min(end, its request's length)), on the host."""
+    work = schedule.work[: int(schedule.num_work.item())].cpu().to(torch.int64)
+    lens = call.cache_seqlens.cpu().to(torch.int64)
+    return work, (torch.minimum(work[:, 2], lens[work[:, 0]]) - work[:, 1]).clamp(min=0)
+
+
 def _bytes(call, schedule, window_us) -> dict:
     """``keys_max``, ``read_mb`` and ``read_tb_s`` of a step (see ``SplitKVProbe.summary``): each live work row reads
-    keys start .. min(end, its request's length) of D columns."""
-    n = int(schedule.num_work.item())
-    work = schedule.work[:n].cpu().to(torch.int64)
-    lens = call.cache_seqlens.cpu().to(torch.int64)
-    keys = (torch.minimum(work[:, 2], lens[work[:, 0]]) - work[:, 1]).clamp(min=0)
+    its keys (``_keys``) of D columns."""
+    work, keys = _keys(call, schedule)
+    n = work.shape[0]
     kv = call.kv_cache
     total = int(keys.sum()) * kv.shape[-1] * kv.element_size()
     window = float(window_us)

@@ -246,8 +246,8 @@ def combine_splits(part_o: Tensor, part_lse2: Tensor, split_offsets: Tensor, out
     project = w is not None
     grid, meta = combine_meta(bs=bs, sq=sq, heads=H, dv=dv, tile=tile, kv8=descale_k is not None, pdl=pdl,
                               n_out=out.shape[3] if project else None, fence=project and out.is_cuda,
-                              probe=probe is not None,
-                              discard=discard and discards_partials(part_o, _launch_tile(bs * sq * H, dv, tile)[1]))
+                              probe=probe is not None)
+    meta["DISCARD"] = discard and discards_partials(part_o, meta["BLOCK_DV"])
     if probe is not None and (probe.dtype != torch.int64 or probe.device != out.device
                               or tuple(probe.shape) != grid + (4,)):
         raise ValueError(f"probe must be an int64 [{grid[0]}, {grid[1]}, 4] tensor on {out.device} (output rows, "

@@ -67,14 +67,21 @@ def _fit_chunk_reference(lens: Tensor, chunk0: Tensor, target: int, granule: int
     return torch.where(search, hi * granule, chunk0)
 
 
+def _owner_reference(n: Tensor, w: Tensor):
+    """(inclusive split counts, owner, k) of rows ``w`` for per-request split counts ``n``: the request b with
+    off[b] <= w < off[b + 1], and w's split of it, k = w - off[b]."""
+    incl = torch.cumsum(n, 0)
+    owner = torch.searchsorted(incl, w, right=True).clamp(max=n.shape[0] - 1)
+    return incl, owner, w - (incl - n)[owner]
+
+
 def _rows_reference(lens: Tensor, chunk: Tensor, granule: int, w: Tensor):
     """``_cut`` at ``chunk`` as tensors over the row indices ``w``: (owner, start, end — of every row, live or not —,
     the live count [1], the per-request inclusive split counts)."""
     n = _cdiv(lens, chunk)
     size = _cdiv(_cdiv(lens, n.clamp(min=1)), granule) * granule
-    incl = torch.cumsum(n, 0)
-    owner = torch.searchsorted(incl, w, right=True).clamp(max=lens.shape[0] - 1)  # off[b] <= w < off[b + 1]
-    start = (w - (incl - n)[owner]) * size[owner]
+    incl, owner, k = _owner_reference(n, w)
+    start = k * size[owner]
     return owner, start, torch.minimum(lens[owner], start + size[owner]), incl[-1:], incl
 
 
@@ -84,9 +91,7 @@ def _rows_even_reference(lens: Tensor, target: int, granule: int, min_split: int
     share = target * units // units.sum().clamp(min=1)
     n = torch.where(lens > 0, torch.minimum(torch.minimum(units, (lens // max(min_split, 1)).clamp(min=1)), share)
                     .clamp(min=1), 0)
-    incl = torch.cumsum(n, 0)
-    owner = torch.searchsorted(incl, w, right=True).clamp(max=lens.shape[0] - 1)
-    k = w - (incl - n)[owner]
+    incl, owner, k = _owner_reference(n, w)
     q, r = units // n.clamp(min=1), units % n.clamp(min=1)
     g0 = k * q[owner] + torch.minimum(k, r[owner])
     g1 = g0 + q[owner] + (k < r[owner]).to(torch.int64)
@@ -123,10 +128,13 @@ def replan_reference(seqlens: Tensor, schedule: SplitKVSchedule) -> SplitKVSched
             owner, start, end, num, incl = _rows_even_reference(lens, target, g, schedule.min_split_tokens, w)
         else:
             chunk0 = _cdiv(_cdiv(lens.sum(), target).clamp(min=max(schedule.min_split_tokens, 1)), g) * g
-            fitted = _fit_chunk_reference(lens, chunk0, target, g) if schedule.config.fit_splits else chunk0
-            plans = [_rows_reference(lens, c, g, w) for c in (chunk0, fitted)]
-            take = _makespan_reference(*plans[1], w, target) < _makespan_reference(*plans[0], w, target)
-            owner, start, end, num, incl = (torch.where(take, b, a) for a, b in zip(*plans))
+            owner, start, end, num, incl = _rows_reference(lens, chunk0, g, w)
+            if schedule.config.fit_splits:
+                fitted = _rows_reference(lens, _fit_chunk_reference(lens, chunk0, target, g), g, w)
+                take = _makespan_reference(*fitted, w, target) < _makespan_reference(owner, start, end, num, incl, w,
+                                                                                     target)
+                owner, start, end, num, incl = (torch.where(take, b, a)
+                                                for a, b in zip((owner, start, end, num, incl), fitted))
         offsets[1 : bs + 1] = incl
         offsets[bs + 1 :] = num
         live = w < num

@@ -28,32 +28,41 @@ def _cut(lens, chunk, granule):
 
 
 @triton.jit
-def _rows(w, lens, size, incl, excl, offs_b):
-    """(owner, start, end) of work rows ``w`` for a cut (``_cut``): the request b with off[b] <= w < off[b + 1]."""
+def _owner(w, incl, excl, offs_b):
+    """(owner, its one-hot [rows, requests], k) of work rows ``w``: the request b with off[b] <= w < off[b + 1], and
+    w's split of it, k = w - off[b]."""
     owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)
     pick = offs_b[None, :] == owner[:, None]
-    first = tl.sum(tl.where(pick, excl[None, :], 0), 1)
-    size_w = tl.sum(tl.where(pick, size[None, :], 0), 1)
-    len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
-    start = (w - first).to(tl.int64) * size_w
-    return owner, start, tl.minimum(len_w, start + size_w)
+    return owner, pick, (w - _at(pick, excl)).to(tl.int64)
+
+
+@triton.jit
+def _at(pick, values):
+    """``values[owner]`` of each row (``_owner``'s one-hot)."""
+    return tl.sum(tl.where(pick, values[None, :], 0), 1)
+
+
+@triton.jit
+def _rows(w, lens, size, incl, excl, offs_b):
+    """(owner, start, end) of work rows ``w`` for a cut (``_cut``)."""
+    owner, pick, k = _owner(w, incl, excl, offs_b)
+    size_w = _at(pick, size)
+    start = k * size_w
+    return owner, start, tl.minimum(_at(pick, lens), start + size_w)
 
 
 @triton.jit
 def _rows_even(w, lens, units, n, incl, excl, granule, offs_b):
     """(owner, start, end) of work rows ``w`` for the even cut (``splitkv_plan._cut_even``): split k of request b
     covers granules k·q + min(k, r) .. + q + (k < r), q, r = divmod(u_b, n_b)."""
-    owner = tl.sum((incl[None, :] <= w[:, None]).to(tl.int32), 1)
-    pick = offs_b[None, :] == owner[:, None]
-    k = (w - tl.sum(tl.where(pick, excl[None, :], 0), 1)).to(tl.int64)
-    u_w = tl.sum(tl.where(pick, units[None, :], 0), 1)
-    n_w = tl.maximum(tl.sum(tl.where(pick, n[None, :], 0), 1), 1).to(tl.int64)
-    len_w = tl.sum(tl.where(pick, lens[None, :], 0), 1)
+    owner, pick, k = _owner(w, incl, excl, offs_b)
+    u_w = _at(pick, units)
+    n_w = tl.maximum(_at(pick, n), 1).to(tl.int64)
     q = u_w // n_w
     r = u_w % n_w
     g0 = k * q + tl.minimum(k, r)
     g1 = g0 + q + (k < r).to(tl.int64)
-    return owner, g0 * granule, tl.minimum(len_w, g1 * granule)
+    return owner, g0 * granule, tl.minimum(_at(pick, lens), g1 * granule)
 
 
 @triton.jit
